@@ -1,0 +1,49 @@
+"""The run context: what a run was (versions, policies, optimizer, devices)."""
+
+from __future__ import annotations
+
+import platform
+import time
+
+import keras
+import tensorflow as tf
+
+import mpprof
+
+
+def run_context(model, *, collectors: dict, step: int, fit_count: int) -> dict:
+    """A JSON-ready description of the run `model` is about to train.
+
+    Args:
+        model: the compiled, built Keras model.
+        collectors: per collector, its state: {"state": "ok"|"absent"|
+            "unavailable", "reason": ..., plus its own settings}.
+        step: the step the fit starts at.
+        fit_count: how many fits this callback has profiled, this one included.
+    """
+    strategy = model.distribute_strategy
+    optimizer = model.optimizer
+    return {
+        "mpprof_version": mpprof.__version__,
+        "tensorflow_version": tf.__version__,
+        "keras_version": keras.__version__,
+        "keras_backend": keras.backend.backend(),
+        "python_version": platform.python_version(),
+        "host": platform.node(),
+        "global_policy": keras.mixed_precision.global_policy().name,
+        "model_policy": model.dtype_policy.name,
+        "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+        "jit_compile": bool(getattr(model, "jit_compile", False)),
+        "run_eagerly": bool(model.run_eagerly),
+        "steps_per_execution": int(getattr(model, "steps_per_execution", 1) or 1),
+        "distribution_strategy": type(strategy).__name__,
+        "num_replicas": int(strategy.num_replicas_in_sync),
+        "devices": [
+            {"name": d.name, "type": d.device_type} for d in tf.config.list_logical_devices()
+        ],
+        "gpus_visible_to_tensorflow": len(tf.config.list_physical_devices("GPU")),
+        "collectors": collectors,
+        "start_step": int(step),
+        "fit_count": int(fit_count),
+        "wall_time": time.time(),
+    }

@@ -1,0 +1,278 @@
+"""Reads mpprof records back from a logdir into plain Python and numpy values.
+
+Every front end (CLI, HTML report, TensorBoard plugin) reads through here.
+Only mpprof's own event files are read (the writer marks them with
+`EVENT_FILE_SUFFIX`), so a logdir full of histograms stays cheap to read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import posixpath
+import struct
+
+import numpy as np
+import tensorflow as tf
+from tensorboard.compat.proto import event_pb2
+from tensorboard.util import tensor_util
+
+from mpprof import schema
+
+
+class LogdirNotFoundError(FileNotFoundError):
+    """The logdir does not exist."""
+
+
+class NoMpprofDataError(LookupError):
+    """The logdir exists but holds no mpprof records."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    step: int
+    wall_time: float
+    value: object  # dict for JSON records, np.ndarray for arrays
+
+
+@dataclasses.dataclass
+class LossScale:
+    """The dynamic loss scale of a run, exact to the step.
+
+    Attributes:
+        events: float64 [n, 4], columns `schema.LOSS_SCALE_EVENT_COLUMNS`,
+            sorted by step: every overflow (skipped step) and every growth.
+        progress: float64 [m, 3], columns `schema.LOSS_SCALE_PROGRESS_COLUMNS`:
+            steps run, scale and skipped steps at each read of the counters.
+    """
+
+    events: np.ndarray
+    progress: np.ndarray
+
+    def _kind(self, kind: float) -> np.ndarray:
+        return self.events[self.events[:, 3] == kind]
+
+    @property
+    def overflows(self) -> np.ndarray:
+        """[k, 3]: step, scale before, scale after of each overflow."""
+        return self._kind(schema.EVENT_OVERFLOW)[:, :3]
+
+    @property
+    def growths(self) -> np.ndarray:
+        """[k, 3]: step, scale before, scale after of each growth."""
+        return self._kind(schema.EVENT_GROWTH)[:, :3]
+
+    @property
+    def overflow_steps(self) -> np.ndarray:
+        return self.overflows[:, 0].astype(np.int64)
+
+    @property
+    def skipped_steps(self) -> int:
+        return len(self.overflows)
+
+    @property
+    def first_step(self) -> int:
+        return int(self.progress[0, 0]) if len(self.progress) else 0
+
+    @property
+    def steps_run(self) -> int:
+        """Steps run up to the last read, skipped steps included."""
+        last = int(self.progress[-1, 0]) if len(self.progress) else 0
+        if len(self.events):
+            last = max(last, int(self.events[-1, 0]) + 1)
+        return last
+
+    @property
+    def initial_scale(self) -> float:
+        if len(self.progress):
+            return float(self.progress[0, 1])
+        return float(self.events[0, 1]) if len(self.events) else float("nan")
+
+    @property
+    def final_scale(self) -> float:
+        if len(self.events) and (
+            not len(self.progress) or self.events[-1, 0] >= self.progress[-1, 0]
+        ):
+            return float(self.events[-1, 2])
+        return float(self.progress[-1, 1]) if len(self.progress) else float("nan")
+
+    @property
+    def steps_since_last_overflow(self) -> int | None:
+        steps = self.overflow_steps
+        return None if not len(steps) else self.steps_run - 1 - int(steps[-1])
+
+    def series(self) -> tuple[np.ndarray, np.ndarray]:
+        """Vertices of the step function "scale after step s", for plotting.
+
+        The scale after any step between two vertices equals the earlier one.
+        """
+        steps = [self.first_step - 1]
+        scales = [self.initial_scale]
+        steps.extend(self.events[:, 0].tolist())
+        scales.extend(self.events[:, 2].tolist())
+        if self.steps_run - 1 > steps[-1]:
+            steps.append(self.steps_run - 1)
+            scales.append(scales[-1])
+        return np.asarray(steps, dtype=np.int64), np.asarray(scales)
+
+    def scale_after(self, steps) -> np.ndarray:
+        """The scale after each of `steps` (exact: it changes only at events)."""
+        vertex_steps, vertex_scales = self.series()
+        index = np.searchsorted(vertex_steps, np.asarray(steps), side="right") - 1
+        return vertex_scales[np.clip(index, 0, None)]
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything mpprof recorded in one run directory."""
+
+    name: str
+    path: str
+    records: dict[str, list[Record]]
+    warnings: list[str]
+
+    def latest(self, record: str):
+        found = self.records.get(record)
+        return found[-1].value if found else None
+
+    @property
+    def context(self) -> dict:
+        return self.latest(schema.RUN_CONTEXT) or {}
+
+    @property
+    def inventory(self) -> dict | None:
+        return self.latest(schema.INVENTORY)
+
+    @property
+    def loss_scale(self) -> LossScale | None:
+        events = self._stacked(schema.LOSS_SCALE_EVENTS, 4)
+        progress = self._stacked(schema.LOSS_SCALE_PROGRESS, 3)
+        if not len(events) and not len(progress):
+            return None
+        return LossScale(events=_unique_rows(events), progress=_unique_rows(progress))
+
+    def _stacked(self, record: str, columns: int) -> np.ndarray:
+        arrays = [np.reshape(r.value, (-1, columns)) for r in self.records.get(record, [])]
+        return np.concatenate(arrays) if arrays else np.zeros((0, columns))
+
+
+def _unique_rows(rows: np.ndarray) -> np.ndarray:
+    """Sorted by the first column; a row read twice is kept once."""
+    if not len(rows):
+        return rows
+    return np.unique(rows, axis=0)
+
+
+def list_runs(logdir: str | os.PathLike) -> list[str]:
+    """Names of the runs under `logdir` that hold mpprof records, sorted.
+
+    A run's name is its directory relative to `logdir` ("." for logdir
+    itself), as TensorBoard names runs.
+    """
+    logdir = _existing_logdir(logdir)
+    runs = set()
+    for directory, _, files in tf.io.gfile.walk(logdir):
+        if any(_is_mpprof_event_file(name) for name in files):
+            relative = os.path.relpath(directory, logdir) if "://" not in logdir else (
+                posixpath.relpath(directory, logdir)
+            )
+            runs.add(relative.replace(os.sep, "/"))
+    return sorted(runs)
+
+
+def read_run(logdir: str | os.PathLike, run: str) -> Run:
+    """Reads one run; raises NoMpprofDataError if it holds no mpprof records."""
+    logdir = _existing_logdir(logdir)
+    path = logdir if run == "." else posixpath.join(logdir, run)
+    if ".." in run.split("/") or not tf.io.gfile.isdir(path):
+        raise NoMpprofDataError(f"No run {run!r} in {logdir}")
+    files = sorted(f for f in tf.io.gfile.listdir(path) if _is_mpprof_event_file(f))
+    if not files:
+        raise NoMpprofDataError(f"Run {run!r} in {logdir} holds no mpprof records")
+    records: dict[str, list[Record]] = {}
+    warnings: list[str] = []
+    for name in files:
+        _read_event_file(posixpath.join(path, name), records, warnings)
+    for found in records.values():
+        found.sort(key=lambda r: (r.wall_time, r.step))
+    return Run(name=run, path=path, records=records, warnings=warnings)
+
+
+def read_logdir(logdir: str | os.PathLike) -> dict[str, Run]:
+    """Reads every mpprof run under `logdir`, keyed by run name."""
+    runs = list_runs(logdir)
+    if not runs:
+        raise NoMpprofDataError(
+            f"{os.fspath(logdir)} holds no mpprof records. Record a run with "
+            "model.fit(..., callbacks=[mpprof.MixedPrecisionProfiler(log_dir=...)]) "
+            "and point mpprof at that log_dir."
+        )
+    return {run: read_run(logdir, run) for run in runs}
+
+
+def _is_mpprof_event_file(name: str) -> bool:
+    return "tfevents" in name and name.endswith(schema.EVENT_FILE_SUFFIX)
+
+
+def _existing_logdir(logdir: str | os.PathLike) -> str:
+    logdir = os.fspath(logdir)
+    if not tf.io.gfile.isdir(logdir):
+        raise LogdirNotFoundError(
+            f"Logdir {logdir!r} does not exist: pass the log_dir given to "
+            "mpprof.MixedPrecisionProfiler."
+        )
+    return logdir
+
+
+def _read_event_file(path: str, records: dict, warnings: list[str]) -> None:
+    try:
+        with tf.io.gfile.GFile(path, "rb") as f:
+            data = f.read()
+    except (OSError, tf.errors.OpError) as e:
+        warnings.append(f"{path}: cannot be read ({e}); skipped")
+        return
+    offset = 0
+    while offset < len(data):
+        payload, next_offset = _next_record(data, offset)
+        if payload is None:
+            warnings.append(
+                f"{path}: ends in an incomplete record at byte {offset} of "
+                f"{len(data)} (still being written, or truncated); read what "
+                "came before it"
+            )
+            return
+        offset = next_offset
+        try:
+            event = event_pb2.Event.FromString(payload)
+            for value in event.summary.value:
+                _collect(value, event, records)
+        except Exception as e:  # noqa: BLE001 - corrupt bytes raise anything
+            warnings.append(f"{path}: corrupt record at byte {offset} ({e}); skipped")
+
+
+def _next_record(data: bytes, offset: int) -> tuple[bytes | None, int]:
+    """One TFRecord: length (8 bytes), length CRC (4), payload, payload CRC (4)."""
+    if offset + 12 > len(data):
+        return None, offset
+    (length,) = struct.unpack_from("<Q", data, offset)
+    end = offset + 12 + length + 4
+    if end > len(data):
+        return None, offset
+    return data[offset + 12 : offset + 12 + length], end
+
+
+def _collect(value, event, records: dict) -> None:
+    record = schema.record_for_tag(value.tag)
+    if record is None:
+        return
+    if value.metadata.plugin_data.plugin_name:
+        schema.parse_plugin_content(value.metadata.plugin_data.content)
+    array = tensor_util.make_ndarray(value.tensor)
+    if array.dtype == object:
+        parsed = json.loads(array.item().decode())
+    else:
+        parsed = array
+    records.setdefault(record, []).append(
+        Record(step=event.step, wall_time=event.wall_time, value=parsed)
+    )
