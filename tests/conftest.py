@@ -1,0 +1,87 @@
+"""Shared fixtures: logdirs written by real (small) training runs on CPU."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import mpprof  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_policy():
+    """Tests set the global dtype policy; each starts from float32."""
+    keras.mixed_precision.set_dtype_policy("float32")
+    yield
+    keras.mixed_precision.set_dtype_policy("float32")
+
+
+def seed_model(policy: str = "mixed_float16", last_dtype=None) -> keras.Model:
+    """The seed's Dense(256) -> Dense(10) model under `policy`, compiled."""
+    keras.mixed_precision.set_dtype_policy(policy)
+    model = keras.Sequential([
+        keras.layers.Input((784,)),
+        keras.layers.Dense(256, activation="relu"),
+        keras.layers.Dense(10, dtype=last_dtype),
+    ])
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def mnist_like(samples: int = 256, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return rng.random((samples, 784), dtype=np.float32), rng.integers(0, 10, samples)
+
+
+def overflow_model(initial_scale: float = 2.0**30, growth_steps: int = 2000, **compile_kwargs):
+    """A small mixed_float16 model whose scaled gradients overflow at first.
+
+    With ones as inputs and targets of 1000, the loss gradient scaled by
+    `initial_scale` is far beyond float16: the scale halves on each early step.
+    """
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([
+        keras.layers.Input((8,)),
+        keras.layers.Dense(8),
+        keras.layers.Dense(1, dtype="float32"),
+    ])
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.001), initial_scale=initial_scale,
+        dynamic_growth_steps=growth_steps,
+    )
+    model.compile(optimizer=optimizer, loss="mse", **compile_kwargs)
+    return model
+
+
+def overflow_data(samples: int = 128):
+    return np.ones((samples, 8), np.float32), np.full((samples, 1), 1000.0, np.float32)
+
+
+@pytest.fixture(scope="session")
+def seed_logdir(tmp_path_factory):
+    """A healthy mixed_float16 run of the seed model (float32 logits)."""
+    logdir = tmp_path_factory.mktemp("seed")
+    model = seed_model(last_dtype="float32")
+    x, y = mnist_like()
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0,
+              callbacks=[mpprof.MixedPrecisionProfiler(log_dir=str(logdir))])
+    keras.mixed_precision.set_dtype_policy("float32")
+    return logdir
+
+
+@pytest.fixture(scope="session")
+def overflow_logdir(tmp_path_factory):
+    """A mixed_float16 run with a gradient overflow storm at its start."""
+    logdir = tmp_path_factory.mktemp("overflow")
+    model = overflow_model(growth_steps=4)
+    x, y = overflow_data()
+    model.fit(x, y, batch_size=8, epochs=3, verbose=0,
+              callbacks=[mpprof.MixedPrecisionProfiler(log_dir=str(logdir))])
+    keras.mixed_precision.set_dtype_policy("float32")
+    return logdir
