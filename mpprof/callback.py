@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
+import atexit
+import math
 import numbers
 import os
 import posixpath
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from mpprof import schema
+from mpprof.collectors import gpu as gpu_collector
+from mpprof.collectors import kernels as kernel_collector
 from mpprof.collectors.layer_calls import LayerCallPatch
 from mpprof.collectors.loss_scale import LossScaleCollector, is_loss_scale_optimizer
+from mpprof.collectors.numerics import NumericsCollector
 from mpprof.collectors.precision import PrecisionCollector
 from mpprof.context import run_context
+from mpprof.hardware import hardware_facts
 from mpprof.writer import RecordWriter
+
+_POLICY_MAX = {
+    "float16": schema.FLOAT16_MAX,
+    "bfloat16": schema.BFLOAT16_MAX,
+    "float32": float(np.finfo(np.float32).max),
+}
 
 
 class MixedPrecisionProfiler(keras.callbacks.Callback):
@@ -28,20 +41,39 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
     - the dynamic loss scale and every overflow (skipped step) and growth,
       exact to the step, counted inside the traced train step and read by the
       host only every `flush_every_steps` steps;
+    - per-layer numerics on sampled steps: for each leaf layer's output and
+      the gradient flowing into it, the abs-max (headroom to the float16
+      max), non-finite, zero and underflow shares and a log2 histogram; for
+      each variable its gradient, scaled and unscaled. Steps right after an
+      overflow are sampled too (forensic captures), up to `forensic_budget`;
     - the run context: versions, policies, optimizer, strategy, devices.
 
-    Read them with `tensorboard --logdir LOG_DIR` (the "mpprof" tab),
+    Steps that are not sampled run the model's own train function, untouched.
+    Read the records with `tensorboard --logdir LOG_DIR` (the "mpprof" tab),
     `mpprof diagnose LOG_DIR`, or `mpprof.reader.read_logdir(LOG_DIR)`.
 
     The model is left as found: every patch is removed when `fit` ends or
-    raises, and `model.save()` works after `fit`.
+    raises inside a train step, and `model.save()` works after `fit`.
 
     Args:
         log_dir: directory to write into (local or any `tf.io.gfile` path);
             the same `log_dir` as `keras.callbacks.TensorBoard` is fine.
+        numerics_every: sample per-layer numerics every this many train
+            steps; None turns sampling off (forensic captures too).
+        forensic_budget: how many overflow-triggered samples a fit may take.
         flush_every_steps: how often, in train steps, the host reads the
-            in-graph counters and queues records. Records are also written
-            at every epoch end, at the end of `fit` and when `fit` raises.
+            in-graph loss-scale counters and queues records. Records are also
+            written at every epoch end, at the end of `fit` and when `fit`
+            raises.
+        gpu_interval: seconds between NVML samples of every visible GPU
+            (Tensor Core utilization on Hopper+ via GPM, otherwise kernel
+            utilization, memory, power, clocks); >= 0.1, or None to turn
+            the sampler off. Without NVML or a GPU the run context says so.
+        profile_steps: (start, stop) train steps to capture an XProf trace
+            of, inclusive; after the window mpprof records the share of GPU
+            kernel time spent in Tensor Core kernels. None (default) traces
+            nothing. A `keras.callbacks.TensorBoard(profile_batch=...)` in the
+            same fit owns the profiler: mpprof reads its trace instead.
 
     Example:
 
@@ -64,22 +96,46 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, log_dir: str | os.PathLike = "logs", *, flush_every_steps: int = 500):
+    def __init__(
+        self,
+        log_dir: str | os.PathLike = "logs",
+        *,
+        numerics_every: int | None = 500,
+        forensic_budget: int = 20,
+        flush_every_steps: int = 500,
+        gpu_interval: float | None = gpu_collector.DEFAULT_INTERVAL_S,
+        profile_steps: tuple[int, int] | None = None,
+    ):
         super().__init__()
         self.log_dir = _validated_log_dir(log_dir)
+        self.numerics_every = (
+            None if numerics_every is None else _positive_int("numerics_every", numerics_every)
+        )
+        self.forensic_budget = _non_negative_int("forensic_budget", forensic_budget)
         self.flush_every_steps = _positive_int("flush_every_steps", flush_every_steps)
+        self.gpu_interval = (
+            None if gpu_interval is None
+            else gpu_collector.validate_interval(gpu_interval)
+        )
+        self.profile_steps = kernel_collector.validate_profile_steps(profile_steps)
+        self._gpu: gpu_collector.GpuSampler | None = None
+        self._hardware: dict | None = None
+        self._profile_window = (
+            kernel_collector.ProfileWindow(*self.profile_steps, self.run_dir)
+            if self.profile_steps else None
+        )
         self._writer: RecordWriter | None = None
         self._loss_scale: LossScaleCollector | None = None
         self._precision: PrecisionCollector | None = None
+        self._numerics: NumericsCollector | None = None
         self._layer_patch: LayerCallPatch | None = None
-        self._guarded_function = None
         self._fit_count = 0
-        self._steps_since_flush = 0
-        self._inventory_written = False
 
     @property
     def run_dir(self) -> str:
         return posixpath.join(self.log_dir, schema.TRAIN_RUN)
+
+    # Keras hooks.
 
     def on_train_begin(self, logs=None):
         self._writer = _open_writer(self.run_dir)
@@ -87,65 +143,177 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         model = self.model
         self._precision = PrecisionCollector(model)
         self._layer_patch = LayerCallPatch(model, [self._precision])
-        self._layer_patch.install()
-        self._inventory_written = False
+        self._numerics = None
         self._loss_scale = self._loss_scale_collector(model)
+        self._inventory_written = False
+        self._layout_written = None
+        self._health = {
+            "first_nonfinite_loss_step": None,
+            "nonfinite_loss_batches": 0,
+            "nonfinite_weights": [],
+            "checked_step": None,
+        }
+        self._step = self._optimizer_step()
+        self._fit_start_step = self._step
+        self._steps_since_flush = 0
+        self._steps_since_sample = 0
+        self._forensic_used = 0
+        self._forensic_due = False
+        self._overflows_seen = self._skipped_steps()
+        self._sampling = False
+        self._batch_pending = False
+
+        # fit made its train function just before this hook; keep it to put
+        # back, and make our own two so the patches are in their graphs.
+        self._original_function = model.train_function
+        model.make_train_function(force=True)
+        self._plain_function = model.train_function
+        self._instrumented_function = None
+        if self.numerics_every is not None:
+            model.make_train_function(force=True)
+            self._instrumented_function = model.train_function
+        model.train_function = self._run_train_function
+
+        self._layer_patch.install()
         if self._loss_scale is not None:
             self._loss_scale.install()
-        # Retrace so the patches are in the graph even if fit traced before.
-        model.make_train_function(force=True)
-        self._guarded_function = _GuardedTrainFunction(model.train_function, self._abort)
-        model.train_function = self._guarded_function
-        self._writer.write_json(schema.RUN_CONTEXT, self._context(), self._current_step())
+        self._start_gpu()
+        atexit.register(self._finish)
+        self._writer.write_json(schema.RUN_CONTEXT, self._context(), self._step)
         self._read_loss_scale()
-        self._steps_since_flush = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._batch_begin = batch
+        self._batch_pending = True
+        self._sampling = self._sample_due() and self._prepare_numerics()
+        if self._sampling:
+            self._numerics.reset()
 
     def on_train_batch_end(self, batch, logs=None):
+        steps = max(1, batch - self._batch_begin + 1)
+        sample_step = self._step
+        self._step += steps
+        self._steps_since_flush += steps
+        self._steps_since_sample += steps
+        self._after_step_gpu()
+        self._check_loss(logs, sample_step)
         if not self._inventory_written and self._precision.traced:
-            self._writer.write_json(
-                schema.INVENTORY, self._precision.inventory(), self._current_step()
-            )
+            self._writer.write_json(schema.INVENTORY, self._precision.inventory(), self._step)
             self._inventory_written = True
+        if self._sampling:
+            self._write_numerics_sample(sample_step, steps)
         if self._loss_scale is not None:
             self._loss_scale.poll_if_host_mode()
-        self._steps_since_flush += self._steps_per_execution()
+            self._watch_for_overflows()
         if self._steps_since_flush >= self.flush_every_steps:
             self._read_loss_scale()
+            self._write_gpu_samples()
             self._steps_since_flush = 0
 
     def on_epoch_end(self, epoch, logs=None):
         self._read_loss_scale()
+        self._write_gpu_samples()
+        self._check_weights()
         self._writer.flush()
 
     def on_train_end(self, logs=None):
         self._finish()
 
-    def _abort(self) -> None:
-        """`fit` is raising from inside a train step: keep what was recorded."""
-        try:
+    # The train function fit calls while this profiler runs.
+
+    def _run_train_function(self, iterator):
+        if not self._batch_pending:
+            # Called outside a profiled batch: a later fit or train_on_batch
+            # after this fit was stopped by someone else's exception.
             self._finish()
-        except Exception as e:  # noqa: BLE001 - the original error matters more
-            print(f"mpprof: could not save the last records ({e})")
-
-    def _finish(self) -> None:
-        if self._writer is None:
-            return
+            return self.model.train_function(iterator)
+        self._batch_pending = False
+        function = self._instrumented_function if self._sampling else self._plain_function
+        if self._numerics is not None:
+            self._numerics.instrumenting = self._sampling
         try:
-            self._read_loss_scale()
-            self._writer.write_json(schema.RUN_CONTEXT, self._context(), self._current_step())
+            return function(iterator)
+        except BaseException:
+            self._abort()
+            raise
         finally:
-            self._restore_model()
-            self._writer.close()
-            self._writer = None
+            if self._numerics is not None:
+                self._numerics.instrumenting = False
 
-    def _restore_model(self) -> None:
-        self._layer_patch.remove()
-        if self._loss_scale is not None:
-            self._loss_scale.remove()
-        if self.model.train_function is self._guarded_function:
-            # The traced function holds the patches: let the next fit trace anew.
-            self.model.train_function = None
-        self._guarded_function = None
+    # Numerics sampling.
+
+    def _sample_due(self) -> bool:
+        if self.numerics_every is None or self._step == self._fit_start_step:
+            return False  # the first step builds the model: run it plain
+        if self._forensic_due:
+            return True
+        return self._steps_since_sample >= self.numerics_every
+
+    def _prepare_numerics(self) -> bool:
+        if self._numerics is None:
+            model = self.model
+            self._numerics = NumericsCollector(model, model.distribute_strategy)
+            self._numerics.wrap_optimizer(model.optimizer, self._loss_scale_tensor)
+            self._layer_patch.add_hook(self._numerics)
+        return True
+
+    def _loss_scale_tensor(self):
+        if self._loss_scale is None:
+            return tf.constant(1.0)
+        return tf.convert_to_tensor(self.model.optimizer.dynamic_scale)
+
+    def _write_numerics_sample(self, step: int, steps: int) -> None:
+        sample = self._numerics.read()
+        loss = sample.pop("loss")
+        forensic = self._forensic_due
+        if forensic:
+            self._forensic_used += 1
+            self._forensic_due = False
+        else:
+            self._steps_since_sample = 0
+        layout = self._numerics.layout(self._policy_max())
+        if layout != self._layout_written:
+            self._writer.write_json(schema.NUMERICS_LAYOUT, layout, step)
+            self._layout_written = layout
+        scale = float(self._loss_scale_tensor().numpy())
+        self._writer.write_array(
+            schema.NUMERICS_STEP, [step, loss, scale, float(forensic), steps], step
+        )
+        for record, array in sample.items():
+            self._writer.write_array(record, array, step)
+        self._sampling = False
+
+    def _watch_for_overflows(self) -> None:
+        """Arms a forensic sample for the next step after a new overflow."""
+        if self.numerics_every is None or self._forensic_used >= self.forensic_budget:
+            return
+        skipped = self._skipped_steps()
+        if skipped > self._overflows_seen:
+            self._forensic_due = True
+        self._overflows_seen = skipped
+
+    def _policy_max(self) -> float:
+        return _POLICY_MAX.get(self.model.dtype_policy.compute_dtype, _POLICY_MAX["float32"])
+
+    # Health: the loss and the weights.
+
+    def _check_loss(self, logs, step: int) -> None:
+        loss = (logs or {}).get("loss")
+        if isinstance(loss, numbers.Real) and not math.isfinite(loss):
+            self._health["nonfinite_loss_batches"] += 1
+            if self._health["first_nonfinite_loss_step"] is None:
+                self._health["first_nonfinite_loss_step"] = step
+
+    def _check_weights(self) -> None:
+        self._health["nonfinite_weights"] = [
+            w.path for w in self.model.weights
+            if w.dtype.startswith(("float", "bfloat"))
+            and not bool(tf.reduce_all(tf.math.is_finite(w.value)))
+        ]
+        self._health["checked_step"] = self._step
+        self._writer.write_json(schema.HEALTH, self._health, self._step)
+
+    # Loss scale.
 
     def _loss_scale_collector(self, model) -> LossScaleCollector | None:
         optimizer = model.optimizer
@@ -165,7 +333,11 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             self._writer.write_array(schema.LOSS_SCALE_EVENTS, events, step)
         self._writer.write_array(schema.LOSS_SCALE_PROGRESS, progress, step)
 
-    def _current_step(self) -> int:
+    def _skipped_steps(self) -> int:
+        return self._loss_scale.skipped_steps() if self._loss_scale is not None else 0
+
+    def _optimizer_step(self) -> int:
+        """Steps run so far: iterations, plus skipped steps under loss scaling."""
         if self._loss_scale is not None:
             return self._loss_scale.current_step()
         optimizer = self.model.optimizer
@@ -173,6 +345,40 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
 
     def _steps_per_execution(self) -> int:
         return int(getattr(self.model, "steps_per_execution", 1) or 1)
+
+    # Ending a fit.
+
+    def _abort(self) -> None:
+        """`fit` is raising from inside a train step: keep what was recorded."""
+        try:
+            self._finish()
+        except Exception as e:  # noqa: BLE001 - the original error matters more
+            print(f"mpprof: could not save the last records ({e})")
+
+    def _finish(self) -> None:
+        if self._writer is None:
+            return
+        atexit.unregister(self._finish)
+        try:
+            self._finish_gpu()
+            self._read_loss_scale()
+            self._check_weights()
+            self._writer.write_json(schema.RUN_CONTEXT, self._context(), self._step)
+        finally:
+            self._release_gpu()
+            self._restore_model()
+            self._writer.close()
+            self._writer = None
+
+    def _restore_model(self) -> None:
+        self._layer_patch.remove()
+        if self._loss_scale is not None:
+            self._loss_scale.remove()
+        if self._numerics is not None:
+            self._numerics.remove()
+        if self.model.train_function == self._run_train_function:
+            self.model.train_function = self._original_function
+        self._plain_function = self._instrumented_function = None
 
     def _context(self) -> dict:
         if self._loss_scale is not None:
@@ -185,28 +391,88 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
                     "LossScaleOptimizer: no dynamic loss scale to record"
                 ),
             }
-        precision = {"state": "ok", "traced": self._precision.traced}
+        if self.numerics_every is None:
+            numerics = {"state": "off", "reason": "numerics_every=None"}
+        else:
+            numerics = {
+                "state": "ok",
+                "every": self.numerics_every,
+                "forensic_budget": self.forensic_budget,
+                "forensic_used": self._forensic_used,
+            }
         return run_context(
             self.model,
-            collectors={"precision": precision, "loss_scale": loss_scale},
-            step=self._current_step(),
+            collectors={
+                "precision": {"state": "ok", "traced": self._precision.traced},
+                "loss_scale": loss_scale,
+                "numerics": numerics,
+                **self._gpu_context(),
+            },
+            hardware=self._hardware,
+            step=self._fit_start_step,
             fit_count=self._fit_count,
         )
 
+    # GPU sampler and XProf window (mpprof.collectors.gpu / .kernels). The
+    # sampler thread only queues rows: this thread writes them.
 
-class _GuardedTrainFunction:
-    """Calls the traced train function; on any exception runs `on_error` first."""
+    def _start_gpu(self) -> None:
+        self._gpu = None
+        if self.gpu_interval is not None:
+            self._gpu = gpu_collector.GpuSampler(self.gpu_interval)
+            self._gpu.step = self._step
+            self._gpu.start()
+        self._hardware = hardware_facts(self._gpu)
+        if self._profile_window is not None:
+            siblings = kernel_collector.sibling_callbacks(self)
+            self._profile_window.begin(self._step, siblings)
 
-    def __init__(self, function, on_error):
-        self._function = function
-        self._on_error = on_error
+    def _after_step_gpu(self) -> None:
+        if self._gpu is not None:
+            self._gpu.step = self._step
+            # Write before the ring buffer would overwrite unwritten rows.
+            if self._gpu.pending_rows >= self._gpu.capacity_rows // 2:
+                self._write_gpu_samples()
+        if self._profile_window is not None:
+            self._write_kernel_stats(self._profile_window.after_steps(self._step))
 
-    def __call__(self, *args, **kwargs):
+    def _write_gpu_samples(self) -> None:
+        if self._gpu is None:
+            return
+        rows = self._gpu.drain()
+        if len(rows):
+            self._writer.write_array(schema.GPU_SAMPLES, rows, int(rows[-1, 1]))
+
+    def _write_kernel_stats(self, result: dict | None) -> None:
+        if result is not None:
+            self._writer.write_json(schema.KERNEL_STATS, result, self._step)
+
+    def _finish_gpu(self) -> None:
         try:
-            return self._function(*args, **kwargs)
-        except BaseException:
-            self._on_error()
-            raise
+            if self._gpu is not None:
+                self._gpu.stop()
+                self._write_gpu_samples()
+            if self._profile_window is not None:
+                self._write_kernel_stats(self._profile_window.finish())
+        except Exception as e:  # noqa: BLE001 - GPU records must not cost the others
+            print(f"mpprof: could not save the GPU records ({e})")
+
+    def _release_gpu(self) -> None:
+        if self._gpu is not None:
+            self._gpu.stop()  # idempotent: the thread never outlives fit
+
+    def _gpu_context(self) -> dict:
+        if self._gpu is not None:
+            collectors = {"gpu": self._gpu.context()}
+        else:
+            collectors = {"gpu": {
+                "state": "unavailable", "mode": gpu_collector.MODE_UNAVAILABLE,
+                "reason": "the GPU sampler is off (gpu_interval=None)",
+                "interval_s": None,
+            }}
+        if self._profile_window is not None:
+            collectors["kernels"] = self._profile_window.context()
+        return collectors
 
 
 def _open_writer(run_dir: str) -> RecordWriter:
@@ -234,4 +500,10 @@ def _validated_log_dir(log_dir) -> str:
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _non_negative_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     return int(value)

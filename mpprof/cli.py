@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
-from mpprof import reader
+from mpprof import diagnosis, reader
 
 
 def summarize_run(run: reader.Run) -> str:
@@ -46,6 +48,57 @@ def _summary(args) -> int:
     return 0
 
 
+def _selected_runs(logdir: str, run: str | None) -> dict[str, reader.Run]:
+    if run is None:
+        return reader.read_logdir(logdir)
+    available = reader.list_runs(logdir)
+    if run not in available:
+        raise reader.NoMpprofDataError(
+            f"No mpprof run {run!r} in {logdir}; its runs: "
+            f"{', '.join(available) or 'none'}"
+        )
+    return {run: reader.read_run(logdir, run)}
+
+
+def _diagnose(args) -> int:
+    runs = _selected_runs(args.logdir, args.run)
+    results = {name: diagnosis.evaluate(run) for name, run in runs.items()}
+    for name, run in runs.items():
+        for warning in run.warnings:
+            print(f"mpprof: warning: run {name}: {warning}", file=sys.stderr)
+    if args.format == "json":
+        rows = [
+            {"run": name, **finding.to_dict()}
+            for name, result in results.items()
+            for finding in result.findings
+        ]
+        rows.sort(key=lambda row: diagnosis.SEVERITIES.index(row["severity"]))
+        print(json.dumps(rows, indent=2))
+    else:
+        color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
+        print("\n\n".join(
+            diagnosis.format_text(runs[name], result, color=color)
+            for name, result in results.items()
+        ))
+    findings = [f for result in results.values() for f in result.findings]
+    return 1 if diagnosis.exceeds(findings, args.fail_on) else 0
+
+
+def _report(args) -> int:
+    from mpprof import report  # plotly is only needed here
+
+    def progress(message: str) -> None:
+        if not args.quiet:
+            print(f"mpprof: {message}", file=sys.stderr, flush=True)
+
+    path = report.write_report(
+        args.logdir, args.output, run=args.run, progress=progress
+    )
+    size = os.path.getsize(path) / 1e6
+    print(f"mpprof: wrote {path} ({size:.1f} MB)", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpprof", description="Inspect mixed-precision runs recorded by mpprof."
@@ -54,6 +107,25 @@ def build_parser() -> argparse.ArgumentParser:
     summary = commands.add_parser("summary", help="say what was recorded in LOGDIR")
     summary.add_argument("logdir")
     summary.set_defaults(handler=_summary)
+    diagnose = commands.add_parser(
+        "diagnose", help="list what is wrong in LOGDIR's runs and what to change"
+    )
+    diagnose.add_argument("logdir")
+    diagnose.add_argument("--run", help="only this run (as `mpprof summary` names it)")
+    diagnose.add_argument("--format", choices=("text", "json"), default="text")
+    diagnose.add_argument(
+        "--fail-on", choices=("critical", "warning"), default=None,
+        help="exit with status 1 if a finding is at least this severe (for CI)",
+    )
+    diagnose.set_defaults(handler=_diagnose)
+    report = commands.add_parser(
+        "report", help="write one self-contained HTML report of LOGDIR's runs"
+    )
+    report.add_argument("logdir")
+    report.add_argument("-o", "--output", default="mpprof-report.html")
+    report.add_argument("--run", help="only this run")
+    report.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    report.set_defaults(handler=_report)
     return parser
 
 

@@ -11,7 +11,9 @@ import tensorflow as tf
 import mpprof
 
 
-def run_context(model, *, collectors: dict, step: int, fit_count: int) -> dict:
+def run_context(
+    model, *, collectors: dict, step: int, fit_count: int, hardware: dict | None = None
+) -> dict:
     """A JSON-ready description of the run `model` is about to train.
 
     Args:
@@ -20,10 +22,11 @@ def run_context(model, *, collectors: dict, step: int, fit_count: int) -> dict:
             "unavailable", "reason": ..., plus its own settings}.
         step: the step the fit starts at.
         fit_count: how many fits this callback has profiled, this one included.
+        hardware: GPU facts (`mpprof.hardware.hardware_facts`), if known.
     """
     strategy = model.distribute_strategy
     optimizer = model.optimizer
-    return {
+    context = {
         "mpprof_version": mpprof.__version__,
         "tensorflow_version": tf.__version__,
         "keras_version": keras.__version__,
@@ -47,3 +50,6 @@ def run_context(model, *, collectors: dict, step: int, fit_count: int) -> dict:
         "fit_count": int(fit_count),
         "wall_time": time.time(),
     }
+    if hardware is not None:
+        context["hardware"] = hardware
+    return context

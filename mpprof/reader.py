@@ -123,6 +123,67 @@ class LossScale:
         return vertex_scales[np.clip(index, 0, None)]
 
 
+_STAT_INDEX = {name: i for i, name in enumerate(schema.NUMERICS_STAT_COLUMNS)}
+
+
+def _shares(stats: np.ndarray) -> dict[str, np.ndarray]:
+    """Per-row statistics of [..., NUMERICS_STAT_COLUMNS] arrays as shares."""
+    count = np.maximum(stats[..., _STAT_INDEX["count"]], 1.0)
+    return {
+        "abs_max": stats[..., _STAT_INDEX["abs_max"]],
+        "count": stats[..., _STAT_INDEX["count"]],
+        "nonfinite_frac": stats[..., _STAT_INDEX["nonfinite"]] / count,
+        "zero_frac": stats[..., _STAT_INDEX["zero"]] / count,
+        "underflow_frac": stats[..., _STAT_INDEX["below_normal"]] / count,
+        "subnormal_frac": stats[..., _STAT_INDEX["below_subnormal"]] / count,
+    }
+
+
+@dataclasses.dataclass
+class Numerics:
+    """Per-layer numerics on sampled steps, as arrays ready to plot.
+
+    `forward[stat]` and `backward[stat]` are [steps, layers] arrays (layers in
+    call order, `layers` names them); `variable_grads[stat]` and
+    `unscaled_variable_grads[stat]` are [steps, variables]. Stats: "abs_max",
+    "count", "nonfinite_frac", "zero_frac", "underflow_frac" (non-zero below
+    the float16 smallest normal), "subnormal_frac" (non-zero below the float16
+    smallest subnormal). Histograms are [steps, layers, bins] counts of
+    log2|x| with `hist_edges`.
+    """
+
+    layers: list[str]
+    variables: list[str]
+    policy_max: float
+    hist_edges: np.ndarray
+    steps: np.ndarray
+    loss: np.ndarray
+    loss_scale: np.ndarray
+    forensic: np.ndarray
+    steps_covered: np.ndarray
+    forward: dict[str, np.ndarray]
+    backward: dict[str, np.ndarray]
+    forward_hist: np.ndarray
+    backward_hist: np.ndarray
+    variable_grads: dict[str, np.ndarray]
+    unscaled_variable_grads: dict[str, np.ndarray]
+
+    def forward_overflowed(self) -> np.ndarray:
+        """[steps, layers] bool: output non-finite or beyond the policy's max."""
+        return (self.forward["nonfinite_frac"] > 0) | (self.forward["abs_max"] > self.policy_max)
+
+    def first_forward_offender(self, sample: int) -> int | None:
+        """The first layer in call order whose output overflowed at `sample`."""
+        hits = np.flatnonzero(self.forward_overflowed()[sample])
+        return int(hits[0]) if len(hits) else None
+
+    def first_backward_offender(self, sample: int) -> int | None:
+        """The first layer, from the loss backwards, whose incoming gradient
+        was non-finite at `sample`."""
+        hits = np.flatnonzero(self.backward["nonfinite_frac"][sample] > 0)
+        return int(hits[-1]) if len(hits) else None
+
+
 @dataclasses.dataclass
 class Run:
     """Everything mpprof recorded in one run directory."""
@@ -151,6 +212,58 @@ class Run:
         if not len(events) and not len(progress):
             return None
         return LossScale(events=_unique_rows(events), progress=_unique_rows(progress))
+
+    @property
+    def health(self) -> dict | None:
+        return self.latest(schema.HEALTH)
+
+    @property
+    def numerics(self) -> Numerics | None:
+        layout = self.latest(schema.NUMERICS_LAYOUT)
+        if layout is None:
+            return None
+        layers, variables = len(layout["layers"]), len(layout["variables"])
+        shapes = {
+            schema.NUMERICS_STEP: (len(schema.NUMERICS_STEP_COLUMNS),),
+            schema.NUMERICS_FORWARD: (layers, len(schema.NUMERICS_STAT_COLUMNS)),
+            schema.NUMERICS_BACKWARD: (layers, len(schema.NUMERICS_STAT_COLUMNS)),
+            schema.NUMERICS_FORWARD_HIST: (layers, len(layout["hist_edges"]) + 1),
+            schema.NUMERICS_BACKWARD_HIST: (layers, len(layout["hist_edges"]) + 1),
+            schema.NUMERICS_GRADIENTS: (variables, len(schema.NUMERICS_STAT_COLUMNS)),
+            schema.NUMERICS_UNSCALED_GRADIENTS: (variables, len(schema.NUMERICS_STAT_COLUMNS)),
+        }
+        # A sample is the records of one step; keep the last complete one per
+        # step whose shapes match the layout (a changed model starts anew).
+        by_step: dict[int, dict[str, np.ndarray]] = {}
+        for record, shape in shapes.items():
+            for found in self.records.get(record, []):
+                if np.shape(found.value) == shape:
+                    by_step.setdefault(found.step, {})[record] = found.value
+        samples = [by_step[step] for step in sorted(by_step) if len(by_step[step]) == len(shapes)]
+        if not samples:
+            return None
+
+        def stacked(record: str) -> np.ndarray:
+            return np.stack([sample[record] for sample in samples])
+
+        step_rows = stacked(schema.NUMERICS_STEP)
+        return Numerics(
+            layers=list(layout["layers"]),
+            variables=list(layout["variables"]),
+            policy_max=float(layout["policy_max"]),
+            hist_edges=np.asarray(layout["hist_edges"], dtype=np.float64),
+            steps=step_rows[:, 0].astype(np.int64),
+            loss=step_rows[:, 1],
+            loss_scale=step_rows[:, 2],
+            forensic=step_rows[:, 3] > 0,
+            steps_covered=step_rows[:, 4].astype(np.int64),
+            forward=_shares(stacked(schema.NUMERICS_FORWARD)),
+            backward=_shares(stacked(schema.NUMERICS_BACKWARD)),
+            forward_hist=stacked(schema.NUMERICS_FORWARD_HIST),
+            backward_hist=stacked(schema.NUMERICS_BACKWARD_HIST),
+            variable_grads=_shares(stacked(schema.NUMERICS_GRADIENTS)),
+            unscaled_variable_grads=_shares(stacked(schema.NUMERICS_UNSCALED_GRADIENTS)),
+        )
 
     def _stacked(self, record: str, columns: int) -> np.ndarray:
         arrays = [np.reshape(r.value, (-1, columns)) for r in self.records.get(record, [])]

@@ -38,11 +38,69 @@ INVENTORY = "inventory"
 LOSS_SCALE_EVENTS = "loss_scale/events"
 # float64 [len(LOSS_SCALE_PROGRESS_COLUMNS)]: where training stood at a read.
 LOSS_SCALE_PROGRESS = "loss_scale/progress"
+# float64 [n, len(GPU_SAMPLE_COLUMNS)]: NVML samples, one row per GPU per round.
+GPU_SAMPLES = "gpu/samples"
+# One JSON object: Tensor Core share of GPU kernel time from an XProf trace,
+# {"source", "tensor_core_share", "total_gpu_kernel_us", "tensor_core_us",
+#  "eligible_not_using_us", "top_ops": [...]} or {"no_gpu_kernels": true, ...}.
+KERNEL_STATS = "kernels/tensor_core_share"
 
-RECORDS = (RUN_CONTEXT, INVENTORY, LOSS_SCALE_EVENTS, LOSS_SCALE_PROGRESS)
+# One JSON object naming the rows of the numerics records below:
+# {"layers": [leaf layer names in call order], "variables": [...],
+#  "hist_edges": NUMERICS_HIST_EDGES, "policy_max": ..., "aggregation": ...}.
+NUMERICS_LAYOUT = "numerics/layout"
+# One sampled step: float64 [len(NUMERICS_STEP_COLUMNS)].
+NUMERICS_STEP = "numerics/step"
+# float64 [layers, len(NUMERICS_STAT_COLUMNS)]: each leaf layer's output, and
+# the gradient flowing into that output (scaled, as the loss scale sees it).
+NUMERICS_FORWARD = "numerics/forward"
+NUMERICS_BACKWARD = "numerics/backward"
+# float64 [layers, len(NUMERICS_HIST_EDGES) + 1]: counts of log2|x| per bin.
+NUMERICS_FORWARD_HIST = "numerics/forward_hist"
+NUMERICS_BACKWARD_HIST = "numerics/backward_hist"
+# float64 [variables, len(NUMERICS_STAT_COLUMNS)]: each trainable variable's
+# gradient as the optimizer receives it (scaled) and divided by the scale.
+NUMERICS_GRADIENTS = "numerics/gradients"
+NUMERICS_UNSCALED_GRADIENTS = "numerics/unscaled_gradients"
+# One JSON object: {"first_nonfinite_loss_step", "nonfinite_loss_steps",
+#  "nonfinite_weights": [...], "checked_step"}.
+HEALTH = "health"
+
+RECORDS = (
+    RUN_CONTEXT, INVENTORY, LOSS_SCALE_EVENTS, LOSS_SCALE_PROGRESS,
+    GPU_SAMPLES, KERNEL_STATS, NUMERICS_LAYOUT, NUMERICS_STEP, NUMERICS_FORWARD,
+    NUMERICS_BACKWARD, NUMERICS_FORWARD_HIST, NUMERICS_BACKWARD_HIST,
+    NUMERICS_GRADIENTS, NUMERICS_UNSCALED_GRADIENTS, HEALTH,
+)
 
 LOSS_SCALE_EVENT_COLUMNS = ("step", "scale_before", "scale_after", "kind")
 LOSS_SCALE_PROGRESS_COLUMNS = ("steps_run", "scale", "skipped_steps")
+
+# "forensic" is 1 when the sample was taken because of an overflow;
+# "steps_covered" is how many steps the sampled execution ran.
+NUMERICS_STEP_COLUMNS = ("step", "loss", "loss_scale", "forensic", "steps_covered")
+# Counts of values (all, non-finite, exactly zero, non-zero below the float16
+# smallest normal, non-zero below the float16 smallest subnormal), then the
+# largest finite magnitude.
+NUMERICS_COUNT_COLUMNS = ("count", "nonfinite", "zero", "below_normal", "below_subnormal")
+NUMERICS_STAT_COLUMNS = NUMERICS_COUNT_COLUMNS + ("abs_max",)
+# Finite edges of the log2-magnitude histogram (bins of 2 binades); values
+# below the first edge and above the last fall into the two open end bins.
+NUMERICS_HIST_EDGES = list(range(-40, 22, 2))
+
+# Columns of GPU_SAMPLES. "device" is the GPU's index as TensorFlow numbers it
+# (/GPU:k, after CUDA_VISIBLE_DEVICES); "step" is the train step in progress.
+# Utilizations are percent; NaN wherever a value was not measured (the GPM
+# columns, up to "fp32_util", exist only on Hopper and newer).
+GPU_SAMPLE_COLUMNS = (
+    "wall_time", "step", "device",
+    "tensor_util",  # GPM: any Tensor Core activity
+    "hmma_tensor_util", "imma_tensor_util", "dfma_tensor_util",
+    "sm_util", "sm_occupancy", "dram_bw_util", "fp16_util", "fp32_util",
+    "gpu_util",  # basic NVML: share of time any kernel ran
+    "mem_util", "mem_used_bytes", "mem_total_bytes", "power_w", "sm_clock_mhz",
+    "temperature_c", "clock_event_reasons",
+)
 
 # Values of the "kind" column of LOSS_SCALE_EVENTS.
 EVENT_OVERFLOW = 0.0  # non-finite gradients: step skipped, scale halved

@@ -60,6 +60,10 @@ class LayerCallPatch:
         self._hooks = list(hooks)
         self._patched: list = []
 
+    def add_hook(self, hook: CallHook) -> None:
+        """Adds a hook; wrappers already installed see it from their next call."""
+        self._hooks.append(hook)
+
     def install(self) -> None:
         self._patch(self._model)
         for _, layer, _ in walk_layers(self._model):

@@ -130,9 +130,13 @@ class LossScaleCollector:
         self._event_count.assign_add(1)
         return tf.no_op()
 
+    def skipped_steps(self) -> int:
+        """Skipped (overflowed) steps counted so far (a host read)."""
+        return int(self._skipped.numpy())
+
     def current_step(self) -> int:
         """Steps run so far (a host read)."""
-        return int(self.optimizer.iterations.numpy()) + int(self._skipped.numpy())
+        return int(self.optimizer.iterations.numpy()) + self.skipped_steps()
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
         """New events since the last read, and the progress row now.
@@ -152,7 +156,7 @@ class LossScaleCollector:
         progress = np.array([
             self.current_step(),
             self._scale(),
-            int(self._skipped.numpy()),
+            self.skipped_steps(),
         ], dtype=np.float64)
         return buffer[slots], progress
 

@@ -1,0 +1,231 @@
+"""Per-layer activation and gradient statistics on sampled train steps.
+
+A `LayerCallPatch` hook. While the instrumented train function is traced
+(`instrumenting` is True), every leaf layer's output gets statistics ops that
+add into device-side tables, and an identity with a custom gradient does the
+same for the gradient flowing into that output. The plain train function is
+traced with `instrumenting` False and carries none of this, so steps that are
+not sampled cost nothing. The host resets the tables before a sampled call and
+reads them after it: one device-to-host copy per sample.
+
+A layer called several times in a step (a shared layer, or several steps in
+one execution with `steps_per_execution > 1`) is aggregated: counts add up and
+the abs-max is the maximum.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from mpprof import schema
+from mpprof.collectors.layer_calls import walk_layers
+
+_SMALLEST_NORMAL = schema.FLOAT16_SMALLEST_NORMAL
+_SMALLEST_SUBNORMAL = schema.FLOAT16_SMALLEST_SUBNORMAL
+_EDGES = np.asarray(schema.NUMERICS_HIST_EDGES, dtype=np.float32)
+
+
+def tensor_statistics(tensor: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """Counts (`schema.NUMERICS_COUNT_COLUMNS`), finite abs-max and log2 histogram.
+
+    Computed in float32 so that float16 values are measured, not re-rounded.
+    """
+    values = tf.reshape(tf.cast(tensor, tf.float32), [-1])
+    magnitude = tf.abs(values)
+    finite = tf.math.is_finite(values)
+    nonzero = tf.logical_and(finite, magnitude > 0)
+    counts = tf.stack([
+        tf.cast(tf.size(values), tf.float32),
+        _count(tf.logical_not(finite)),
+        _count(tf.equal(values, 0.0)),
+        _count(tf.logical_and(nonzero, magnitude < _SMALLEST_NORMAL)),
+        _count(tf.logical_and(nonzero, magnitude < _SMALLEST_SUBNORMAL)),
+    ])
+    abs_max = tf.reduce_max(tf.where(finite, magnitude, 0.0))
+    abs_max = tf.maximum(abs_max, 0.0)  # reduce_max of an empty tensor is -inf
+    exponents = tf.math.log(tf.boolean_mask(magnitude, nonzero)) / np.log(2.0)
+    bins = tf.searchsorted(_EDGES, exponents, side="right")
+    histogram = tf.math.bincount(
+        tf.cast(bins, tf.int32), minlength=len(_EDGES) + 1,
+        maxlength=len(_EDGES) + 1, dtype=tf.float32,
+    )
+    return counts, abs_max, histogram
+
+
+def _count(mask: tf.Tensor) -> tf.Tensor:
+    return tf.reduce_sum(tf.cast(mask, tf.float32))
+
+
+class StatisticsTable:
+    """Device-side statistics of `rows` tensors, aggregated until `reset`.
+
+    Args:
+        rows: how many tensors (layers or variables) the table holds.
+        name: variable name prefix.
+    """
+
+    def __init__(self, rows: int, name: str):
+        self.rows = rows
+        columns = len(schema.NUMERICS_COUNT_COLUMNS)
+        self._counts = tf.Variable(tf.zeros((rows, columns)), trainable=False,
+                                   name=f"mpprof_{name}_counts")
+        self._abs_max = tf.Variable(tf.zeros((rows,)), trainable=False,
+                                    name=f"mpprof_{name}_abs_max")
+        self._histogram = tf.Variable(tf.zeros((rows, len(_EDGES) + 1)),
+                                      trainable=False, name=f"mpprof_{name}_histogram")
+
+    def record(self, row: int, tensor: tf.Tensor) -> None:
+        counts, abs_max, histogram = tensor_statistics(tensor)
+        context = tf.distribute.get_replica_context()
+        if context is not None and context.num_replicas_in_sync > 1:
+            counts, histogram = context.all_reduce("sum", [counts, histogram])
+            abs_max = context.all_reduce("max", abs_max)
+        index = [[row]]
+        self._counts.scatter_nd_add(index, [counts])
+        self._histogram.scatter_nd_add(index, [histogram])
+        self._abs_max.scatter_nd_max(index, [abs_max])
+
+    def reset(self) -> None:
+        for variable in (self._counts, self._abs_max, self._histogram):
+            variable.assign(tf.zeros_like(variable))
+
+    def read(self) -> tuple[np.ndarray, np.ndarray]:
+        """([rows, counts + abs_max], [rows, bins]) as numpy arrays."""
+        stats = np.concatenate(
+            [self._counts.numpy(), self._abs_max.numpy()[:, None]], axis=1
+        )
+        return stats, self._histogram.numpy()
+
+
+class NumericsCollector:
+    """Per-layer forward/backward and per-variable gradient statistics.
+
+    Args:
+        model: the built model.
+        strategy: the model's distribution strategy (tables live in its scope).
+    """
+
+    def __init__(self, model, strategy):
+        self.instrumenting = False
+        self._model = model
+        leaves = [
+            (name, layer) for name, layer, _ in walk_layers(model)
+            if not layer._flatten_layers(include_self=False, recursive=False)
+        ]
+        self.layer_names = [name for name, _ in leaves]
+        self._rows = {id(layer): row for row, (_, layer) in enumerate(leaves)}
+        self._call_order: list[int] = []
+        self._variables = list(model.trainable_variables)
+        self.variable_names = [v.path for v in self._variables]
+        self._variable_rows = {id(v): row for row, v in enumerate(self._variables)}
+        with strategy.scope():
+            self.forward = StatisticsTable(len(leaves), "forward")
+            self.backward = StatisticsTable(len(leaves), "backward")
+            self.gradients = StatisticsTable(len(self._variables), "gradients")
+            self.unscaled_gradients = StatisticsTable(
+                len(self._variables), "unscaled_gradients"
+            )
+            self._loss = tf.Variable(0.0, trainable=False, name="mpprof_sampled_loss")
+
+    @property
+    def call_order(self) -> list[int]:
+        """Layer rows in the order the instrumented step called them."""
+        seen = dict.fromkeys(self._call_order)
+        return list(seen) + [r for r in range(len(self.layer_names)) if r not in seen]
+
+    def on_call(self, layer, args, kwargs, outputs):
+        row = self._rows.get(id(layer))
+        if not self.instrumenting or row is None:
+            return outputs
+        flat = tf.nest.flatten(outputs)
+        position = next(
+            (i for i, t in enumerate(flat) if isinstance(t, tf.Tensor) and t.dtype.is_floating),
+            None,
+        )
+        if position is None:
+            return outputs
+        self._call_order.append(row)
+        self.forward.record(row, flat[position])
+        flat[position] = self._gradient_tap(flat[position], row)
+        return tf.nest.pack_sequence_as(outputs, flat)
+
+    def _gradient_tap(self, tensor: tf.Tensor, row: int) -> tf.Tensor:
+        backward = self.backward
+
+        @tf.custom_gradient
+        def identity(x):
+            def grad(upstream):
+                backward.record(row, upstream)
+                return tf.identity(upstream)
+
+            return tf.identity(x), grad
+
+        return identity(tensor)
+
+    def wrap_optimizer(self, optimizer, loss_scale_getter):
+        """Instance-level wrappers of `apply` and `scale_loss` (see `remove`)."""
+        apply = optimizer.apply
+        scale_loss = optimizer.scale_loss
+
+        def instrumented_apply(grads, trainable_variables=None):
+            if self.instrumenting:
+                scale = tf.cast(loss_scale_getter(), tf.float32)
+                variables = trainable_variables or self._variables
+                for grad, variable in zip(grads, variables):
+                    row = self._variable_rows.get(id(variable))
+                    if grad is None or row is None or isinstance(grad, tf.IndexedSlices):
+                        continue
+                    self.gradients.record(row, grad)
+                    self.unscaled_gradients.record(row, tf.cast(grad, tf.float32) / scale)
+            return apply(grads, trainable_variables)
+
+        def instrumented_scale_loss(loss):
+            if self.instrumenting:
+                self._loss.assign(tf.cast(loss, tf.float32))
+            return scale_loss(loss)
+
+        optimizer.apply = instrumented_apply
+        optimizer.scale_loss = instrumented_scale_loss
+        self._optimizer = optimizer
+
+    def remove(self) -> None:
+        optimizer = getattr(self, "_optimizer", None)
+        for name in ("apply", "scale_loss"):
+            if optimizer is not None and name in vars(optimizer):
+                delattr(optimizer, name)
+        self._optimizer = None
+
+    def reset(self) -> None:
+        for table in (self.forward, self.backward, self.gradients, self.unscaled_gradients):
+            table.reset()
+
+    def read(self) -> dict[str, np.ndarray]:
+        """One sample: arrays keyed by `schema` record name, layers in call order."""
+        order = self.call_order
+        forward, forward_hist = self.forward.read()
+        backward, backward_hist = self.backward.read()
+        gradients, _ = self.gradients.read()
+        unscaled, _ = self.unscaled_gradients.read()
+        return {
+            schema.NUMERICS_FORWARD: forward[order],
+            schema.NUMERICS_BACKWARD: backward[order],
+            schema.NUMERICS_FORWARD_HIST: forward_hist[order],
+            schema.NUMERICS_BACKWARD_HIST: backward_hist[order],
+            schema.NUMERICS_GRADIENTS: gradients,
+            schema.NUMERICS_UNSCALED_GRADIENTS: unscaled,
+            "loss": float(self._loss.numpy()),
+        }
+
+    def layout(self, policy_max: float) -> dict:
+        """The JSON record naming the rows of every sample."""
+        return {
+            "layers": [self.layer_names[row] for row in self.call_order],
+            "variables": self.variable_names,
+            "hist_edges": schema.NUMERICS_HIST_EDGES,
+            "policy_max": policy_max,
+            "aggregation": (
+                "per layer, summed over its call sites in the step and over the "
+                "steps of one execution (abs_max: maximum)"
+            ),
+        }

@@ -1,0 +1,305 @@
+"""JSON-ready payloads of the plugin's routes, built from a `mpprof.reader.Run`.
+
+Presentation only: values come from the reader and findings from
+`mpprof.diagnosis`; nothing here judges a run. What a run did not record
+comes back as `{"available": false, "reason": ...}` so every view can say
+"not measured" instead of breaking.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from tensorboard import errors
+
+from mpprof import reader, schema
+from tensorboard_plugin_mpprof import downsample, metadata
+
+NUMERICS_DIRECTIONS = ("forward", "backward")
+NUMERICS_STATS = (
+    "abs_max",
+    "nonfinite_frac",
+    "zero_frac",
+    "underflow_frac",
+    "subnormal_frac",
+)
+# Derived from the forward abs max: log2(largest finite value / abs max).
+HEADROOM = "headroom"
+# Headroom given to a cell whose values overflowed (non-finite or beyond max).
+OVERFLOW_HEADROOM = -1.0
+
+
+def not_available(reason: str, **extra) -> dict:
+    return {"available": False, "reason": reason, **extra}
+
+
+def run_summary(run: reader.Run) -> dict:
+    """What the run selector and the comparison table show for one run."""
+    context = run.context
+    loss_scale = run.loss_scale
+    inventory = run.inventory or {}
+    leaves = [layer for layer in inventory.get("layers", []) if layer.get("is_leaf")]
+    return {
+        "run": run.name,
+        "model_policy": context.get("model_policy"),
+        "optimizer": context.get("optimizer"),
+        "jit_compile": context.get("jit_compile"),
+        "leaf_layers": len(leaves),
+        "float32_islands": sum(bool(layer.get("float32_island")) for layer in leaves),
+        "casts": len(inventory.get("casts", [])),
+        "model_output_dtypes": inventory.get("model", {}).get("output_dtypes"),
+        "loss_scale": None
+        if loss_scale is None
+        else {
+            "initial": _finite_or_none(loss_scale.initial_scale),
+            "final": _finite_or_none(loss_scale.final_scale),
+            "steps_run": loss_scale.steps_run,
+            "overflows": loss_scale.skipped_steps,
+            "growths": len(loss_scale.growths),
+        },
+        "has_numerics": _numerics(run) is not None,
+        "gpu_mode": getattr(_gpu(run), "mode", None),
+        "warnings": len(run.warnings),
+    }
+
+
+def context_payload(run: reader.Run) -> dict:
+    return {"run": run.name, "context": run.context, "warnings": run.warnings}
+
+
+def findings_payload(run: reader.Run) -> dict:
+    try:
+        from mpprof import diagnosis
+    except ImportError as e:
+        return not_available(
+            f"the diagnosis engine is not installed ({e})", findings=[]
+        )
+    findings = [_jsonable(finding.to_dict()) for finding in diagnosis.diagnose(run)]
+    return {"available": True, "findings": findings}
+
+
+def inventory_payload(run: reader.Run) -> dict:
+    inventory = run.inventory
+    if inventory is None:
+        return not_available(
+            "no precision inventory was recorded (the model never traced)"
+        )
+    return {"available": True, **inventory}
+
+
+def loss_scale_payload(run: reader.Run, points: int) -> dict:
+    loss_scale = run.loss_scale
+    if loss_scale is None:
+        optimizer = run.context.get("optimizer")
+        return not_available(
+            f"no dynamic loss scale: the optimizer ({optimizer}) "
+            "is not a LossScaleOptimizer"
+        )
+    steps, scales = loss_scale.series()
+    kept = downsample.envelope(steps, scales, points)
+    overflows = loss_scale.overflows
+    shown = downsample.evenly(len(overflows), metadata.MAX_MARKERS)
+    growths = loss_scale.growths
+    shown_growths = downsample.evenly(len(growths), metadata.MAX_MARKERS)
+    return {
+        "available": True,
+        "series": {
+            "step": steps[kept].tolist(),
+            "scale": downsample.json_floats(scales[kept]),
+        },
+        "series_vertices": len(steps),
+        "overflows": {
+            "step": overflows[shown, 0].astype(np.int64).tolist(),
+            "scale_before": downsample.json_floats(overflows[shown, 1]),
+            "scale_after": downsample.json_floats(overflows[shown, 2]),
+            "total": len(overflows),
+        },
+        "growths": {
+            "step": growths[shown_growths, 0].astype(np.int64).tolist(),
+            "scale_after": downsample.json_floats(growths[shown_growths, 2]),
+            "total": len(growths),
+        },
+        "first_step": loss_scale.first_step,
+        "steps_run": loss_scale.steps_run,
+        "initial_scale": _finite_or_none(loss_scale.initial_scale),
+        "final_scale": _finite_or_none(loss_scale.final_scale),
+        "steps_since_last_overflow": loss_scale.steps_since_last_overflow,
+    }
+
+
+def numerics_payload(
+    run: reader.Run, direction: str, stat: str, rows: int, columns: int
+) -> dict:
+    """A layer x step matrix of one statistic, max-pooled to rows x columns.
+
+    Each cell holds the worst value of the layers and sampled steps it covers
+    (for headroom: of the largest abs max), so an overflow never averages away.
+    """
+    numerics = _numerics(run)
+    if numerics is None:
+        return not_available("per-layer numerics were not recorded in this run")
+    layers, steps = list(numerics.layers), np.asarray(numerics.steps, dtype=np.int64)
+    stats = getattr(numerics, direction)
+    source_stat = "abs_max" if stat == HEADROOM else stat
+    if source_stat not in stats:
+        return not_available(f"{direction} {source_stat} was not recorded in this run")
+    matrix = np.asarray(stats[source_stat], dtype=np.float64).T  # [L, S]
+    row_starts = downsample.group_starts(len(layers), rows)
+    column_starts = downsample.group_starts(len(steps), columns)
+    values = downsample.pool_max(matrix, row_starts, column_starts)
+    if stat == HEADROOM:
+        values = _headroom(
+            values, numerics.policy_max, stats, row_starts, column_starts
+        )
+    forensic = np.asarray(numerics.forensic, dtype=bool)
+    return {
+        "available": True,
+        "direction": direction,
+        "stat": stat,
+        "policy_max": _finite_or_none(numerics.policy_max),
+        "rows": [_row_label(layers, row_starts, i) for i in range(len(row_starts))],
+        "row_layers": [layers[start] for start in row_starts.tolist()],
+        "column_steps": steps[column_starts].tolist() if len(steps) else [],
+        "column_last_steps": _group_last(steps, column_starts).tolist(),
+        "column_forensic": (
+            np.logical_or.reduceat(forensic, column_starts).tolist()
+            if len(steps)
+            else []
+        ),
+        "values": downsample.json_floats(values, decimals=6),
+        "layers_total": len(layers),
+        "samples_total": len(steps),
+    }
+
+
+def layer_history_payload(run: reader.Run, layer: str, points: int) -> dict:
+    """Every recorded statistic of one layer over the sampled steps."""
+    numerics = _numerics(run)
+    if numerics is None:
+        return not_available("per-layer numerics were not recorded in this run")
+    layers = list(numerics.layers)
+    if layer not in layers:
+        raise errors.NotFoundError(
+            f"No layer {layer!r} in the numerics of run {run.name!r}"
+        )
+    index = layers.index(layer)
+    steps = np.asarray(numerics.steps, dtype=np.int64)
+    starts = downsample.group_starts(len(steps), points)
+    series = {}
+    for direction in NUMERICS_DIRECTIONS:
+        for stat, matrix in getattr(numerics, direction).items():
+            column = np.asarray(matrix, dtype=np.float64)[:, index]
+            pooled = np.fmax.reduceat(column, starts) if len(column) else column
+            series[f"{direction}/{stat}"] = downsample.json_floats(pooled)
+    forensic = np.asarray(numerics.forensic, dtype=bool)
+    return {
+        "available": True,
+        "layer": layer,
+        "policy_max": _finite_or_none(numerics.policy_max),
+        "step": steps[starts].tolist() if len(steps) else [],
+        "forensic": np.logical_or.reduceat(forensic, starts).tolist()
+        if len(steps)
+        else [],
+        "series": series,
+    }
+
+
+def gpu_payload(run: reader.Run, points: int) -> dict:
+    """GPU sample tracks per device (bucket means), the kernel Tensor Core share."""
+    gpu = _gpu(run)
+    if gpu is None:
+        return not_available("no GPU samples were recorded in this run")
+    kernels = _jsonable(gpu.kernels) if getattr(gpu, "kernels", None) else None
+    payload = {
+        "available": gpu.mode != "unavailable",
+        "mode": gpu.mode,
+        "reason": gpu.reason,
+        "devices": _jsonable(gpu.devices),
+        "tensor_source": _tensor_source(gpu.mode, kernels),
+        "kernels": kernels,
+        "tracks": {},
+    }
+    columns = list(schema.GPU_SAMPLE_COLUMNS)
+    samples = np.asarray(gpu.samples, dtype=np.float64).reshape(-1, len(columns))
+    device_column = samples[:, columns.index("device")] if len(samples) else samples
+    for device in np.unique(device_column):
+        rows = samples[device_column == device]
+        rows = rows[np.argsort(rows[:, columns.index("wall_time")], kind="stable")]
+        starts = downsample.group_starts(len(rows), points)
+        payload["tracks"][str(int(device))] = {
+            name: downsample.json_floats(
+                downsample.pool_mean(rows[:, i], starts), decimals=4
+            )
+            for i, name in enumerate(columns)
+            if name != "device"
+        }
+    return payload
+
+
+def _tensor_source(mode: str, kernels: dict | None) -> str | None:
+    """Which measurement the tensor utilization track comes from."""
+    if mode == "gpm":
+        return "GPM"
+    if kernels and kernels.get("tensor_core_share") is not None:
+        return "kernel share"
+    if mode == "basic":
+        return "basic"
+    return None
+
+
+def _headroom(abs_max, policy_max, stats, row_starts, column_starts) -> np.ndarray:
+    """log2(policy max / abs max): bits left before the dtype overflows."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        headroom = np.log2(policy_max / abs_max)
+    overflowed = ~np.isfinite(abs_max) & ~np.isnan(abs_max)
+    overflowed |= abs_max > policy_max
+    if "nonfinite_frac" in stats:
+        nonfinite = np.asarray(stats["nonfinite_frac"], dtype=np.float64).T
+        overflowed |= downsample.pool_max(nonfinite, row_starts, column_starts) > 0
+    headroom[overflowed] = OVERFLOW_HEADROOM
+    # An all-zero activation has unbounded headroom; show it as the most.
+    largest = math.log2(policy_max) + 24 if policy_max else 0.0
+    return np.where(np.isposinf(headroom), largest, headroom)
+
+
+def _row_label(layers: list[str], starts: np.ndarray, i: int) -> str:
+    first = int(starts[i])
+    last = int(starts[i + 1]) - 1 if i + 1 < len(starts) else len(layers) - 1
+    if first == last:
+        return layers[first]
+    return f"{layers[first]} … {layers[last]} ({last - first + 1} layers)"
+
+
+def _group_last(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    if not len(values):
+        return values
+    ends = np.r_[starts[1:], len(values)] - 1
+    return values[ends]
+
+
+def _numerics(run: reader.Run):
+    return getattr(run, "numerics", None)
+
+
+def _gpu(run: reader.Run):
+    return getattr(run, "gpu", None)
+
+
+def _finite_or_none(value) -> float | None:
+    return float(value) if value is not None and math.isfinite(value) else None
+
+
+def _jsonable(value):
+    """numpy values as Python ones, NaN and infinities as None."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return _jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

@@ -1,0 +1,218 @@
+"""The mpprof TensorBoard plugin: HTTP routes under /data/plugin/mpprof/.
+
+JSON routes take `run` (a name from /runs) and answer 404 for an unknown run
+or layer and 400 for a bad parameter (tensorboard.errors, which TensorBoard
+turns into clean responses). Static files are served from a fixed listing of
+the `static/` folder, never from a path built from the request.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.resources
+import json
+import pathlib
+import threading
+from collections.abc import Callable
+
+from tensorboard import errors
+from tensorboard.backend import http_util
+from tensorboard.plugins import base_plugin
+from werkzeug import wrappers
+
+from tensorboard_plugin_mpprof import metadata, payloads
+from tensorboard_plugin_mpprof.run_cache import RunCache
+
+_STATIC_TYPES = {".js": "text/javascript", ".css": "text/css"}
+# Static files change only with the package; a short browser cache is safe.
+_STATIC_EXPIRES_S = 60
+_PLOTLY_EXPIRES_S = 24 * 3600
+
+
+def plotly_js_path():
+    """plotly.min.js as shipped inside the installed plotly package."""
+    path = importlib.resources.files("plotly") / "package_data" / "plotly.min.js"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed plotly package")
+    return path
+
+
+class MpprofPlugin(base_plugin.TBPlugin):
+    """The "mpprof" tab: findings, precision inventory, loss scale, numerics, GPU."""
+
+    plugin_name = metadata.PLUGIN_NAME
+
+    def __init__(self, context: base_plugin.TBContext):
+        self._runs = RunCache(context.logdir or "")
+        self._static_dir = pathlib.Path(__file__).resolve().parent / "static"
+        self._static_names = frozenset(
+            entry.name
+            for entry in self._static_dir.iterdir()
+            if entry.is_file() and entry.suffix in _STATIC_TYPES
+        )
+        self._plotly_gzip: bytes | None = None
+        self._plotly_lock = threading.Lock()
+
+    def get_plugin_apps(self) -> dict:
+        return {
+            metadata.ES_MODULE_ROUTE: self._index_js,
+            metadata.STATIC_ROUTE_PREFIX + "*": self._static,
+            metadata.PLOTLY_ROUTE: self._plotly,
+            "/runs": self._json_route(self._list_runs),
+            "/context": self._run_route(
+                lambda run, args: payloads.context_payload(run.run)
+            ),
+            "/findings": self._run_route(
+                lambda run, args: run.derive("findings", payloads.findings_payload)
+            ),
+            "/inventory": self._run_route(
+                lambda run, args: payloads.inventory_payload(run.run)
+            ),
+            "/loss_scale": self._run_route(self._loss_scale),
+            "/numerics": self._run_route(self._numerics),
+            "/layer_history": self._run_route(self._layer_history),
+            "/gpu": self._run_route(self._gpu),
+        }
+
+    def is_active(self) -> bool:
+        # TensorBoard's data provider lists "mpprof" when the logdir holds
+        # mpprof summaries; that alone decides whether the tab shows.
+        return False
+
+    def frontend_metadata(self) -> base_plugin.FrontendMetadata:
+        return base_plugin.FrontendMetadata(
+            es_module_path=metadata.ES_MODULE_ROUTE, tab_name=metadata.TAB_NAME
+        )
+
+    # JSON routes ------------------------------------------------------------
+
+    def _list_runs(self, args) -> dict:
+        summaries = []
+        for name in self._runs.list_runs():
+            try:
+                summaries.append(
+                    self._runs.get(name).derive("summary", payloads.run_summary)
+                )
+            except errors.NotFoundError:
+                continue  # removed since it was listed
+        return {"runs": summaries}
+
+    def _loss_scale(self, run, args) -> dict:
+        points = _int_arg(
+            args, "points", metadata.DEFAULT_POINTS, 2, metadata.MAX_POINTS
+        )
+        return run.derive(
+            ("loss_scale", points), lambda r: payloads.loss_scale_payload(r, points)
+        )
+
+    def _numerics(self, run, args) -> dict:
+        direction = _choice_arg(args, "direction", payloads.NUMERICS_DIRECTIONS)
+        stat = _choice_arg(args, "stat", payloads.NUMERICS_STATS + (payloads.HEADROOM,))
+        if stat == payloads.HEADROOM and direction != "forward":
+            raise errors.InvalidArgumentError("stat=headroom needs direction=forward")
+        rows = _int_arg(
+            args, "rows", metadata.DEFAULT_HEATMAP_ROWS, 1, metadata.MAX_POINTS
+        )
+        columns = _int_arg(
+            args, "columns", metadata.DEFAULT_HEATMAP_COLUMNS, 1, metadata.MAX_POINTS
+        )
+        return run.derive(
+            ("numerics", direction, stat, rows, columns),
+            lambda r: payloads.numerics_payload(r, direction, stat, rows, columns),
+        )
+
+    def _layer_history(self, run, args) -> dict:
+        layer = args.get("layer")
+        if not layer:
+            raise errors.InvalidArgumentError("Missing query parameter: layer")
+        points = _int_arg(
+            args, "points", metadata.DEFAULT_POINTS, 2, metadata.MAX_POINTS
+        )
+        return run.derive(
+            ("layer_history", layer, points),
+            lambda r: payloads.layer_history_payload(r, layer, points),
+        )
+
+    def _gpu(self, run, args) -> dict:
+        points = _int_arg(
+            args, "points", metadata.DEFAULT_POINTS, 2, metadata.MAX_POINTS
+        )
+        return run.derive(("gpu", points), lambda r: payloads.gpu_payload(r, points))
+
+    def _run_route(self, handler: Callable) -> Callable:
+        """A JSON route about the run named by the `run` query parameter."""
+        return self._json_route(
+            lambda args: handler(self._runs.get(args.get("run")), args)
+        )
+
+    @staticmethod
+    def _json_route(handler: Callable) -> Callable:
+        @wrappers.Request.application
+        def route(request):
+            body = json.dumps(handler(request.args), allow_nan=False)
+            return http_util.Respond(request, body, "application/json")
+
+        return route
+
+    # Static files -----------------------------------------------------------
+
+    @wrappers.Request.application
+    def _index_js(self, request):
+        return self._static_file(request, metadata.ES_MODULE_ROUTE.lstrip("/"))
+
+    @wrappers.Request.application
+    def _static(self, request):
+        prefix = f"/{metadata.PLUGIN_NAME}{metadata.STATIC_ROUTE_PREFIX}"
+        name = request.path.partition(prefix)[2]
+        return self._static_file(request, name)
+
+    def _static_file(self, request, name: str):
+        # Only names listed from the static folder are served: "../x",
+        # "%2e%2e/x" or "a/b" are not in the listing and are never opened.
+        if name not in self._static_names:
+            raise errors.NotFoundError(f"No static file {name!r}")
+        content_type = _STATIC_TYPES[name[name.rfind(".") :]]
+        body = (self._static_dir / name).read_bytes()
+        return http_util.Respond(request, body, content_type, expires=_STATIC_EXPIRES_S)
+
+    @wrappers.Request.application
+    def _plotly(self, request):
+        with self._plotly_lock:
+            if self._plotly_gzip is None:
+                # Compressed once: 4.8 MB of JavaScript, 1.6 MB gzipped.
+                self._plotly_gzip = gzip.compress(
+                    plotly_js_path().read_bytes(), mtime=0
+                )
+        return http_util.Respond(
+            request,
+            self._plotly_gzip,
+            _STATIC_TYPES[".js"],
+            content_encoding="gzip",
+            expires=_PLOTLY_EXPIRES_S,
+        )
+
+
+def _int_arg(args, name: str, default: int, low: int, high: int) -> int:
+    raw = args.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise errors.InvalidArgumentError(
+            f"{name} must be an integer, got {raw!r}"
+        ) from None
+    if not low <= value <= high:
+        raise errors.InvalidArgumentError(
+            f"{name} must be in [{low}, {high}], got {value}"
+        )
+    return value
+
+
+def _choice_arg(args, name: str, choices: tuple[str, ...]) -> str:
+    value = args.get(name)
+    if value not in choices:
+        raise errors.InvalidArgumentError(
+            f"{name} must be one of {', '.join(choices)}; got {value!r}"
+        )
+    return value

@@ -1,0 +1,124 @@
+// Precision inventory: every layer's dtypes as a sortable, filterable table,
+// float32 islands and layers fed by casts highlighted; then the casts.
+
+import { getJson } from "./api.js";
+import { el, formatNumber, notMeasured, replace } from "./dom.js";
+
+const COLUMNS = [
+  ["call_index", "#"],
+  ["name", "layer"],
+  ["class", "class"],
+  ["policy", "policy"],
+  ["compute_dtype", "compute"],
+  ["variable_dtype", "variables"],
+  ["output_dtypes", "outputs"],
+  ["params", "params"],
+  ["gemm_dims", "GEMM dims"],
+  ["tensor_core_friendly", "Tensor Core shapes"],
+  ["flags", "notes"],
+];
+
+export async function show(container, { focus, target }) {
+  const inventory = await getJson("inventory", { run: focus });
+  if (!inventory.available) {
+    container.append(notMeasured("Precision inventory", inventory.reason));
+    return;
+  }
+  const castInto = new Set(inventory.casts.map((cast) => cast.layer));
+  const layers = inventory.layers.map((layer) => ({ ...layer, flags: flagsOf(layer, castInto) }));
+  const state = { sortKey: "call_index", ascending: true, text: target.layer || "", onlyFlagged: false };
+  const body = el("tbody");
+  const count = el("span", { class: "count" });
+  const draw = () => drawRows(body, count, layers, state);
+  const head = el(
+    "tr",
+    {},
+    COLUMNS.map(([key, label]) =>
+      el("th", { class: "sortable", "data-key": key, onclick: () => {
+        state.ascending = state.sortKey === key ? !state.ascending : true;
+        state.sortKey = key;
+        draw();
+      } }, label),
+    ),
+  );
+  const model = inventory.model || {};
+  container.append(
+    el("p", { class: "model-line" }, `model ${model.name} (${model.class}), policy ${model.policy}, outputs ${(model.output_dtypes || []).join(", ")}, ${formatNumber(model.params)} parameters`),
+    el(
+      "div",
+      { class: "filters" },
+      el("input", { type: "search", placeholder: "filter layers (name, class, dtype)", value: state.text, "aria-label": "filter layers",
+        oninput: (e) => { state.text = e.target.value; draw(); } }),
+      el("label", {}, el("input", { type: "checkbox", onchange: (e) => { state.onlyFlagged = e.target.checked; draw(); } }),
+        " only float32 islands, casts and misaligned shapes"),
+      count,
+    ),
+    el("table", { class: "inventory" }, el("thead", {}, head), body),
+    el("h3", {}, `Casts between layers (${inventory.casts.length})`),
+    castsTable(inventory.casts),
+  );
+  draw();
+}
+
+function flagsOf(layer, castInto) {
+  const flags = [];
+  if (layer.float32_island) flags.push("float32 island");
+  if (castInto.has(layer.name)) flags.push("cast in");
+  if (layer.misaligned_dims?.length) flags.push(`not a multiple of 8: ${layer.misaligned_dims.join(", ")}`);
+  return flags;
+}
+
+function drawRows(body, count, layers, { sortKey, ascending, text, onlyFlagged }) {
+  const needle = text.trim().toLowerCase();
+  const shown = layers
+    .filter((layer) => !onlyFlagged || layer.flags.length)
+    .filter((layer) => !needle || searchText(layer).includes(needle))
+    .sort((a, b) => compare(a[sortKey], b[sortKey]) * (ascending ? 1 : -1));
+  replace(body, shown.map(row));
+  count.textContent = `${shown.length} of ${layers.length} layers`;
+}
+
+function row(layer) {
+  const classes = [layer.float32_island ? "island" : "", layer.flags.includes("cast in") ? "cast" : "", layer.is_leaf ? "" : "container"];
+  return el(
+    "tr",
+    { class: classes.filter(Boolean).join(" ") },
+    COLUMNS.map(([key]) => el("td", { class: `col-${key}` }, cell(layer, key))),
+  );
+}
+
+function cell(layer, key) {
+  const value = layer[key];
+  if (key === "tensor_core_friendly") return value === null || value === undefined ? "–" : value ? "yes" : "no";
+  if (Array.isArray(value)) return value.join(key === "flags" ? "; " : ", ");
+  return formatNumber(value);
+}
+
+function searchText(layer) {
+  return [layer.name, layer.class, layer.policy, layer.compute_dtype, layer.variable_dtype, ...(layer.output_dtypes || []), ...layer.flags]
+    .join(" ")
+    .toLowerCase();
+}
+
+function compare(a, b) {
+  const missing = (v) => v === null || v === undefined;
+  if (missing(a) || missing(b)) return missing(a) - missing(b);
+  if (Array.isArray(a) || Array.isArray(b)) return String(a).localeCompare(String(b));
+  return typeof a === "number" && typeof b === "number" ? a - b : String(a).localeCompare(String(b));
+}
+
+function castsTable(casts) {
+  if (!casts.length) return el("p", {}, "No casts between layers.");
+  return el(
+    "table",
+    { class: "casts" },
+    el("thead", {}, el("tr", {}, ["from layer", "dtype", "into layer", "dtype"].map((h) => el("th", {}, h)))),
+    el(
+      "tbody",
+      {},
+      casts.map((cast) =>
+        el("tr", {}, el("td", {}, cast.from_layer ?? "(model input)"), el("td", {}, cast.from_dtype), el("td", {}, cast.layer ?? "–"), el("td", {}, cast.to_dtype)),
+      ),
+    ),
+  );
+}
