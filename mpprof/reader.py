@@ -185,6 +185,35 @@ class Numerics:
 
 
 @dataclasses.dataclass
+class Gpu:
+    """What the GPU sampler and the XProf window recorded.
+
+    Attributes:
+        mode: "gpm" (Tensor Core utilization measured), "basic" (NVML without
+            GPM: kernel utilization only) or "unavailable".
+        reason: why that mode, in words.
+        devices: per sampled GPU, its facts from the run context
+            (index, name, uuid, architecture, compute_capability, mode, ...).
+        samples: float64 [n, len(schema.GPU_SAMPLE_COLUMNS)], sorted by wall
+            time then device; NaN where a value was not measured.
+        kernels: the latest `kernels/tensor_core_share` record, or None.
+    """
+
+    mode: str
+    reason: str
+    devices: list[dict]
+    samples: np.ndarray
+    kernels: dict | None
+
+    def column(self, name: str, device: int | None = None) -> np.ndarray:
+        """One column of `samples` (of one device's rows if `device` is given)."""
+        values = self.samples[:, schema.GPU_SAMPLE_COLUMNS.index(name)]
+        if device is None:
+            return values
+        return values[self.samples[:, 2] == device]
+
+
+@dataclasses.dataclass
 class Run:
     """Everything mpprof recorded in one run directory."""
 
@@ -263,6 +292,26 @@ class Run:
             backward_hist=stacked(schema.NUMERICS_BACKWARD_HIST),
             variable_grads=_shares(stacked(schema.NUMERICS_GRADIENTS)),
             unscaled_variable_grads=_shares(stacked(schema.NUMERICS_UNSCALED_GRADIENTS)),
+        )
+
+    @property
+    def gpu(self) -> Gpu | None:
+        """GPU samples and kernel share; None if the run recorded no GPU entry."""
+        entry = self.context.get("collectors", {}).get("gpu")
+        samples = self._stacked(schema.GPU_SAMPLES, len(schema.GPU_SAMPLE_COLUMNS))
+        kernels = self.latest(schema.KERNEL_STATS)
+        if entry is None and not len(samples) and kernels is None:
+            return None
+        entry = entry or {}
+        if len(samples):
+            # A row written twice (e.g. re-read logdir) is kept once, in time order.
+            samples = np.unique(samples, axis=0)
+        return Gpu(
+            mode=entry.get("mode", "unavailable"),
+            reason=entry.get("reason", ""),
+            devices=list(entry.get("devices", [])),
+            samples=samples,
+            kernels=kernels,
         )
 
     def _stacked(self, record: str, columns: int) -> np.ndarray:

@@ -24,8 +24,8 @@ def seed_model(policy: str = "mixed_float16", last_dtype=None) -> keras.Model:
     keras.mixed_precision.set_dtype_policy(policy)
     model = keras.Sequential([
         keras.layers.Input((784,)),
-        keras.layers.Dense(256, activation="relu"),
-        keras.layers.Dense(10, dtype=last_dtype),
+        keras.layers.Dense(256, activation="relu", name="dense"),
+        keras.layers.Dense(10, dtype=last_dtype, name="dense_1"),
     ])
     model.compile(
         optimizer="adam",
@@ -48,11 +48,11 @@ def overflow_model(initial_scale: float = 2.0**30, growth_steps: int = 2000, **c
     keras.mixed_precision.set_dtype_policy("mixed_float16")
     model = keras.Sequential([
         keras.layers.Input((8,)),
-        keras.layers.Dense(8),
-        keras.layers.Dense(1, dtype="float32"),
+        keras.layers.Dense(8, name="dense"),
+        keras.layers.Dense(1, dtype="float32", name="dense_1"),
     ])
     optimizer = keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.SGD(0.001), initial_scale=initial_scale,
+        keras.optimizers.SGD(1e-6), initial_scale=initial_scale,
         dynamic_growth_steps=growth_steps,
     )
     model.compile(optimizer=optimizer, loss="mse", **compile_kwargs)

@@ -308,8 +308,7 @@ class GpuSampler:
 
     def sample_round(self) -> None:
         """Samples every live device once (the thread calls this each interval)."""
-        wall_time = self._clock()
-        step = self.step
+        wall_time, step = self._time_and_step()
         for device in self._devices:
             if device.lost:
                 continue
@@ -328,6 +327,18 @@ class GpuSampler:
                 continue
             self._ring.append(row)
         self._rounds += 1
+
+    def _time_and_step(self) -> tuple[float, int]:
+        """A wall time and the step in progress AT that time.
+
+        The training thread moves `step` on at any moment: reading it before
+        and after the clock, and retrying if it moved, pins the pair.
+        """
+        while True:
+            step = self.step
+            wall_time = self._clock()
+            if self.step == step:
+                return wall_time, step
 
     def context(self) -> dict:
         """The run context's collectors["gpu"] entry."""

@@ -44,11 +44,11 @@ def tensor_statistics(tensor: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tenso
     ])
     abs_max = tf.reduce_max(tf.where(finite, magnitude, 0.0))
     abs_max = tf.maximum(abs_max, 0.0)  # reduce_max of an empty tensor is -inf
-    exponents = tf.math.log(tf.boolean_mask(magnitude, nonzero)) / np.log(2.0)
+    # Static shapes throughout (no boolean_mask, no bincount), so XLA compiles it.
+    exponents = tf.math.log(tf.where(nonzero, magnitude, 1.0)) / np.log(2.0)
     bins = tf.searchsorted(_EDGES, exponents, side="right")
-    histogram = tf.math.bincount(
-        tf.cast(bins, tf.int32), minlength=len(_EDGES) + 1,
-        maxlength=len(_EDGES) + 1, dtype=tf.float32,
+    histogram = tf.math.unsorted_segment_sum(
+        tf.cast(nonzero, tf.float32), bins, num_segments=len(_EDGES) + 1
     )
     return counts, abs_max, histogram
 
@@ -81,10 +81,11 @@ class StatisticsTable:
         if context is not None and context.num_replicas_in_sync > 1:
             counts, histogram = context.all_reduce("sum", [counts, histogram])
             abs_max = context.all_reduce("max", abs_max)
-        index = [[row]]
-        self._counts.scatter_nd_add(index, [counts])
-        self._histogram.scatter_nd_add(index, [histogram])
-        self._abs_max.scatter_nd_max(index, [abs_max])
+        # One-hot updates instead of scatter ops: XLA has no ResourceScatterNdMax.
+        one_hot = tf.one_hot(row, self.rows)
+        self._counts.assign_add(one_hot[:, None] * counts[None, :])
+        self._histogram.assign_add(one_hot[:, None] * histogram[None, :])
+        self._abs_max.assign(tf.maximum(self._abs_max, one_hot * abs_max))
 
     def reset(self) -> None:
         for variable in (self._counts, self._abs_max, self._histogram):

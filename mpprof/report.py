@@ -1,0 +1,559 @@
+"""One self-contained, offline HTML report of a logdir's mpprof runs.
+
+`mpprof report LOGDIR -o report.html` writes it: run context, findings,
+the precision inventory, the loss-scale timeline with overflow markers,
+per-layer numerics heatmaps (layer x step) and GPU tracks when recorded.
+plotly.js is embedded from the installed `plotly` package, so the file opens
+without a network and can be attached to a bug report.
+
+Everything a user controls (layer, variable and run names, file contents) is
+escaped: HTML text through `html.escape`, plot labels as HTML entities
+(plotly renders its labels as markup), and the embedded JSON with `</`
+escaped so it cannot close its <script> element.
+
+Large runs are downsampled to what a screen can show, so a million-step run
+still makes a report of a few megabytes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import html
+import json
+import math
+import os
+import pathlib
+from collections.abc import Callable
+
+import numpy as np
+
+import mpprof
+from mpprof import diagnosis, reader, schema
+
+# A plot is at most ~2,000 pixels wide: more points than this per line (the
+# loss-scale step function is kept as min/max per bucket) cannot be seen.
+MAX_TIMELINE_POINTS = 4_000
+# Overflow/growth markers drawn one by one; beyond this, one marker per
+# bucket of steps, its hover text saying how many it stands for.
+MAX_EVENT_MARKERS = 2_000
+# Numerics heatmap columns (sampled steps); consecutive samples are merged
+# keeping the worst value, so an overflow never disappears.
+MAX_HEATMAP_STEPS = 300
+# GPU samples per line.
+MAX_GPU_POINTS = 2_000
+# GPU sample columns drawn as tracks (those present with any finite value).
+GPU_TRACKS = (
+    ("tensor_util", "Tensor Core activity (%)"),
+    ("sm_util", "SM activity (%)"),
+    ("gpu_util", "GPU utilisation (%)"),
+    ("mem_util", "memory bandwidth utilisation (%)"),
+    ("power_w", "power (W)"),
+)
+
+Progress = Callable[[str], None]
+
+
+def write_report(
+    logdir: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    run: str | None = None,
+    progress: Progress | None = None,
+) -> str:
+    """Writes the HTML report of `logdir` (or only its run `run`) to `output`.
+
+    Args:
+        logdir: the log_dir given to `mpprof.MixedPrecisionProfiler`.
+        output: the HTML file to write (its directory is created).
+        run: only this run, by name (as `mpprof summary` names it).
+        progress: called with a line of text at each stage (large logdirs
+            take a while).
+
+    Returns:
+        The path written.
+
+    Raises:
+        reader.LogdirNotFoundError, reader.NoMpprofDataError: as the reader.
+    """
+    page = build_report(logdir, run=run, progress=progress)
+    path = pathlib.Path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page, encoding="utf-8")
+    return str(path)
+
+
+def build_report(
+    logdir: str | os.PathLike,
+    *,
+    run: str | None = None,
+    progress: Progress | None = None,
+) -> str:
+    """The report of `logdir` as one HTML string (see `write_report`)."""
+    say = progress or (lambda message: None)
+    names = reader.list_runs(logdir)
+    if run is not None:
+        if run not in names:
+            raise reader.NoMpprofDataError(
+                f"No mpprof run {run!r} in {os.fspath(logdir)}; its runs: "
+                f"{', '.join(names) or 'none'}"
+            )
+        names = [run]
+    if not names:
+        reader.read_logdir(logdir)  # raises NoMpprofDataError with its advice
+    sections, data = [], []
+    for index, name in enumerate(names):
+        say(f"reading run {name} ({index + 1}/{len(names)})")
+        read = reader.read_run(logdir, name)
+        say(f"diagnosing run {name}")
+        result = diagnosis.evaluate(read)
+        say(f"drawing run {name}")
+        run_data = _run_data(read)
+        sections.append(_run_section(index, read, result, run_data))
+        data.append(run_data)
+    say("embedding plotly.js")
+    return _page(os.fspath(logdir), names, sections, data)
+
+
+# ----------------------------------------------------------------- the data
+
+
+def _run_data(run: reader.Run) -> dict:
+    """What the plots of one run need, downsampled and JSON-ready."""
+    data: dict = {"name": _label(run.name)}
+    loss_scale = run.loss_scale
+    if loss_scale is not None:
+        data["loss_scale"] = _loss_scale_data(loss_scale)
+    numerics = getattr(run, "numerics", None)
+    if numerics is not None and len(numerics.steps) and len(numerics.layers):
+        data["numerics"] = _numerics_data(numerics)
+    gpu = getattr(run, "gpu", None)
+    if gpu is not None and getattr(gpu, "samples", None) is not None:
+        tracks = _gpu_data(gpu)
+        if tracks:
+            data["gpu"] = tracks
+    return data
+
+
+def _loss_scale_data(loss_scale: reader.LossScale) -> dict:
+    steps, scales = loss_scale.series()
+    steps, scales = _decimate_step_function(steps, scales, MAX_TIMELINE_POINTS)
+    overflows = loss_scale.overflows
+    growths = loss_scale.growths
+    return {
+        "steps": steps.tolist(),
+        "scales": _finite_list(scales),
+        "overflows": _markers(overflows[:, 0], overflows[:, 1]),
+        "growths": _markers(growths[:, 0], growths[:, 2]),
+        "overflow_count": len(overflows),
+        "growth_count": len(growths),
+    }
+
+
+def _decimate_step_function(steps: np.ndarray, values: np.ndarray, limit: int):
+    """At most ~`limit` vertices: per bucket of steps, its first, min and max."""
+    if len(steps) <= limit:
+        return steps, values
+    buckets = limit // 3
+    edges = np.linspace(steps[0], steps[-1] + 1, buckets + 1)
+    bucket = np.clip(np.searchsorted(edges, steps, side="right") - 1, 0, buckets - 1)
+    starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]])
+    ends = np.r_[starts[1:], len(steps)]
+    keep = set()
+    for start, end in zip(starts, ends, strict=True):
+        chunk = values[start:end]
+        keep.update(
+            (start, start + int(np.argmin(chunk)), start + int(np.argmax(chunk)))
+        )
+    keep.add(len(steps) - 1)
+    index = np.array(sorted(keep))
+    return steps[index], values[index]
+
+
+def _markers(steps: np.ndarray, scales: np.ndarray) -> dict:
+    """Marker positions; beyond MAX_EVENT_MARKERS one per bucket, with counts."""
+    steps = steps.astype(np.int64)
+    if len(steps) <= MAX_EVENT_MARKERS:
+        return {"steps": steps.tolist(), "scales": _finite_list(scales), "counts": None}
+    edges = np.linspace(steps.min(), steps.max() + 1, MAX_EVENT_MARKERS + 1)
+    bucket = np.clip(
+        np.searchsorted(edges, steps, side="right") - 1, 0, MAX_EVENT_MARKERS - 1
+    )
+    used, first, counts = np.unique(bucket, return_index=True, return_counts=True)
+    peak = np.full(MAX_EVENT_MARKERS, -np.inf)
+    np.maximum.at(peak, bucket, scales)
+    return {
+        "steps": steps[first].tolist(),
+        "scales": _finite_list(peak[used]),
+        "counts": counts.tolist(),
+    }
+
+
+def _numerics_data(numerics) -> dict:
+    steps = np.asarray(numerics.steps, dtype=np.int64)
+    groups = _column_groups(len(steps), MAX_HEATMAP_STEPS)
+    forward_max = np.asarray(numerics.forward["abs_max"], dtype=np.float64)
+    backward_max = np.asarray(numerics.backward["abs_max"], dtype=np.float64)
+    maps = {
+        "forward_log10_abs_max": _log10_map(forward_max, groups),
+        "backward_log10_abs_max": _log10_map(backward_max, groups),
+        "forward_nonfinite_frac": _worst_map(
+            numerics.forward["nonfinite_frac"], groups
+        ),
+        "backward_underflow_frac": _worst_map(
+            numerics.backward["underflow_frac"], groups
+        ),
+    }
+    overflow = {
+        "forward": _overflow_cells(
+            forward_max, numerics.forward["nonfinite_frac"], numerics.policy_max, groups
+        ),
+        "backward": _overflow_cells(
+            backward_max, numerics.backward["nonfinite_frac"], math.inf, groups
+        ),
+    }
+    return {
+        "layers": [_label(name) for name in numerics.layers],
+        "steps": [int(steps[g[0]]) for g in groups],
+        "policy_log10_max": round(math.log10(numerics.policy_max), 3),
+        "maps": maps,
+        "overflow": overflow,
+        "forensic_steps": steps[np.asarray(numerics.forensic, dtype=bool)].tolist()[
+            :MAX_EVENT_MARKERS
+        ],
+    }
+
+
+def _column_groups(count: int, limit: int) -> list[np.ndarray]:
+    """Consecutive sample indices merged into at most `limit` columns."""
+    return np.array_split(np.arange(count), min(count, limit))
+
+
+def _reduce_columns(values, groups, reduce) -> np.ndarray:
+    values = np.asarray(values, dtype=np.float64)
+    return np.stack([reduce(values[g], axis=0) for g in groups], axis=1)  # [L, C]
+
+
+def _log10_map(abs_max: np.ndarray, groups) -> list:
+    with np.errstate(all="ignore"):
+        finite = np.where(np.isfinite(abs_max) & (abs_max > 0), abs_max, np.nan)
+        merged = _reduce_columns(finite, groups, _nanmax)
+        return _finite_list(np.round(np.log10(merged), 2))
+
+
+def _worst_map(fractions, groups) -> list:
+    merged = _reduce_columns(fractions, groups, _nanmax)
+    return _finite_list(np.round(merged, 3))
+
+
+def _nanmax(values: np.ndarray, axis: int) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        filled = np.where(np.isnan(values), -np.inf, values)
+        result = filled.max(axis=axis)
+    return np.where(np.isneginf(result), np.nan, result)
+
+
+def _overflow_cells(abs_max, nonfinite, limit, groups) -> dict:
+    """(step, layer) cells where values overflowed, for markers over a heatmap."""
+    abs_max = np.asarray(abs_max, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        bad = (np.asarray(nonfinite) > 0) | ~np.isfinite(abs_max) | (abs_max > limit)
+    merged = np.stack([bad[g].any(axis=0) for g in groups], axis=1)  # [L, C]
+    layer, column = np.nonzero(merged)
+    keep = slice(0, MAX_EVENT_MARKERS)
+    return {"layer": layer[keep].tolist(), "column": column[keep].tolist()}
+
+
+def _gpu_data(gpu) -> list[dict]:
+    columns = tuple(getattr(schema, "GPU_SAMPLE_COLUMNS", ()))
+    samples = np.asarray(gpu.samples, dtype=np.float64)
+    if not columns or samples.ndim != 2 or not len(samples):
+        return []
+    samples = samples.reshape(len(samples), len(columns))
+    time = samples[:, columns.index("wall_time")] if "wall_time" in columns else None
+    x = time - np.nanmin(time) if time is not None else np.arange(len(samples))
+    devices = (
+        samples[:, columns.index("device")]
+        if "device" in columns
+        else np.zeros(len(samples))
+    )
+    tracks = []
+    for column, title in GPU_TRACKS:
+        if column not in columns:
+            continue
+        values = samples[:, columns.index(column)]
+        if not np.isfinite(values).any():
+            continue
+        lines = []
+        for device in np.unique(devices[np.isfinite(devices)]):
+            mine = np.flatnonzero(devices == device)
+            stride = max(1, math.ceil(len(mine) / MAX_GPU_POINTS))
+            mine = mine[::stride]
+            lines.append(
+                {
+                    "name": f"GPU {int(device)}",
+                    "x": _finite_list(np.round(x[mine], 2)),
+                    "y": _finite_list(np.round(values[mine], 2)),
+                }
+            )
+        tracks.append({"title": title, "lines": lines})
+    return tracks
+
+
+def _finite_list(values) -> list:
+    """A list JSON can hold: NaN and inf become null."""
+    array = np.asarray(values, dtype=np.float64)
+    return np.where(np.isfinite(array), array, None).tolist()
+
+
+def _label(text) -> str:
+    """`text` for a plotly label: plotly renders labels as markup, so escape it."""
+    return html.escape(str(text), quote=False)
+
+
+# ------------------------------------------------------------------ the HTML
+
+
+def _e(value) -> str:
+    return html.escape("" if value is None else str(value))
+
+
+def _run_section(
+    index: int, run: reader.Run, result: diagnosis.Diagnosis, data: dict
+) -> str:
+    parts = [f'<section class="run" id="run-{index}"><h2>Run {_e(run.name)}</h2>']
+    if run.warnings:
+        items = "".join(f"<li>{_e(w)}</li>" for w in run.warnings)
+        parts.append(
+            f'<div class="warnings"><b>Could not read everything:</b>'
+            f"<ul>{items}</ul></div>"
+        )
+    parts.append(_context_html(run))
+    parts.append(_findings_html(result))
+    parts.append(_inventory_html(run.inventory))
+    parts.append("<h3>Loss scale</h3>")
+    if "loss_scale" in data:
+        parts.append(
+            f'<div class="plot" data-kind="loss_scale" data-run="{index}"></div>'
+        )
+    else:
+        parts.append(
+            "<p class=muted>No dynamic loss scale was recorded (the optimizer "
+            "is not a LossScaleOptimizer).</p>"
+        )
+    parts.append("<h3>Per-layer numerics</h3>")
+    if "numerics" in data:
+        for key in data["numerics"]["maps"]:
+            parts.append(
+                f'<div class="plot heatmap" data-kind="numerics" '
+                f'data-map="{key}" data-run="{index}"></div>'
+            )
+    else:
+        parts.append(
+            "<p class=muted>Not recorded: pass numerics_every=N to "
+            "mpprof.MixedPrecisionProfiler to sample per-layer activations "
+            "and gradients.</p>"
+        )
+    parts.append(_gpu_html(run, data, index))
+    parts.append("</section>")
+    return "\n".join(parts)
+
+
+def _context_html(run: reader.Run) -> str:
+    context = run.context
+    if not context:
+        return "<h3>Run context</h3><p class=muted>No run context was recorded.</p>"
+    loss_scale = context.get("collectors", {}).get("loss_scale", {})
+    rows = [
+        ("model policy", context.get("model_policy")),
+        ("global policy", context.get("global_policy")),
+        ("optimizer", context.get("optimizer")),
+        ("loss scale", ", ".join(f"{k}={v}" for k, v in loss_scale.items())),
+        ("jit_compile", context.get("jit_compile")),
+        ("steps_per_execution", context.get("steps_per_execution")),
+        (
+            "strategy",
+            f"{context.get('distribution_strategy')} x{context.get('num_replicas')}",
+        ),
+        ("devices", ", ".join(str(d.get("name")) for d in context.get("devices", []))),
+        ("GPUs visible to TensorFlow", context.get("gpus_visible_to_tensorflow")),
+        (
+            "hardware",
+            json.dumps(context["hardware"]) if "hardware" in context else None,
+        ),
+        (
+            "versions",
+            f"TensorFlow {context.get('tensorflow_version')}, Keras "
+            f"{context.get('keras_version')}, mpprof "
+            f"{context.get('mpprof_version')}, Python "
+            f"{context.get('python_version')}",
+        ),
+        ("host", context.get("host")),
+    ]
+    loss = run.loss_scale
+    if loss is not None:
+        rows.append(
+            (
+                "loss scale run",
+                f"{loss.initial_scale:g} -> {loss.final_scale:g}"
+                f" over {loss.steps_run - loss.first_step} steps; "
+                f"{loss.skipped_steps} overflows, {len(loss.growths)} growths",
+            )
+        )
+    health = getattr(run, "health", None)
+    if health:
+        rows.append(("health", json.dumps(health)))
+    body = "".join(
+        f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows if v is not None
+    )
+    return f'<h3>Run context</h3><table class="context">{body}</table>'
+
+
+def _findings_html(result: diagnosis.Diagnosis) -> str:
+    parts = [f"<h3>Findings ({len(result.findings)})</h3>"]
+    if not result.findings:
+        parts.append("<p>No findings.</p>")
+    for finding in result.findings:
+        item = finding.to_dict()
+        where = []
+        if finding.layer is not None:
+            where.append(f"layer <code>{_e(finding.layer)}</code>")
+        if finding.step is not None:
+            where.append(f"step {finding.step}")
+        parts.append(
+            f'<div class="finding {_e(finding.severity)}">'
+            f'<div class="head"><span class="sev">{_e(finding.severity)}</span> '
+            f'<span class="code">{_e(finding.code)}</span> {_e(finding.title)}</div>'
+            f'<div class="where">{" · ".join(where)}</div>'
+            f"<details><summary>evidence</summary><pre>"
+            f"{_e(json.dumps(item['evidence'], indent=1))}</pre></details>"
+            f'<div class="fix"><b>Fix</b><pre>{_e(finding.fix)}</pre></div></div>'
+        )
+    unmeasured = result.not_measured
+    if unmeasured:
+        items = "".join(
+            f"<li><b>{_e(c.code)}</b>: {_e(c.reason)}</li>" for c in unmeasured
+        )
+        parts.append(f'<div class="muted">Not measured:<ul>{items}</ul></div>')
+    return "\n".join(parts)
+
+
+_INVENTORY_COLUMNS = (
+    ("name", "layer"),
+    ("class", "class"),
+    ("policy", "policy"),
+    ("compute_dtype", "compute"),
+    ("variable_dtype", "variables"),
+    ("output_dtypes", "outputs"),
+    ("params", "params"),
+    ("gemm_dims", "GEMM dims"),
+    ("tensor_core_friendly", "Tensor Core friendly"),
+    ("float32_island", "float32 island"),
+)
+
+
+def _inventory_html(inventory: dict | None) -> str:
+    if not inventory:
+        return (
+            "<h3>Precision inventory</h3><p class=muted>Not recorded (the train "
+            "step never traced).</p>"
+        )
+    model = inventory.get("model", {})
+    head = "".join(f"<th>{_e(title)}</th>" for _, title in _INVENTORY_COLUMNS)
+    rows = []
+    for layer in inventory.get("layers", []):
+        cells = []
+        for key, _ in _INVENTORY_COLUMNS:
+            value = layer.get(key)
+            if isinstance(value, list):
+                value = ", ".join(str(v) for v in value)
+            cells.append(f"<td>{_e(value)}</td>")
+        classes = []
+        if not layer.get("is_leaf"):
+            classes.append("container")
+        if layer.get("float32_island"):
+            classes.append("island")
+        if layer.get("misaligned_dims"):
+            classes.append("misaligned")
+        rows.append(f'<tr class="{" ".join(classes)}">{"".join(cells)}</tr>')
+    casts = inventory.get("casts", [])
+    cast_rows = "".join(
+        f"<tr><td>{_e(c.get('from_layer') or 'input')}</td>"
+        f"<td>{_e(c.get('layer'))}</td>"
+        f"<td>{_e(c.get('from_dtype'))} &rarr; {_e(c.get('to_dtype'))}</td></tr>"
+        for c in casts
+    )
+    return (
+        f"<h3>Precision inventory</h3><p>Model <code>{_e(model.get('name'))}</code> "
+        f"({_e(model.get('class'))}), policy {_e(model.get('policy'))}, output "
+        f"{_e(', '.join(model.get('output_dtypes', [])))}, {_e(model.get('params'))} "
+        f'parameters.</p><div class="scroll"><table class="inventory"><tr>{head}</tr>'
+        f"{''.join(rows)}</table></div>"
+        f"<h4>Casts between layers ({len(casts)})</h4>"
+        + (
+            f'<table class="casts"><tr><th>from</th><th>into</th><th>cast</th></tr>'
+            f"{cast_rows}</table>"
+            if casts
+            else "<p class=muted>None.</p>"
+        )
+    )
+
+
+def _gpu_html(run: reader.Run, data: dict, index: int) -> str:
+    gpu = getattr(run, "gpu", None)
+    parts = ["<h3>GPU</h3>"]
+    if gpu is None:
+        parts.append("<p class=muted>No GPU data was recorded.</p>")
+        return "\n".join(parts)
+    parts.append(f"<p>Sampler mode: {_e(getattr(gpu, 'mode', None))}</p>")
+    for track in range(len(data.get("gpu", []))):
+        parts.append(
+            f'<div class="plot gpu" data-kind="gpu" data-track="{track}" '
+            f'data-run="{index}"></div>'
+        )
+    kernels = getattr(gpu, "kernels", None)
+    if kernels:
+        parts.append(f"<h4>Kernels</h4><pre>{_e(json.dumps(kernels, indent=1))}</pre>")
+    return "\n".join(parts)
+
+
+def _page(logdir: str, names: list[str], sections: list[str], data: list[dict]) -> str:
+    generated = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    nav = " · ".join(
+        f'<a href="#run-{i}">{_e(name)}</a>' for i, name in enumerate(names)
+    )
+    payload = _script_json(data)
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<title>mpprof report: {_e(logdir)}</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>{_static("report.css")}</style>
+<script>{_plotly_js()}</script>
+</head><body>
+<header><h1>mpprof report</h1>
+<p>Logdir <code>{_e(logdir)}</code>, {len(names)} run(s), generated {_e(generated)}
+by mpprof {_e(mpprof.__version__)}. Runs: {nav}</p></header>
+{"".join(sections)}
+<script type="application/json" id="mpprof-data">{payload}</script>
+<script>{_static("report.js")}</script>
+</body></html>
+"""
+
+
+def _script_json(value) -> str:
+    """JSON safe inside <script>: no `</` can end the element early."""
+    text = json.dumps(value, separators=(",", ":"), allow_nan=False)
+    return text.replace("</", "<\\/").replace("<!--", "<\\u0021--")
+
+
+def _plotly_js() -> str:
+    import plotly
+
+    path = pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    return path.read_text(encoding="utf-8").replace("</script", "<\\/script")
+
+
+def _static(name: str) -> str:
+    """A file shipped beside this module in report_static/."""
+    return (pathlib.Path(__file__).parent / "report_static" / name).read_text(
+        encoding="utf-8"
+    )

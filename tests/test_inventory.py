@@ -1,0 +1,149 @@
+"""The precision inventory on real models trained on CPU."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import mnist_like, seed_model
+
+import mpprof
+from mpprof import reader
+
+
+def _fit(model, x, y, logdir, **fit_kwargs):
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+              callbacks=[mpprof.MixedPrecisionProfiler(log_dir=str(logdir))], **fit_kwargs)
+    return reader.read_run(logdir, "train")
+
+
+def _by_name(inventory):
+    return {layer["name"]: layer for layer in inventory["layers"]}
+
+
+def test_seed_model_with_float32_logits(seed_logdir):
+    inventory = reader.read_run(seed_logdir, "train").inventory
+    layers = _by_name(inventory)
+    assert [layer["name"] for layer in inventory["layers"]] == ["dense", "dense_1"]
+    hidden, logits = layers["dense"], layers["dense_1"]
+    assert (hidden["compute_dtype"], hidden["variable_dtype"]) == ("float16", "float32")
+    assert hidden["output_dtypes"] == ["float16"]
+    assert hidden["gemm_dims"] == [784, 256] and hidden["tensor_core_friendly"] is True
+    assert logits["policy"] == "float32" and logits["output_dtypes"] == ["float32"]
+    assert logits["float32_island"] is True and hidden["float32_island"] is False
+    assert hidden["params"] == 784 * 256 + 256 and logits["params"] == 256 * 10 + 10
+    assert inventory["model"]["output_dtypes"] == ["float32"]
+    casts = {(c["from_layer"], c["layer"], c["from_dtype"], c["to_dtype"])
+             for c in inventory["casts"]}
+    assert casts == {(None, "dense", "float32", "float16"),
+                     ("dense", "dense_1", "float16", "float32")}
+
+
+def test_float16_softmax_and_misaligned_units(tmp_path):
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([
+        keras.layers.Input((784,)),
+        keras.layers.Dense(256, activation="relu", name="hidden"),
+        keras.layers.Dense(10, name="logits"),
+        keras.layers.Softmax(name="softmax"),
+    ])
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x, y = mnist_like(64)
+    inventory = _fit(model, x, y, tmp_path).inventory
+    layers = _by_name(inventory)
+    assert layers["softmax"]["output_dtypes"] == ["float16"]
+    assert inventory["model"]["output_dtypes"] == ["float16"]
+    assert layers["logits"]["misaligned_dims"] == [10]
+    assert layers["logits"]["tensor_core_friendly"] is False
+    assert not any(layer["float32_island"] for layer in inventory["layers"])
+
+
+def test_functional_branches_in_call_order(tmp_path):
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((16,))
+    left = keras.layers.Dense(8, name="left")(inputs)
+    right = keras.layers.Dense(8, name="right", dtype="float32")(inputs)
+    merged = keras.layers.Add(name="merge")([left, right])
+    outputs = keras.layers.Dense(1, name="head", dtype="float32")(merged)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse")
+    inventory = _fit(model, np.ones((32, 16), "float32"), np.ones((32, 1), "float32"),
+                     tmp_path).inventory
+    order = [layer["name"] for layer in inventory["layers"]]
+    assert order.index("merge") > max(order.index("left"), order.index("right"))
+    assert order.index("head") == len(order) - 1
+    layers = _by_name(inventory)
+    assert layers["merge"]["compute_dtype"] == "float16"
+    assert layers["right"]["float32_island"] and not layers["left"]["float32_island"]
+    casts = {(c["from_layer"], c["layer"], c["from_dtype"], c["to_dtype"])
+             for c in inventory["casts"]}
+    assert ("right", "merge", "float32", "float16") in casts
+    assert ("merge", "head", "float16", "float32") in casts
+
+
+class Block(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.Sequential([keras.layers.Dense(12, activation="relu")], name="inner")
+        self.norm = keras.layers.LayerNormalization(name="norm")
+
+    def call(self, x):
+        return self.norm(self.inner(x))
+
+
+class SubclassedNet(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.embed = keras.layers.Dense(16, name="embed")
+        self.block = Block(name="block")
+        self.attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, name="mha")
+        self.head = keras.layers.Dense(1, dtype="float32", name="head")
+
+    def call(self, x):
+        h = self.embed(x)
+        h = self.attention(h, h)
+        return self.head(self.block(h))
+
+
+@pytest.fixture(scope="module")
+def subclassed_inventory(tmp_path_factory):
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = SubclassedNet()
+    model.compile(optimizer="adam", loss="mse")
+    logdir = tmp_path_factory.mktemp("subclassed")
+    x, y = np.random.rand(32, 6, 8).astype("float32"), np.random.rand(32, 6, 1).astype("float32")
+    return _fit(model, x, y, logdir).inventory
+
+
+def test_subclassed_nested_model_layers(subclassed_inventory):
+    layers = _by_name(subclassed_inventory)
+    assert layers["block"]["is_leaf"] is False
+    assert layers["block/inner"]["parent"] == "block"
+    nested_dense = [n for n in layers if n.startswith("block/inner/")]
+    assert len(nested_dense) == 1 and layers[nested_dense[0]]["output_dtypes"] == ["float16"]
+    assert layers["block/norm"]["compute_dtype"] == "float16"
+    called = [layer for layer in subclassed_inventory["layers"] if layer["call_index"] is not None]
+    indexes = [layer["call_index"] for layer in called]
+    assert indexes == sorted(indexes) and len(set(indexes)) == len(indexes)
+    names = [layer["name"] for layer in called]
+    assert names.index("embed") < names.index("mha") < names.index(nested_dense[0])
+    assert names.index("block/norm") < names.index("head")
+
+
+def test_multi_head_attention_internals(subclassed_inventory):
+    layers = _by_name(subclassed_inventory)
+    internals = {n.split("/", 1)[1]: layer for n, layer in layers.items() if n.startswith("mha/")}
+    assert {"query", "key", "value", "attention_output"} <= set(internals)
+    # query: (d_model=16) -> heads * key_dim = 8; output: 8 -> 16.
+    assert internals["query"]["gemm_dims"] == [16, 8]
+    assert internals["attention_output"]["gemm_dims"] == [8, 16]
+    assert all(internals[n]["call_index"] is not None for n in ("query", "key", "value"))
+    assert internals["query"]["output_dtypes"] == ["float16"]
+
+
+def test_mixed_bfloat16_actual_dtypes(tmp_path):
+    model = seed_model("mixed_bfloat16")
+    x, y = mnist_like(64)
+    run = _fit(model, x, y, tmp_path)
+    layers = _by_name(run.inventory)
+    assert layers["dense"]["output_dtypes"] == ["bfloat16"]
+    assert layers["dense"]["variable_dtype"] == "float32"
+    assert run.context["model_policy"] == "mixed_bfloat16"
