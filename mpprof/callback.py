@@ -188,6 +188,8 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._sampling = self._sample_due() and self._prepare_numerics()
         if self._sampling:
             self._numerics.reset()
+            if not self._forensic_due:
+                self._steps_since_sample = 0
 
     def on_train_batch_end(self, batch, logs=None):
         steps = max(1, batch - self._batch_begin + 1)
@@ -269,8 +271,6 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         if forensic:
             self._forensic_used += 1
             self._forensic_due = False
-        else:
-            self._steps_since_sample = 0
         layout = self._numerics.layout(self._policy_max())
         if layout != self._layout_written:
             self._writer.write_json(schema.NUMERICS_LAYOUT, layout, step)

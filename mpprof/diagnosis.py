@@ -311,9 +311,16 @@ class _RunView:
         return self.loss_scale
 
     def require_numerics(self):
-        if self.numerics is None:
-            raise _NotMeasured(_NUMERICS_HINT)
-        return self.numerics
+        if self.numerics is not None and len(self.numerics.steps):
+            return self.numerics
+        state = self.context.get("collectors", {}).get("numerics", {})
+        if state.get("state") == "ok":
+            raise _NotMeasured(
+                f"no step was sampled (numerics_every={state.get('every')} is more "
+                "than the steps run, and no overflow triggered a forensic sample): "
+                "lower numerics_every"
+            )
+        raise _NotMeasured(_NUMERICS_HINT)
 
     @functools.cached_property
     def hardware(self) -> dict | None:
@@ -877,7 +884,9 @@ def _mp010_tensor_core_use(view: _RunView) -> list[Finding]:
     if hardware is not None and hardware.get("cpu_only"):
         raise _NotApplicable("no GPU: Tensor Cores do not apply")
     gpu = view.gpu
-    if gpu is None or getattr(gpu, "mode", "unavailable") == "unavailable":
+    if gpu is None or (
+        getattr(gpu, "mode", "unavailable") == "unavailable" and not gpu.kernels
+    ):
         raise _NotMeasured(
             "no GPU utilisation or kernel statistics were recorded (needs an NVIDIA "
             "GPU "
@@ -1079,7 +1088,9 @@ def _nonfinite_loss_with_finite_grads(view, health, numerics, overflow_steps):
         if not guarded or step not in overflow_steps:
             return step, {
                 "first_nonfinite_loss_step": step,
-                "nonfinite_loss_steps": health.get("nonfinite_loss_steps"),
+                "nonfinite_loss_batches": health.get(
+                    "nonfinite_loss_batches", health.get("nonfinite_loss_steps")
+                ),
                 "loss_scaled": guarded,
                 "step_was_skipped": False,
             }

@@ -149,9 +149,7 @@ def numerics_payload(
     column_starts = downsample.group_starts(len(steps), columns)
     values = downsample.pool_max(matrix, row_starts, column_starts)
     if stat == HEADROOM:
-        values = _headroom(
-            values, numerics.policy_max, stats, row_starts, column_starts
-        )
+        values = _headroom(numerics, values, row_starts, column_starts)
     forensic = np.asarray(numerics.forensic, dtype=bool)
     return {
         "available": True,
@@ -248,18 +246,21 @@ def _tensor_source(mode: str, kernels: dict | None) -> str | None:
     return None
 
 
-def _headroom(abs_max, policy_max, stats, row_starts, column_starts) -> np.ndarray:
-    """log2(policy max / abs max): bits left before the dtype overflows."""
+def _headroom(numerics, abs_max, row_starts, column_starts) -> np.ndarray:
+    """log2(policy max / abs max): bits left before the dtype overflows.
+
+    Cells where the reader says a layer's output overflowed (non-finite, or
+    beyond the policy's max) get OVERFLOW_HEADROOM.
+    """
     with np.errstate(divide="ignore", invalid="ignore"):
-        headroom = np.log2(policy_max / abs_max)
-    overflowed = ~np.isfinite(abs_max) & ~np.isnan(abs_max)
-    overflowed |= abs_max > policy_max
-    if "nonfinite_frac" in stats:
-        nonfinite = np.asarray(stats["nonfinite_frac"], dtype=np.float64).T
-        overflowed |= downsample.pool_max(nonfinite, row_starts, column_starts) > 0
-    headroom[overflowed] = OVERFLOW_HEADROOM
-    # An all-zero activation has unbounded headroom; show it as the most.
-    largest = math.log2(policy_max) + 24 if policy_max else 0.0
+        headroom = np.log2(numerics.policy_max / abs_max)
+    overflowed = numerics.forward_overflowed().T.astype(np.float64)
+    headroom[downsample.pool_max(overflowed, row_starts, column_starts) > 0] = (
+        OVERFLOW_HEADROOM
+    )
+    # An all-zero output has unbounded headroom: show it as the most there is
+    # (the policy max over the float16 smallest subnormal).
+    largest = math.log2(numerics.policy_max / schema.FLOAT16_SMALLEST_SUBNORMAL)
     return np.where(np.isposinf(headroom), largest, headroom)
 
 

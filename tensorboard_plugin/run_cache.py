@@ -10,6 +10,7 @@ cached with it and dropped with it.
 from __future__ import annotations
 
 import collections
+import functools
 import posixpath
 import threading
 import time
@@ -23,6 +24,28 @@ from mpprof import reader, schema
 # Listing runs walks the whole logdir; every route validates its run name
 # against the listing, so it is reused for this long.
 _RUN_LIST_TTL_S = 2.0
+
+
+class _ReadOnceRun(reader.Run):
+    """A `reader.Run` whose derived properties are computed once.
+
+    `Run.numerics` and friends rebuild their arrays on every access (half a
+    second for a large run) and every route and diagnosis rule asks for them;
+    a cached read never changes, so each is kept after its first use.
+    """
+
+    @classmethod
+    def of(cls, run: reader.Run) -> _ReadOnceRun:
+        return cls(
+            name=run.name, path=run.path, records=run.records, warnings=run.warnings
+        )
+
+
+for _name, _attribute in vars(reader.Run).items():
+    if isinstance(_attribute, property):
+        _cached = functools.cached_property(_attribute.fget)
+        _cached.__set_name__(_ReadOnceRun, _name)
+        setattr(_ReadOnceRun, _name, _cached)
 
 
 class CachedRun:
@@ -81,7 +104,9 @@ class RunCache:
                 cached = self._runs.get(run)
             if cached is None or cached.signature != signature:
                 try:
-                    cached = CachedRun(reader.read_run(self.logdir, run), signature)
+                    cached = CachedRun(
+                        _ReadOnceRun.of(reader.read_run(self.logdir, run)), signature
+                    )
                 except reader.NoMpprofDataError as e:
                     raise errors.NotFoundError(str(e)) from e
             with self._lock:

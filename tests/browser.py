@@ -212,8 +212,9 @@ class _DevTools:
         dom = self._evaluate("document.documentElement.outerHTML", session)
         saved = None
         if screenshot:
+            height = self._evaluate("document.documentElement.scrollHeight", session)
             data = self._send(
-                "Page.captureScreenshot", {"format": "png"}, session=session
+                "Page.captureScreenshot", _full_page(height), session=session
             )
             ARTIFACTS.mkdir(exist_ok=True)
             saved = ARTIFACTS / screenshot
@@ -221,6 +222,20 @@ class _DevTools:
         self._drain()
         errors, console = _errors_and_console(self._events)
         return PageLoad(url, dom, errors, console, values, saved)
+
+    def _on_event(self, event: dict) -> None:
+        self._events.append(event)
+        if event.get("method") == "Page.javascriptDialogOpening":
+            # alert()/confirm() block the page until answered; answer without
+            # waiting (the reply is just another message). It counts as an error.
+            self._next_id += 1
+            command = {
+                "id": self._next_id,
+                "method": "Page.handleJavaScriptDialog",
+                "params": {"accept": False},
+                "sessionId": event.get("sessionId"),
+            }
+            os.write(self._to_browser, json.dumps(command).encode() + b"\0")
 
     def _evaluate(self, expression: str, session: str):
         reply = self._send(
@@ -236,25 +251,26 @@ class _DevTools:
 
     def _send(self, method, params=None, *, session=None, timeout=60.0) -> dict:
         self._next_id += 1
-        message = {"id": self._next_id, "method": method, "params": params or {}}
+        message_id = self._next_id
+        message = {"id": message_id, "method": method, "params": params or {}}
         if session:
             message["sessionId"] = session
         os.write(self._to_browser, json.dumps(message).encode() + b"\0")
         deadline = time.monotonic() + timeout
         while True:
             reply = self._next_message(deadline, method)
-            if reply.get("id") == self._next_id:
+            if reply.get("id") == message_id:
                 if "error" in reply:
                     raise RuntimeError(f"DevTools {method} failed: {reply['error']}")
                 return reply.get("result", {})
-            self._events.append(reply)
+            self._on_event(reply)
 
     def _wait_event(self, method: str, deadline: float) -> None:
         if any(e.get("method") == method for e in self._events):
             return
         while True:
             event = self._next_message(deadline, method)
-            self._events.append(event)
+            self._on_event(event)
             if event.get("method") == method:
                 return
 
@@ -275,7 +291,7 @@ class _DevTools:
             except queue.Empty:
                 return
             if message is not None:
-                self._events.append(message)
+                self._on_event(message)
 
     def _read_messages(self) -> None:
         buffer = b""
@@ -286,6 +302,16 @@ class _DevTools:
                 for raw in complete:
                     self._messages.put(json.loads(raw))
         self._messages.put(None)
+
+
+def _full_page(height, max_height: int = 12_000) -> dict:
+    """Screenshot parameters for the whole page (capped), not just the window."""
+    height = min(int(height or 1000), max_height)
+    return {
+        "format": "png",
+        "captureBeyondViewport": True,
+        "clip": {"x": 0, "y": 0, "width": 1400, "height": height, "scale": 1},
+    }
 
 
 def _errors_and_console(events: list[dict]) -> tuple[list[str], list[str]]:
@@ -306,6 +332,8 @@ def _errors_and_console(events: list[dict]) -> tuple[list[str], list[str]]:
                 "description"
             ) or details.get("text")
             errors.append(f"uncaught: {description}")
+        elif method == "Page.javascriptDialogOpening":
+            errors.append(f"dialog: {params.get('type')} {params.get('message')!r}")
         elif method == "Log.entryAdded" and params["entry"]["level"] == "error":
             entry = params["entry"]
             errors.append(

@@ -79,8 +79,15 @@ class StatisticsTable:
         counts, abs_max, histogram = tensor_statistics(tensor)
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
-            counts, histogram = context.all_reduce("sum", [counts, histogram])
-            abs_max = context.all_reduce("max", abs_max)
+            # MirroredStrategy all-reduces only SUM and MEAN: the maximum is
+            # taken from a sum of one-hot vectors, one slot per replica.
+            per_replica_max = abs_max * tf.one_hot(
+                context.replica_id_in_sync_group, context.num_replicas_in_sync
+            )
+            counts, histogram, per_replica_max = context.all_reduce(
+                tf.distribute.ReduceOp.SUM, [counts, histogram, per_replica_max]
+            )
+            abs_max = tf.reduce_max(per_replica_max)
         # One-hot updates instead of scatter ops: XLA has no ResourceScatterNdMax.
         one_hot = tf.one_hot(row, self.rows)
         self._counts.assign_add(one_hot[:, None] * counts[None, :])
@@ -173,7 +180,7 @@ class NumericsCollector:
             if self.instrumenting:
                 scale = tf.cast(loss_scale_getter(), tf.float32)
                 variables = trainable_variables or self._variables
-                for grad, variable in zip(grads, variables):
+                for grad, variable in zip(grads, variables, strict=True):
                     row = self._variable_rows.get(id(variable))
                     if grad is None or row is None or isinstance(grad, tf.IndexedSlices):
                         continue

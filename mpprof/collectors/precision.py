@@ -146,8 +146,8 @@ def gemm_dims(layer) -> list[int] | None:
     equation = getattr(layer, "equation", None)
     if isinstance(equation, str) and "->" in equation and "," in equation:
         input_spec, kernel_spec = equation.split("->")[0].split(",")[:2]
-        contracted = [d for c, d in zip(kernel_spec, shape) if c in input_spec]
-        produced = [d for c, d in zip(kernel_spec, shape) if c not in input_spec]
+        contracted = [d for c, d in zip(kernel_spec, shape, strict=True) if c in input_spec]
+        produced = [d for c, d in zip(kernel_spec, shape, strict=True) if c not in input_spec]
         return [math.prod(contracted), math.prod(produced)]
     return shape[-2:]
 

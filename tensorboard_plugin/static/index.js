@@ -141,8 +141,14 @@ class App {
       this.say("");
       return;
     }
+    // A later show() (a click, a reload) supersedes this one.
+    const generation = (this.generation = (this.generation ?? 0) + 1);
+    const current = () => generation === this.generation;
     const container = el("section", { class: `view-${view}` });
     replace(this.main, container);
+    // data-state lets tests (and users' scripts) wait for a view to finish.
+    this.main.dataset.view = view;
+    this.main.dataset.state = "loading";
     this.say("loading…");
     const context = {
       plotly: this.plotly,
@@ -153,10 +159,14 @@ class App {
     };
     try {
       await VIEWS[view].module.show(container, context);
+      if (!current()) return;
       this.say(`updated ${new Date().toLocaleTimeString()}`);
+      this.main.dataset.state = "ready";
     } catch (error) {
+      if (!current()) return;
       container.append(el("p", { class: "error" }, error.message));
       this.say("failed");
+      this.main.dataset.state = "failed";
     }
   }
 

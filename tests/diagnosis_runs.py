@@ -1,0 +1,290 @@
+"""Small real training runs on CPU, each made to show (or not show) findings.
+
+`logdir(name)` trains the run `name` once per test session and returns its
+log_dir; the diagnosis, CLI and report tests share them. Each builder says
+which finding it must trigger and why it does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import pathlib
+import shutil
+import tempfile
+
+import keras
+import numpy as np
+
+import mpprof
+from mpprof import reader
+from mpprof.writer import RecordWriter
+
+HOSTILE_NAME = "<img src=x onerror=alert(1)>"
+HOSTILE_RUN = "<svg onload=alert(2)>"
+
+_ROOT = pathlib.Path(tempfile.mkdtemp(prefix="mpprof-diagnosis-runs-"))
+atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
+
+
+@functools.cache
+def logdir(name: str) -> pathlib.Path:
+    """The log_dir of run `name` (one of `BUILDERS`), trained on first use."""
+    path = _ROOT / name
+    try:
+        BUILDERS[name](str(path))
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    return path
+
+
+def read(name: str) -> reader.Run:
+    run = HOSTILE_RUN if name == "hostile" else "train"
+    return reader.read_run(logdir(name), run)
+
+
+def _fit(log_dir, model, x, y, *, batch_size=8, epochs=1, **profiler):
+    profiler.setdefault("gpu_interval", None)  # no sampler thread on CPU
+    model.fit(
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=epochs,
+        verbose=0,
+        shuffle=False,
+        callbacks=[mpprof.MixedPrecisionProfiler(log_dir=log_dir, **profiler)],
+    )
+
+
+def _classifier(
+    policy: str,
+    hidden: int = 64,
+    inputs: int = 32,
+    last_dtype="float32",
+    hidden_name=None,
+    **compile_kwargs,
+) -> keras.Model:
+    keras.mixed_precision.set_dtype_policy(policy)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.layers.Input((inputs,)),
+            keras.layers.Dense(hidden, activation="relu", name=hidden_name),
+            keras.layers.Dense(8, dtype=last_dtype),
+        ]
+    )
+    compile_kwargs.setdefault("optimizer", "adam")
+    model.compile(
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        **compile_kwargs,
+    )
+    return model
+
+
+def _classes(samples=64, inputs=32):
+    rng = np.random.default_rng(0)
+    return rng.random((samples, inputs), dtype=np.float32), rng.integers(0, 8, samples)
+
+
+def _regression(
+    kernel=None,
+    head=None,
+    *,
+    initial_scale=2.0**15,
+    learning_rate=0.0,
+    loss="mse",
+    growth_steps=2000,
+    width=16,
+) -> keras.Model:
+    """Ones in, a fixed target out: every step sees the same gradients.
+
+    `learning_rate=0` keeps the weights (and so the gradients) constant, which
+    makes the loss-scale trajectory deterministic.
+    """
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    kernel = kernel or "glorot_uniform"
+    model = keras.Sequential(
+        [
+            keras.layers.Input((8,)),
+            keras.layers.Dense(width, kernel_initializer=kernel, name="first"),
+            keras.layers.Dense(width, kernel_initializer=kernel, name="second"),
+            keras.layers.Dense(
+                1,
+                dtype="float32",
+                kernel_initializer=head or "glorot_uniform",
+                name="head",
+            ),
+        ]
+    )
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(learning_rate),
+        initial_scale=initial_scale,
+        dynamic_growth_steps=growth_steps,
+    )
+    model.compile(optimizer=optimizer, loss=loss)
+    return model
+
+
+def _ones(samples, target):
+    return np.ones((samples, 8), np.float32), np.full((samples, 1), target, np.float32)
+
+
+# Healthy runs: no finding may fire except what applies (MP011 on a CPU).
+
+
+def healthy_mixed(log_dir):
+    """mixed_float16, float32 logits, aligned shapes, numerics sampled."""
+    x, y = _classes()
+    _fit(log_dir, _classifier("mixed_float16"), x, y, epochs=2, numerics_every=2)
+
+
+def healthy_float32(log_dir):
+    """Plain float32: no mixed-precision finding applies at all."""
+    x, y = _classes()
+    _fit(log_dir, _classifier("float32"), x, y, epochs=2, numerics_every=2)
+
+
+def healthy_bfloat16(log_dir):
+    """mixed_bfloat16: no loss scale needed, none of the float16 rules apply."""
+    x, y = _classes()
+    _fit(log_dir, _classifier("mixed_bfloat16"), x, y, epochs=2, numerics_every=2)
+
+
+def growth_probes(log_dir):
+    """A healthy loss scale that grows every 3 steps and overflows right after.
+
+    Regression to 1000 with the weights frozen: the scale settles where the
+    gradients just fit float16, then each growth (doubling) overflows once and
+    halves back. Those probe overflows are the loss scale working: MP002 must
+    not count them.
+    """
+    x, y = _ones(8 * 40, 1000.0)
+    model = _regression(initial_scale=2.0**9, growth_steps=3)
+    _fit(log_dir, model, x, y, numerics_every=None)
+
+
+# Runs that must trigger findings.
+
+
+def storm(log_dir):
+    """MP002: initial scale 2**30, ~20 halvings before the gradients fit."""
+    x, y = _ones(8 * 24, 1000.0)
+    _fit(log_dir, _regression(initial_scale=2.0**30), x, y, numerics_every=None)
+
+
+def collapse(log_dir):
+    """MP001: targets of 1e8 overflow float16 gradients even at scale 1."""
+    x, y = _ones(8 * 32, 1e8)
+    _fit(log_dir, _regression(), x, y, numerics_every=None)
+
+
+def forward_overflow(log_dir):
+    """MP003: kernels of 300: "first" outputs 2,400, "second" 11.5M > 65504."""
+    x, y = _ones(8 * 4, 0.0)
+    model = _regression(keras.initializers.Constant(300.0))
+    _fit(log_dir, model, x, y, numerics_every=1)
+
+
+def headroom(log_dir):
+    """MP004: kernels of 8: "second" outputs 8,192, within 16x of 65504."""
+    x, y = _ones(8 * 4, 0.0)
+    model = _regression(keras.initializers.Constant(8.0), head="zeros")
+    _fit(log_dir, model, x, y, numerics_every=1)
+
+
+def underflow(log_dir):
+    """MP005: the loss times 1e-6 at scale 1: gradients ~1e-7, subnormal."""
+
+    def tiny_mse(y_true, y_pred):
+        return 1e-6 * keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+
+    x, y = _ones(8 * 4, 1.0)
+    model = _regression(
+        initial_scale=1.0,
+        loss=tiny_mse,
+        growth_steps=10_000,
+        head=keras.initializers.Constant(0.5),
+    )
+    _fit(log_dir, model, x, y, numerics_every=1)
+
+
+def half_output_misaligned(log_dir):
+    """MP006: the last Dense outputs float16; MP007: 100 and 20 are not
+    multiples of 8."""
+    x, y = _classes(inputs=20)
+    model = _classifier(
+        "mixed_float16", hidden=100, inputs=20, last_dtype=None, hidden_name="hidden"
+    )
+    _fit(log_dir, model, x, y, numerics_every=2)
+
+
+def no_loss_scaling(log_dir):
+    """MP008: mixed_float16 compiled with auto_scale_loss=False."""
+    x, y = _classes()
+    _fit(log_dir, _classifier("mixed_float16", auto_scale_loss=False), x, y)
+
+
+def policy_after_build(log_dir):
+    """MP009: the model is built under float32, the policy set afterwards."""
+    model = _classifier("float32")
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    x, y = _classes()
+    _fit(log_dir, model, x, y)
+
+
+def nan_weights(log_dir):
+    """MP012: a NaN in the data of a float32 run: NaN loss, then NaN weights."""
+    x, y = _classes()
+    x[3, 0] = np.nan
+    keras.mixed_precision.set_dtype_policy("float32")
+    _fit(log_dir, _classifier("float32", optimizer=keras.optimizers.SGD(0.1)), x, y)
+
+
+def hostile(log_dir):
+    """The forward_overflow run with a layer and the run named like HTML.
+
+    TensorFlow refuses such names in a graph (not a valid scope name), so the
+    records of a real run are rewritten through the schema writer, the way a
+    crafted logdir would arrive.
+    """
+    source = reader.read_run(logdir("forward_overflow"), "train")
+    writer = RecordWriter(pathlib.Path(log_dir) / HOSTILE_RUN)
+    for record, found in source.records.items():
+        for item in found:
+            if isinstance(item.value, dict):
+                writer.write_json(record, _renamed(item.value), item.step)
+            else:
+                writer.write_array(record, item.value, item.step)
+    writer.close()
+
+
+def _renamed(value, old="second", new=HOSTILE_NAME):
+    if isinstance(value, dict):
+        return {k: _renamed(v, old, new) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_renamed(v, old, new) for v in value]
+    if isinstance(value, str):
+        return "/".join(new if part == old else part for part in value.split("/"))
+    return value
+
+
+BUILDERS = {
+    builder.__name__: builder
+    for builder in (
+        healthy_mixed,
+        healthy_float32,
+        healthy_bfloat16,
+        growth_probes,
+        storm,
+        collapse,
+        forward_overflow,
+        headroom,
+        underflow,
+        half_output_misaligned,
+        no_loss_scaling,
+        policy_after_build,
+        nan_weights,
+        hostile,
+    )
+}

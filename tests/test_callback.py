@@ -1,0 +1,177 @@
+"""The callback's contract: arguments, logdir, leaving the model as found."""
+
+import _thread
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import mnist_like, overflow_data, overflow_model, seed_model
+
+import mpprof
+from mpprof import reader, schema
+from mpprof.collectors.layer_calls import is_patched
+
+TESTS = os.path.dirname(__file__)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"log_dir": None}, "log_dir"),
+        ({"log_dir": "  "}, "log_dir"),
+        ({"numerics_every": 0}, "numerics_every"),
+        ({"numerics_every": 2.5}, "numerics_every"),
+        ({"forensic_budget": -1}, "forensic_budget"),
+        ({"flush_every_steps": True}, "flush_every_steps"),
+    ],
+)
+def test_invalid_arguments_name_the_argument(kwargs, argument):
+    kwargs = {"log_dir": "logs", **kwargs}
+    with pytest.raises(ValueError, match=argument):
+        mpprof.MixedPrecisionProfiler(**kwargs)
+
+
+def _assert_model_left_as_found(model):
+    layers = [model] + [layer for layer in model._flatten_layers(include_self=False)]
+    assert not any(is_patched(layer) for layer in layers)
+    optimizer_patches = {"apply", "scale_loss", "_stateful_handle_finite_grads",
+                         "_stateful_handle_non_finite_grads"} & set(vars(model.optimizer))
+    assert not optimizer_patches
+    assert not isinstance(getattr(model.train_function, "__self__", None),
+                          mpprof.MixedPrecisionProfiler)
+
+
+def test_unwritable_log_dir_fails_at_train_begin(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    model = seed_model()
+    x, y = mnist_like(32)
+    profiler = mpprof.MixedPrecisionProfiler(log_dir=str(blocker / "logs"))
+    with pytest.raises(OSError, match="cannot write its records to .*a_file/logs/train"):
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[profiler])
+    _assert_model_left_as_found(model)
+    model.fit(x, y, epochs=1, verbose=0)
+
+
+class InterruptInsideStep(keras.layers.Layer):
+    """Presses Ctrl+C (interrupts the main thread) while step `at` runs."""
+
+    def __init__(self, at, **kwargs):
+        super().__init__(**kwargs)
+        self.at = at
+        self.calls = 0
+
+    def _maybe_interrupt(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            _thread.interrupt_main()
+        return x
+
+    def call(self, x):
+        y = tf.py_function(self._maybe_interrupt, [x], Tout=x.dtype)
+        y.set_shape(x.shape)
+        return y
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+def test_interrupted_fit_keeps_records_and_restores_the_model(tmp_path):
+    keras.utils.set_random_seed(4)
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(8, name="dense")(inputs)
+    hidden = InterruptInsideStep(at=30, name="interrupt")(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32", name="out")(hidden))
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(1e-6), initial_scale=2.0**30), loss="mse")
+    x, y = overflow_data()
+    profiler = mpprof.MixedPrecisionProfiler(str(tmp_path), numerics_every=5)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=8, epochs=5, verbose=0, callbacks=[profiler])
+    _assert_model_left_as_found(model)
+    run = reader.read_run(tmp_path, "train")
+    assert run.inventory is not None and run.numerics is not None
+    # Everything up to the interrupted step was read when fit raised.
+    assert run.loss_scale.steps_run >= 29
+    assert run.loss_scale.steps_run == int(model.optimizer.iterations.numpy()) + int(
+        run.loss_scale.skipped_steps
+    )
+    model.save(tmp_path / "model.keras")
+    restored = keras.models.load_model(
+        tmp_path / "model.keras", custom_objects={"InterruptInsideStep": InterruptInsideStep}
+    )
+    np.testing.assert_array_equal(restored.get_layer("dense").kernel.numpy(),
+                                  model.get_layer("dense").kernel.numpy())
+
+
+class _FailingCallback(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 3:
+            raise RuntimeError("a user's callback failed")
+
+
+def test_error_in_another_callback_is_cleaned_up_by_the_next_fit(tmp_path):
+    model = overflow_model()
+    x, y = overflow_data()
+    profiler = mpprof.MixedPrecisionProfiler(str(tmp_path))
+    with pytest.raises(RuntimeError, match="a user's callback failed"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+                  callbacks=[profiler, _FailingCallback()])
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    _assert_model_left_as_found(model)
+    assert reader.read_run(tmp_path, "train").loss_scale.steps_run >= 4
+
+
+def test_beside_keras_tensorboard_and_save_after_fit(tmp_path):
+    model = seed_model()
+    x, y = mnist_like(64)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[
+        keras.callbacks.TensorBoard(log_dir=str(tmp_path)),
+        mpprof.MixedPrecisionProfiler(log_dir=str(tmp_path)),
+    ])
+    train_files = os.listdir(tmp_path / schema.TRAIN_RUN)
+    ours = [f for f in train_files if f.endswith(schema.EVENT_FILE_SUFFIX)]
+    theirs = [f for f in train_files if "tfevents" in f and f not in ours]
+    assert len(ours) == 1 and theirs
+    assert reader.list_runs(tmp_path) == ["train"]
+    run = reader.read_run(tmp_path, "train")
+    assert run.loss_scale.steps_run == 8 and not run.warnings
+    _assert_model_left_as_found(model)
+    model.save(tmp_path / "seed.keras")
+    restored = keras.models.load_model(tmp_path / "seed.keras")
+    np.testing.assert_allclose(restored.predict(x[:4], verbose=0), model.predict(x[:4], verbose=0))
+
+
+def test_run_context(seed_logdir):
+    context = reader.read_run(seed_logdir, "train").context
+    assert context["model_policy"] == context["global_policy"] == "mixed_float16"
+    assert context["optimizer"] == "LossScaleOptimizer"
+    assert context["collectors"]["loss_scale"]["initial_scale"] == 2.0**15
+    assert context["collectors"]["loss_scale"]["mode"] == "graph_counters"
+    assert context["tensorflow_version"] == tf.__version__
+    assert context["keras_version"] == keras.__version__
+    assert context["steps_per_execution"] == 1 and context["jit_compile"] in (True, False)
+    assert any(device["type"] == "CPU" for device in context["devices"])
+
+
+def test_mirrored_strategy_on_two_logical_cpus(tmp_path):
+    result = subprocess.run(
+        [sys.executable, os.path.join(TESTS, "mirrored_fit.py"), str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (found["strategy"], found["replicas"]) == ("MirroredStrategy", 2)
+    assert found["scale_after"] == found["probe_scales"]
+    assert found["steps_run"] == len(found["probe_scales"])
+    assert len(found["overflow_steps"]) == found["steps_run"] - found["iterations"]
+    assert found["numerics_layers"] == ["dense", "dense_1"]
+    # Statistics cover both replicas: 16 examples x 8 units, and the max of both.
+    assert set(found["forward_count"]) == {128.0}
+    assert found["forward_abs_max"][0] == pytest.approx(found["expected_abs_max"])

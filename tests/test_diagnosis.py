@@ -1,0 +1,371 @@
+"""The finding catalogue on real CPU runs, and GPU-only rules on written records."""
+
+import copy
+import json
+import math
+
+import numpy as np
+import pytest
+from diagnosis_runs import HOSTILE_NAME, read
+
+from mpprof import diagnosis, reader, schema
+from mpprof.writer import RecordWriter
+
+
+def codes(run) -> set[str]:
+    return {finding.code for finding in diagnosis.diagnose(run)}
+
+
+def only(run, code: str) -> diagnosis.Finding:
+    found = [f for f in diagnosis.diagnose(run) if f.code == code]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def check_status(run, code: str) -> str:
+    return {c.code: c.status for c in diagnosis.evaluate(run).checks}[code]
+
+
+# --- The API others build on.
+
+
+def test_finding_to_dict_is_json_with_every_field():
+    finding = diagnosis.Finding(
+        "MP003",
+        "critical",
+        "t",
+        "layer",
+        3,
+        {"abs_max": math.inf, "n": np.int64(2)},
+        "fix",
+    )
+    as_dict = finding.to_dict()
+    assert set(as_dict) == {
+        "code",
+        "severity",
+        "title",
+        "layer",
+        "step",
+        "evidence",
+        "fix",
+    }
+    # Strict JSON: no Infinity/NaN tokens, numpy scalars made plain.
+    assert json.loads(json.dumps(as_dict, allow_nan=False))["evidence"] == {
+        "abs_max": "inf",
+        "n": 2,
+    }
+
+
+def test_catalogue_covers_every_rule_and_severity():
+    assert list(diagnosis.CATALOGUE) == [f"MP{i:03d}" for i in range(1, 14)]
+    assert {rule.severity for rule in diagnosis.CATALOGUE.values()} == set(
+        diagnosis.SEVERITIES
+    )
+
+
+def test_findings_sorted_most_severe_first_then_by_step():
+    findings = diagnosis.diagnose(read("collapse"))
+    ranks = [
+        (diagnosis.SEVERITIES.index(f.severity), f.step is None, f.step or 0)
+        for f in findings
+    ]
+    assert ranks == sorted(ranks)
+    assert [f.code for f in findings][:2] == ["MP001", "MP002"]
+
+
+# --- Healthy runs: no false alarms.
+
+
+def test_healthy_mixed_float16_run_has_only_the_cpu_finding():
+    run = read("healthy_mixed")
+    # MP011 applies: this machine has no fp16 Tensor Cores.
+    assert codes(run) == {"MP011"}
+    # ...and the numerics rules really looked (numerics were sampled).
+    for code in ("MP003", "MP004", "MP005", "MP012"):
+        assert check_status(run, code) == "checked"
+
+
+def test_float32_run_has_no_findings_and_mixed_rules_do_not_apply():
+    run = read("healthy_float32")
+    assert diagnosis.diagnose(run) == []
+    statuses = {c.code: c.status for c in diagnosis.evaluate(run).checks}
+    for code in ("MP001", "MP002", "MP003", "MP005", "MP006", "MP008", "MP011"):
+        assert statuses[code] == "not applicable"
+    assert statuses["MP012"] == "checked"
+
+
+def test_bfloat16_run_has_no_findings():
+    run = read("healthy_bfloat16")
+    assert diagnosis.diagnose(run) == []
+    assert check_status(run, "MP005") == "not applicable"  # bf16 has fp32's range
+
+
+def test_probe_overflow_after_each_growth_is_not_a_finding():
+    run = read("growth_probes")
+    loss_scale = run.loss_scale
+    # The run really probed: many growths, each followed by an overflow.
+    assert len(loss_scale.growths) >= 5
+    assert loss_scale.skipped_steps >= len(loss_scale.growths)
+    assert codes(run) == {"MP011"}
+
+
+# --- Each rule on a real CPU run that must trigger it.
+
+
+def test_mp001_loss_scale_below_one():
+    run = read("collapse")
+    finding = only(run, "MP001")
+    assert finding.severity == "critical"
+    first_below = run.loss_scale.overflows[run.loss_scale.overflows[:, 2] < 1][0]
+    assert finding.step == int(first_below[0])
+    assert finding.evidence["lowest_scale"] < 1
+    assert "mixed_bfloat16" in finding.fix and 'dtype="float32"' in finding.fix
+
+
+def test_mp002_overflow_storm_beyond_probes():
+    run = read("storm")
+    assert "MP001" not in codes(run)  # the scale settles above 1
+    finding = only(run, "MP002")
+    loss_scale = run.loss_scale
+    assert finding.evidence["overflows"] == loss_scale.skipped_steps
+    assert finding.evidence["excess_overflows"] >= diagnosis.MIN_EXCESS_OVERFLOWS
+    assert finding.step == int(loss_scale.overflow_steps[0])
+    # The fix starts the scale where the storm left it.
+    settled = finding.evidence["scale_after_initial_descent"]
+    assert f"initial_scale=2.0**{int(math.log2(settled))}" in finding.fix
+
+
+def test_mp003_names_the_first_overflowing_layer_and_step():
+    run = read("forward_overflow")
+    finding = only(run, "MP003")
+    # "first" outputs 2,400 (fits); "second" is the first past 65504; "head"
+    # only inherits the inf.
+    assert finding.layer == "second"
+    assert finding.step == int(run.numerics.steps[0])
+    assert finding.evidence["later_layers_also_overflowing"] == ["head"]
+    assert finding.evidence["input_abs_max"] == pytest.approx(2400.0)
+    assert 'keras.layers.Dense(..., dtype="float32")' in finding.fix
+    assert "MP004" not in codes(run)
+
+
+def test_mp004_little_headroom():
+    finding = only(read("headroom"), "MP004")
+    assert finding.layer == "second"
+    assert finding.evidence["abs_max"] == pytest.approx(8192.0)
+    assert "MP003" not in codes(read("headroom"))
+
+
+def test_mp005_gradient_underflow():
+    run = read("underflow")
+    finding = only(run, "MP005")
+    assert finding.evidence["median_underflow_frac"] >= diagnosis.UNDERFLOW_SHARE
+    assert finding.layer in run.numerics.layers
+    assert "initial_scale=2.0**4" in finding.fix  # scale 1 raised 16x
+
+
+def test_mp006_and_mp007_on_a_float16_output_with_odd_shapes():
+    run = read("half_output_misaligned")
+    mp006 = only(run, "MP006")
+    assert mp006.layer == "dense"  # the last layer
+    assert 'dtype="float32"' in mp006.fix
+    mp007 = {f.layer: f for f in diagnosis.diagnose(run) if f.code == "MP007"}
+    assert set(mp007) == {"hidden", "dense"}
+    assert mp007["hidden"].evidence["misaligned_dims"] == [20, 100]
+    assert "input size 20 -> 24" in mp007["hidden"].fix
+    assert "output size 100 -> 104" in mp007["hidden"].fix
+
+
+def test_mp008_float16_without_loss_scaling():
+    finding = only(read("no_loss_scaling"), "MP008")
+    assert finding.severity == "critical"
+    assert finding.evidence["optimizer"] == "Adam"
+    assert "LossScaleOptimizer" in finding.fix
+
+
+def test_mp009_policy_set_after_building():
+    run = read("policy_after_build")
+    assert codes(run) == {"MP009"}
+    assert only(run, "MP009").evidence["global_policy"] == "mixed_float16"
+
+
+def test_mp011_mixed_float16_on_cpu():
+    finding = only(read("healthy_mixed"), "MP011")
+    assert finding.evidence["cpu_only"] is True
+    assert "float32" in finding.fix and "mixed_bfloat16" in finding.fix
+
+
+def test_mp012_nan_weights():
+    run = read("nan_weights")
+    finding = only(run, "MP012")
+    assert finding.severity == "critical"
+    assert finding.evidence["nonfinite_weights"] == run.health["nonfinite_weights"]
+    assert finding.layer == run.health["nonfinite_weights"][0].split("/")[-2]
+    assert "TerminateOnNaN" in finding.fix
+
+
+def test_rules_without_their_data_say_not_measured():
+    run = read("storm")  # numerics_every=None
+    result = diagnosis.evaluate(run)
+    unmeasured = {c.code: c.reason for c in result.not_measured}
+    assert set(unmeasured) == {"MP003", "MP004", "MP005"}
+    assert "numerics_every" in unmeasured["MP003"]
+
+
+# --- Rules on records written through the schema writer (GPU-only data).
+
+
+A100 = {
+    "name": "NVIDIA A100-SXM4-40GB",
+    "compute_capability": [8, 0],
+    "architecture": "Ampere",
+    "fp16_tensor_cores": True,
+    "bf16": True,
+}
+P100 = {
+    "name": "Tesla P100-PCIE-16GB",
+    "compute_capability": [6, 0],
+    "architecture": "Pascal",
+    "fp16_tensor_cores": False,
+    "bf16": False,
+}
+
+
+def write_gpu_run(
+    tmp_path,
+    source: str,
+    gpus: list[dict],
+    *,
+    gpu_mode="gpm",
+    samples=None,
+    kernels=None,
+    name="train",
+) -> reader.Run:
+    """A real run's records, rewritten as if it had run on `gpus`."""
+    run = read(source)
+    context = copy.deepcopy(run.context)
+    context["hardware"] = {"cpu_only": False, "gpus": gpus, "source": "test"}
+    context["gpus_visible_to_tensorflow"] = len(gpus)
+    context["collectors"]["gpu"] = {
+        "state": "ok",
+        "mode": gpu_mode,
+        "reason": "test",
+        "devices": gpus,
+    }
+    writer = RecordWriter(tmp_path / name)
+    for record, found in run.records.items():
+        for item in found:
+            if record == schema.RUN_CONTEXT:
+                writer.write_json(record, context, item.step)
+            elif isinstance(item.value, dict):
+                writer.write_json(record, item.value, item.step)
+            else:
+                writer.write_array(record, item.value, item.step)
+    if samples is not None:
+        writer.write_array(schema.GPU_SAMPLES, samples, 0)
+    if kernels is not None:
+        writer.write_json(schema.KERNEL_STATS, kernels, 0)
+    writer.close()
+    return reader.read_run(tmp_path, name)
+
+
+def gpu_samples(tensor_util: float, gpu_util: float, rows: int = 50) -> np.ndarray:
+    columns = schema.GPU_SAMPLE_COLUMNS
+    samples = np.full((rows, len(columns)), np.nan)
+    samples[:, columns.index("wall_time")] = 1000.0 + 0.5 * np.arange(rows)
+    samples[:, columns.index("step")] = np.arange(rows)
+    samples[:, columns.index("device")] = 0
+    samples[:, columns.index("tensor_util")] = tensor_util
+    samples[:, columns.index("gpu_util")] = gpu_util
+    return samples
+
+
+def test_mp010_low_tensor_core_activity_from_gpm(tmp_path):
+    run = write_gpu_run(
+        tmp_path,
+        "healthy_mixed",
+        [A100],
+        samples=gpu_samples(tensor_util=1.0, gpu_util=90.0),
+    )
+    finding = only(run, "MP010")
+    assert finding.evidence["median_tensor_util_percent"] == pytest.approx(1.0)
+    assert finding.evidence["busy_samples"] == 50
+    assert "jit_compile=True" in finding.fix
+
+
+def test_mp010_low_tensor_core_share_from_kernel_stats(tmp_path):
+    kernels = {
+        "source": "xprof",
+        "tensor_core_share": 0.05,
+        "total_gpu_kernel_us": 1000.0,
+        "tensor_core_us": 50.0,
+        "eligible_not_using_us": 700.0,
+        "top_ops": [],
+    }
+    finding = only(
+        write_gpu_run(tmp_path, "healthy_mixed", [A100], kernels=kernels), "MP010"
+    )
+    assert finding.evidence["tensor_core_share"] == pytest.approx(0.05)
+
+
+def test_mp010_busy_tensor_cores_and_idle_gaps_are_no_finding(tmp_path):
+    samples = gpu_samples(tensor_util=40.0, gpu_util=95.0)
+    # Idle samples (input pipeline) must not dilute the busy ones.
+    samples[:20, schema.GPU_SAMPLE_COLUMNS.index("tensor_util")] = 0.0
+    samples[:20, schema.GPU_SAMPLE_COLUMNS.index("gpu_util")] = 0.0
+    run = write_gpu_run(tmp_path, "healthy_mixed", [A100], samples=samples)
+    assert "MP010" not in codes(run)
+    assert "MP011" not in codes(run)  # an A100 has fp16 Tensor Cores
+
+
+def test_mp010_not_measured_without_gpu_data(tmp_path):
+    run = write_gpu_run(tmp_path, "healthy_mixed", [A100], gpu_mode="unavailable")
+    assert check_status(run, "MP010") == "not measured"
+    assert check_status(read("healthy_mixed"), "MP010") == "not applicable"  # CPU
+
+
+def test_mp011_gpu_without_fp16_tensor_cores(tmp_path):
+    finding = only(write_gpu_run(tmp_path, "healthy_mixed", [P100]), "MP011")
+    assert finding.evidence["gpus"][0]["compute_capability"] == [6, 0]
+    assert "P100" in finding.title
+
+
+def test_mp013_fp16_overflows_on_bf16_hardware(tmp_path):
+    run = write_gpu_run(tmp_path, "storm", [A100])
+    finding = only(run, "MP013")
+    assert finding.evidence["because_of"] == ["MP002"]
+    assert 'set_dtype_policy("mixed_bfloat16")' in finding.fix
+    # Hardware without bf16, or a run without overflows: no hint.
+    assert "MP013" not in codes(write_gpu_run(tmp_path / "p100", "storm", [P100]))
+    assert "MP013" not in codes(write_gpu_run(tmp_path / "ok", "healthy_mixed", [A100]))
+
+
+def test_mp012_nonfinite_loss_not_caught_by_the_loss_scale(tmp_path):
+    run = read("healthy_float32")
+    writer = RecordWriter(tmp_path / "train")
+    for record, found in run.records.items():
+        for item in found:
+            if record == schema.HEALTH:
+                continue
+            if isinstance(item.value, dict):
+                writer.write_json(record, item.value, item.step)
+            else:
+                writer.write_array(record, item.value, item.step)
+    writer.write_json(
+        schema.HEALTH,
+        {
+            "first_nonfinite_loss_step": 5,
+            "nonfinite_loss_batches": 3,
+            "nonfinite_weights": [],
+            "checked_step": 8,
+        },
+        8,
+    )
+    writer.close()
+    finding = only(reader.read_run(tmp_path, "train"), "MP012")
+    assert finding.step == 5
+    assert finding.evidence["loss_scaled"] is False
+
+
+def test_hostile_layer_name_is_kept_verbatim_in_findings():
+    finding = only(read("hostile"), "MP003")
+    assert finding.layer == HOSTILE_NAME

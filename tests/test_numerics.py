@@ -1,0 +1,142 @@
+"""Per-layer numerics on real training runs on CPU."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import overflow_data, overflow_model
+
+import mpprof
+from mpprof import reader, schema
+
+
+def _fit(model, x, y, logdir, epochs=1, batch_size=8, **profiler_kwargs):
+    profiler = mpprof.MixedPrecisionProfiler(log_dir=str(logdir), **profiler_kwargs)
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, shuffle=False,
+              callbacks=[profiler])
+    return reader.read_run(logdir, "train")
+
+
+def _forward_overflow_model(**compile_kwargs):
+    """Dense kernels of 300: the second Dense layer's output passes 65504."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    big = keras.initializers.Constant(300.0)
+    model = keras.Sequential([
+        keras.layers.Input((8,)),
+        keras.layers.Dense(8, kernel_initializer=big, name="first"),
+        keras.layers.Dense(8, kernel_initializer=big, name="second"),
+        keras.layers.Dense(1, dtype="float32", name="head"),
+    ])
+    # A zero learning rate keeps the weights, so an eager pass reproduces them.
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **compile_kwargs)
+    return model
+
+
+@pytest.mark.parametrize(
+    "compile_kwargs", [{}, {"jit_compile": True, "steps_per_execution": 2}],
+    ids=["plain", "jit_compile+steps_per_execution=2"],
+)
+def test_first_forward_offender_and_exact_abs_max(tmp_path, compile_kwargs):
+    model = _forward_overflow_model(**compile_kwargs)
+    x = np.linspace(0.01, 0.1, 64 * 8, dtype="float32").reshape(64, 8)
+    run = _fit(model, x, np.ones((64, 1), "float32"), tmp_path, numerics_every=2,
+               forensic_budget=0)
+    numerics = run.numerics
+    assert numerics.layers == ["first", "second", "head"]
+    assert len(numerics.steps) >= 2 and not numerics.forensic.any()
+    assert numerics.policy_max == schema.FLOAT16_MAX
+    for sample in range(len(numerics.steps)):
+        assert numerics.first_forward_offender(sample) == 1
+    # The same forward pass, eagerly: abs-max of "first" over the sampled batches.
+    first = model.get_layer("first")
+    steps_covered = int(numerics.steps_covered[0])
+    for sample, step in enumerate(numerics.steps):
+        batch = x[step * 8:(step + steps_covered) * 8]
+        expected = float(np.max(np.abs(np.asarray(first(batch)).astype(np.float32))))
+        assert numerics.forward["abs_max"][sample, 0] == pytest.approx(expected, rel=1e-6)
+        assert numerics.forward["nonfinite_frac"][sample, 0] == 0
+        assert numerics.forward["nonfinite_frac"][sample, 1] == 1.0
+
+
+def test_gradient_storm_and_forensic_budget(tmp_path):
+    keras.utils.set_random_seed(2)
+    model = overflow_model(growth_steps=4)
+    x, y = overflow_data()
+    run = _fit(model, x, y, tmp_path, epochs=2, numerics_every=1000, forensic_budget=3)
+    numerics, overflows = run.numerics, run.loss_scale.overflow_steps
+    assert numerics.forensic.all() and len(numerics.steps) == 3
+    # Each capture is the step right after an overflow.
+    assert set(numerics.steps) <= set(overflows + 1)
+    assert numerics.forward["nonfinite_frac"].max() == 0
+    assert numerics.forward["abs_max"].max() < schema.FLOAT16_MAX
+    assert all(numerics.first_forward_offender(i) is None for i in range(3))
+    gradient_overflowed = numerics.backward["nonfinite_frac"] > 0
+    assert gradient_overflowed.any()
+    sample = int(np.flatnonzero(gradient_overflowed.any(axis=1))[0])
+    assert numerics.first_backward_offender(sample) is not None
+    assert numerics.variable_grads["nonfinite_frac"][sample].max() > 0
+    assert run.context["collectors"]["numerics"]["forensic_used"] == 3
+
+
+def test_underflow_of_tiny_scaled_gradients(tmp_path):
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([
+        keras.layers.Input((32,)),
+        keras.layers.Dense(64, name="hidden"),
+        keras.layers.Dense(1, dtype="float32", name="head"),
+    ])
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01), initial_scale=1.0, dynamic_growth_steps=10**9
+    )
+
+    def tiny_loss(y_true, y_pred):
+        return 1e-8 * keras.ops.mean(keras.ops.square(y_true - y_pred))
+
+    model.compile(optimizer=optimizer, loss=tiny_loss)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((64, 32)).astype("float32"), rng.random((64, 1)).astype("float32")
+    numerics = _fit(model, x, y, tmp_path, numerics_every=2).numerics
+    hidden = numerics.layers.index("hidden")
+    backward = numerics.backward
+    lost = backward["underflow_frac"][:, hidden] + backward["zero_frac"][:, hidden]
+    assert (lost > 0.9).all()
+    kernel = next(i for i, v in enumerate(numerics.variables) if v.endswith("hidden/kernel"))
+    assert numerics.unscaled_variable_grads["abs_max"][:, kernel].max() < 1e-3
+
+
+def test_instrumentation_does_not_change_training(tmp_path):
+    def train(profiled: bool):
+        keras.utils.set_random_seed(3)
+        keras.mixed_precision.set_dtype_policy("mixed_float16")
+        model = keras.Sequential([
+            keras.layers.Input((16,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(1, dtype="float32"),
+        ])
+        model.compile(optimizer="adam", loss="mse")
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((96, 16)).astype("float32")
+        y = rng.random((96, 1)).astype("float32")
+        profiler = mpprof.MixedPrecisionProfiler(str(tmp_path), numerics_every=1)
+        callbacks = [profiler] if profiled else []
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=callbacks)
+        return [w.numpy() for w in model.weights]
+
+    plain, profiled = train(False), train(True)
+    for a, b in zip(plain, profiled, strict=True):
+        np.testing.assert_array_equal(a, b)
+    numerics = reader.read_run(tmp_path, "train").numerics
+    assert len(numerics.steps) == 23  # every step but the first, which builds the model
+
+
+def test_shared_layer_aggregates_its_call_sites(tmp_path):
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    shared = keras.layers.Dense(8, name="shared")
+    inputs = keras.Input((8,))
+    twice = shared(shared(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32", name="head")(twice))
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((16, 8), "float32")
+    numerics = _fit(model, x, np.ones((16, 1), "float32"), tmp_path, numerics_every=1).numerics
+    shared_row = numerics.layers.index("shared")
+    # Two call sites of 8 values per example, 8 examples per batch.
+    assert numerics.forward["count"][0, shared_row] == 2 * 8 * 8

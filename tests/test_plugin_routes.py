@@ -1,0 +1,335 @@
+"""The mpprof TensorBoard plugin's HTTP routes, in process.
+
+TensorBoard's own WSGI app over a MultiplexerDataProvider, as `tensorboard`
+builds it, on logdirs written by real training runs; payloads are checked
+against what `mpprof.reader` and `mpprof.diagnosis` say about the same run.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.metadata
+import json
+import logging
+import pathlib
+import shutil
+import sys
+
+import numpy as np
+import plotly as plotly_package
+import pytest
+import tensorflow as tf
+from dashboard_logdirs import (
+    BFLOAT16_RUN,
+    FIRST_LAYER,
+    FLOAT16_RUN,
+    HOSTILE_NAME,
+    dashboard_logdir,
+)
+from tensorboard.backend import application
+from tensorboard.backend.event_processing import data_provider as data_provider_lib
+from tensorboard.backend.event_processing import plugin_event_multiplexer
+from tensorboard.plugins import base_plugin
+from werkzeug import test as werkzeug_test
+
+from mpprof import diagnosis, reader, schema
+from mpprof.writer import RecordWriter
+from tensorboard_plugin_mpprof import metadata
+from tensorboard_plugin_mpprof.plugin import MpprofPluginLoader
+
+ROUTE = "/data/plugin/mpprof/"
+
+
+def tensorboard_client(logdir) -> werkzeug_test.Client:
+    """A client of the WSGI app `tensorboard --logdir logdir` would serve."""
+    logdir = str(logdir)
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(logdir)
+    multiplexer.Reload()
+    provider = data_provider_lib.MultiplexerDataProvider(multiplexer, logdir)
+    context = base_plugin.TBContext(
+        logdir=logdir, data_provider=provider, multiplexer=multiplexer
+    )
+    plugin = _entry_point_loader()().load(context)
+    app = application.TensorBoardWSGI([plugin], data_provider=provider)
+    return werkzeug_test.Client(app)
+
+
+def _entry_point_loader():
+    (entry_point,) = [
+        ep
+        for ep in importlib.metadata.entry_points(group="tensorboard_plugins")
+        if ep.name == metadata.PLUGIN_NAME
+    ]
+    return entry_point.load()
+
+
+def get_json(client, route: str, **params):
+    response = client.get(ROUTE + route, query_string=params)
+    assert response.status_code == 200, response.get_data(as_text=True)
+    return json.loads(response.get_data())
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory):
+    return dashboard_logdir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def client(logdir):
+    return tensorboard_client(logdir)
+
+
+@pytest.fixture(scope="module")
+def runs(logdir):
+    return reader.read_logdir(logdir)
+
+
+def test_entry_point_names_the_loader_and_the_schema_plugin_name():
+    assert _entry_point_loader() is MpprofPluginLoader
+    assert metadata.PLUGIN_NAME == schema.PLUGIN_NAME
+
+
+def test_loader_without_plotly_hides_the_tab_and_logs_why(monkeypatch, caplog, logdir):
+    monkeypatch.setitem(sys.modules, "plotly", None)  # as if not installed
+    context = base_plugin.TBContext(logdir=str(logdir))
+    with caplog.at_level(logging.WARNING):
+        assert MpprofPluginLoader().load(context) is None
+    assert "mpprof TensorBoard tab disabled" in caplog.text
+    assert "plotly" in caplog.text
+
+
+def test_tab_is_active_exactly_when_the_logdir_holds_mpprof_data(client, tmp_path):
+    listing = json.loads(client.get("/data/plugins_listing").get_data())
+    assert listing["mpprof"]["enabled"] is True
+    assert listing["mpprof"]["loading_mechanism"]["module_path"].endswith("/index.js")
+
+    other = tmp_path / "scalars_only"
+    with tf.summary.create_file_writer(str(other / "train")).as_default():
+        tf.summary.scalar("loss", 1.0, step=0)
+    response = tensorboard_client(other).get("/data/plugins_listing")
+    assert json.loads(response.get_data())["mpprof"]["enabled"] is False
+
+
+def test_runs_lists_the_reader_runs_with_their_summaries(client, runs):
+    payload = get_json(client, "runs")
+    assert [r["run"] for r in payload["runs"]] == sorted(runs)
+    assert sorted(runs) == sorted([BFLOAT16_RUN, FLOAT16_RUN])
+    by_name = {r["run"]: r for r in payload["runs"]}
+    for name, run in runs.items():
+        summary = by_name[name]
+        assert summary["model_policy"] == run.context["model_policy"]
+        loss_scale = run.loss_scale
+        if loss_scale is None:
+            assert summary["loss_scale"] is None
+        else:
+            assert summary["loss_scale"]["overflows"] == loss_scale.skipped_steps
+            assert summary["loss_scale"]["steps_run"] == loss_scale.steps_run
+    assert by_name[FLOAT16_RUN]["loss_scale"]["overflows"] > 0
+
+
+def test_context_and_inventory_match_the_reader(client, runs):
+    for name, run in runs.items():
+        assert get_json(client, "context", run=name)["context"] == run.context
+        inventory = get_json(client, "inventory", run=name)
+        assert inventory.pop("available") is True
+        assert inventory == run.inventory
+    assert FLOAT16_RUN.startswith(HOSTILE_NAME)
+
+
+def test_loss_scale_matches_the_reader(client, runs):
+    loss_scale = runs[FLOAT16_RUN].loss_scale
+    payload = get_json(client, "loss_scale", run=FLOAT16_RUN)
+    steps, scales = loss_scale.series()
+    assert payload["series"] == {"step": steps.tolist(), "scale": scales.tolist()}
+    assert payload["overflows"]["step"] == loss_scale.overflow_steps.tolist()
+    assert payload["overflows"]["total"] == loss_scale.skipped_steps
+    assert payload["growths"]["step"] == loss_scale.growths[:, 0].astype(int).tolist()
+    assert payload["final_scale"] == loss_scale.final_scale
+
+    no_scaling = get_json(client, "loss_scale", run=BFLOAT16_RUN)
+    assert no_scaling["available"] is False
+    assert "not a LossScaleOptimizer" in no_scaling["reason"]
+
+
+def test_downsampled_loss_scale_keeps_both_ends_and_the_extremes(client, runs):
+    steps, scales = runs[FLOAT16_RUN].loss_scale.series()
+    points = 4
+    assert len(steps) > points
+    series = get_json(client, "loss_scale", run=FLOAT16_RUN, points=points)["series"]
+    assert len(series["step"]) < len(steps)
+    assert series["step"][0] == steps[0] and series["step"][-1] == steps[-1]
+    assert min(series["scale"]) == scales.min() and max(series["scale"]) == scales.max()
+    assert set(series["step"]) <= set(steps.tolist())
+
+
+def test_findings_are_the_diagnosis_of_the_run(client, runs):
+    for name, run in runs.items():
+        payload = get_json(client, "findings", run=name)
+        expected = json.loads(
+            json.dumps([f.to_dict() for f in diagnosis.diagnose(run)])
+        )
+        assert payload == {"available": True, "findings": expected}
+
+
+def test_numerics_matrices_match_the_reader(client, runs):
+    run = runs[FLOAT16_RUN]
+    numerics = getattr(run, "numerics", None)
+    payload = get_json(
+        client, "numerics", run=FLOAT16_RUN, direction="backward", stat="underflow_frac"
+    )
+    if numerics is None:
+        assert payload["available"] is False and "not recorded" in payload["reason"]
+        return
+    # Room for every layer and step: the matrix comes back as recorded.
+    raw = np.asarray(numerics.backward["underflow_frac"], dtype=np.float64)
+    assert payload["rows"] == list(numerics.layers)
+    assert payload["column_steps"] == list(numerics.steps)
+    expected = np.where(np.isfinite(raw.T), np.round(raw.T, 6), np.nan)
+    np.testing.assert_array_equal(np.array(payload["values"], dtype=float), expected)
+    # One column: each layer's worst value over all sampled steps.
+    pooled = get_json(
+        client,
+        "numerics",
+        run=FLOAT16_RUN,
+        direction="backward",
+        stat="underflow_frac",
+        columns=1,
+    )
+    np.testing.assert_allclose(
+        np.array(pooled["values"], dtype=float)[:, 0], np.nanmax(raw, axis=0), atol=1e-6
+    )
+    history = get_json(client, "layer_history", run=FLOAT16_RUN, layer=FIRST_LAYER)
+    index = list(numerics.layers).index(FIRST_LAYER)
+    np.testing.assert_allclose(
+        np.array(history["series"]["backward/underflow_frac"], dtype=float),
+        raw[:, index],
+        atol=1e-12,
+    )
+
+
+def test_headroom_is_bits_below_the_policy_max_and_marks_overflows(client, runs):
+    numerics = getattr(runs[FLOAT16_RUN], "numerics", None)
+    payload = get_json(
+        client, "numerics", run=FLOAT16_RUN, direction="forward", stat="headroom"
+    )
+    if numerics is None:
+        assert payload["available"] is False
+        return
+    values = np.array(payload["values"], dtype=float)  # [layers, steps]
+    abs_max = numerics.forward["abs_max"].T
+    overflowed = numerics.forward_overflowed().T
+    fine = ~overflowed & (abs_max > 0)
+    np.testing.assert_allclose(
+        values[fine], np.log2(numerics.policy_max / abs_max[fine]), atol=1e-5
+    )
+    assert np.all(values[overflowed] < 0)
+    assert payload["policy_max"] == numerics.policy_max
+
+
+def test_gpu_payload_follows_the_reader(client, runs):
+    for name, run in runs.items():
+        payload = get_json(client, "gpu", run=name)
+        gpu = getattr(run, "gpu", None)
+        if gpu is None:
+            assert payload["available"] is False
+        else:
+            assert payload["mode"] == gpu.mode and payload["reason"] == gpu.reason
+
+
+@pytest.mark.parametrize(
+    "route, params, status",
+    [
+        ("inventory", {"run": "no/such/run"}, 404),
+        ("inventory", {"run": "/etc"}, 404),
+        ("inventory", {"run": "../" + FLOAT16_RUN}, 404),
+        ("findings", {}, 400),
+        ("loss_scale", {"run": FLOAT16_RUN, "points": "many"}, 400),
+        ("loss_scale", {"run": FLOAT16_RUN, "points": "1"}, 400),
+        (
+            "numerics",
+            {"run": FLOAT16_RUN, "direction": "sideways", "stat": "abs_max"},
+            400,
+        ),
+        ("numerics", {"run": FLOAT16_RUN, "direction": "forward", "stat": "mean"}, 400),
+        (
+            "numerics",
+            {"run": FLOAT16_RUN, "direction": "backward", "stat": "headroom"},
+            400,
+        ),
+        (
+            "numerics",
+            {
+                "run": FLOAT16_RUN,
+                "direction": "forward",
+                "stat": "abs_max",
+                "columns": "0",
+            },
+            400,
+        ),
+        ("layer_history", {"run": FLOAT16_RUN}, 400),
+        ("gpu", {"run": "nope"}, 404),
+    ],
+)
+def test_bad_requests(client, route, params, status):
+    response = client.get(ROUTE + route, query_string=params)
+    assert response.status_code == status, response.get_data(as_text=True)
+
+
+def test_unknown_layer_is_404_where_numerics_exist(client, runs):
+    response = client.get(
+        ROUTE + "layer_history",
+        query_string={"run": FLOAT16_RUN, "layer": "no_such_layer"},
+    )
+    if getattr(runs[FLOAT16_RUN], "numerics", None) is None:
+        assert json.loads(response.get_data())["available"] is False
+    else:
+        assert response.status_code == 404
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "static/../plugin.py",
+        "static/..%2fplugin.py",
+        "static/%2e%2e/plugin.py",
+        "static/%2e%2e%2f%2e%2e%2fmpprof%2fschema.py",
+        "static//etc/passwd",
+        "static/subdir/../index.js",
+        "static/nonexistent.js",
+        "static/",
+    ],
+)
+def test_static_files_are_safe_from_path_traversal(client, path):
+    response = client.get(ROUTE + path)
+    assert response.status_code == 404
+    assert b"import" not in response.get_data()
+
+
+def test_static_files_and_plotly_are_served(client):
+    index = client.get(ROUTE + "index.js")
+    assert index.status_code == 200
+    assert index.headers["Content-Type"].startswith("text/javascript")
+    assert b"export async function render" in index.get_data()
+    assert client.get(ROUTE + "static/style.css").status_code == 200
+    plotly = client.get(ROUTE + "plotly.min.js", headers={"Accept-Encoding": "gzip"})
+    assert plotly.status_code == 200 and plotly.headers["Content-Encoding"] == "gzip"
+    shipped = (
+        pathlib.Path(plotly_package.__file__).parent / "package_data" / "plotly.min.js"
+    )
+    assert gzip.decompress(plotly.get_data()) == shipped.read_bytes()
+
+
+def test_routes_see_new_data_written_while_training_runs(logdir, tmp_path):
+    copy = tmp_path / "live"
+    shutil.copytree(logdir / HOSTILE_NAME, copy / HOSTILE_NAME)
+    client = tensorboard_client(copy)
+    before = get_json(client, "loss_scale", run=FLOAT16_RUN)
+    last = before["series"]["step"][-1]
+    writer = RecordWriter(copy / FLOAT16_RUN)
+    overflow = [[last + 10, 64.0, 32.0, schema.EVENT_OVERFLOW]]
+    writer.write_array(schema.LOSS_SCALE_EVENTS, overflow, step=last + 10)
+    writer.close()
+    after = get_json(client, "loss_scale", run=FLOAT16_RUN)
+    assert after["overflows"]["total"] == before["overflows"]["total"] + 1
+    assert after["overflows"]["step"][-1] == last + 10
