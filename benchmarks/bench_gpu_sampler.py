@@ -8,9 +8,12 @@ query; GPM metric computation somewhat more).
     .venv/bin/python benchmarks/bench_gpu_sampler.py [--repeats 7] [--steps 96]
 
 Part 1 times `GpuSampler.sample_round()` for 1 GPU (GPM), 1 GPU (basic) and
-8 GPUs (GPM). Part 2 runs `model.fit` on CPU, interleaving in one process:
+8 GPUs (GPM), and the CPU share that costs at the default and minimum
+intervals. Part 2 runs `model.fit` on CPU, interleaving in one process:
 plain fit, mpprof with the sampler off, and mpprof with the sampler at 0.5 s
-and 0.1 s (fake GPM GPU), and prints the median time of each and the ratios.
+and 0.1 s (fake GPM GPU). Each fit's figure is its median train-step time
+(steps after the first few; fit's one-off setup excluded), and each
+configuration's figure the median over the repeats; ratios are of those.
 """
 
 from __future__ import annotations
@@ -59,18 +62,42 @@ def build_model():
     return model
 
 
-def time_fit(model, x, y, callbacks) -> float:
-    start = time.perf_counter()
-    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=callbacks)
-    return time.perf_counter() - start
+class _StepTimer(keras.callbacks.Callback):
+    """Times every train step from batch begin to batch end."""
+
+    def __init__(self):
+        super().__init__()
+        self.times = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.perf_counter() - self._start)
+
+
+def time_fit(model, x, y, callbacks, skip: int = 5) -> float:
+    """Median step time of one fit, skipping its first `skip` steps."""
+    timer = _StepTimer()
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[timer, *callbacks])
+    return statistics.median(timer.times[skip:])
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=96, help="train steps per fit")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=64, help="train steps per fit")
     parser.add_argument("--log-dir", default="/tmp/mpprof_bench_gpu")
+    parser.add_argument("--tf-threads", type=int, default=1,
+                        help="TensorFlow intra/inter-op threads (0: TF's default); "
+                        "1 keeps spinning thread pools from drowning the figures "
+                        "on a shared machine")
     args = parser.parse_args(argv)
+    if args.tf_threads:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(args.tf_threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.tf_threads)
 
     print("Part 1: one sampling round, fake NVML library (Python side)")
     hopper = fake_nvml.FakeGpu
@@ -79,10 +106,14 @@ def main(argv=None) -> int:
         ("1 GPU, basic", [fake_nvml.ampere_gpu()]),
         ("8 GPUs, gpm", [hopper(uuid=f"GPU-{i}") for i in range(8)]),
     ):
-        print(f"  {label:14} {time_rounds(gpus):8.1f} us per round")
+        cost = time_rounds(gpus)
+        print(f"  {label:14} {cost:8.1f} us per round = "
+              f"{cost / 1e6 / gpu.DEFAULT_INTERVAL_S:.4%} of one core at "
+              f"{gpu.DEFAULT_INTERVAL_S} s, "
+              f"{cost / 1e6 / gpu.MIN_INTERVAL_S:.4%} at {gpu.MIN_INTERVAL_S} s")
 
     print(f"\nPart 2: fit overhead, {args.steps} steps per fit, medians of "
-          f"{args.repeats} interleaved runs")
+          f"{args.repeats} interleaved runs, TF threads {args.tf_threads or 'default'}")
     model = build_model()
     rng = np.random.default_rng(0)
     x = rng.random((32 * args.steps, 784), dtype=np.float32)
@@ -99,7 +130,7 @@ def main(argv=None) -> int:
     }
     times = {name: [] for name in configs}
     with fake_nvml.installed(library):
-        for name, make in configs.items():  # warm up: first traces, caches
+        for make in configs.values():  # warm up: first traces, caches
             time_fit(model, x, y, make())
         for _ in range(args.repeats):
             for name, make in configs.items():
@@ -108,9 +139,9 @@ def main(argv=None) -> int:
     medians = {name: statistics.median(t) for name, t in times.items()}
     plain, off = medians["plain fit"], medians["mpprof, sampler off"]
     for name, median in medians.items():
-        print(f"  {name:22} {median * 1e3:8.1f} ms  x{median / plain:5.3f} vs plain"
-              f"  x{median / off:5.3f} vs sampler off"
-              f"  (min {min(times[name]) * 1e3:.1f}, max {max(times[name]) * 1e3:.1f})")
+        print(f"  {name:22} {median * 1e3:7.2f} ms/step  x{median / plain:5.3f} vs "
+              f"plain  x{median / off:5.3f} vs sampler off  (runs: "
+              + ", ".join(f"{t * 1e3:.2f}" for t in times[name]) + ")")
     print(f"  GPM readings taken by the samplers in all fits: {rounds}")
     return 0
 

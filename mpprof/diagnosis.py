@@ -624,6 +624,11 @@ def _mp005_gradient_underflow(view: _RunView) -> list[Finding]:
     # Only steps whose gradients were finite: an overflowing step says nothing
     # about underflow and its statistics are NaN-laden.
     usable = ~np.asarray(numerics.forensic, dtype=bool)
+    if not usable.any():
+        raise _NotMeasured(
+            "every sampled step was a forensic capture right after an overflow; "
+            "lower numerics_every to sample ordinary steps"
+        )
     candidates = []  # (median share, kind, name, index, series)
     backward = numerics.backward.get("underflow_frac")
     if backward is not None and len(numerics.layers):

@@ -8,6 +8,7 @@ Only mpprof's own event files are read (the writer marks them with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import posixpath
@@ -234,7 +235,7 @@ class Run:
     def inventory(self) -> dict | None:
         return self.latest(schema.INVENTORY)
 
-    @property
+    @functools.cached_property
     def loss_scale(self) -> LossScale | None:
         events = self._stacked(schema.LOSS_SCALE_EVENTS, 4)
         progress = self._stacked(schema.LOSS_SCALE_PROGRESS, 3)
@@ -246,7 +247,7 @@ class Run:
     def health(self) -> dict | None:
         return self.latest(schema.HEALTH)
 
-    @property
+    @functools.cached_property
     def numerics(self) -> Numerics | None:
         layout = self.latest(schema.NUMERICS_LAYOUT)
         if layout is None:
@@ -294,7 +295,7 @@ class Run:
             unscaled_variable_grads=_shares(stacked(schema.NUMERICS_UNSCALED_GRADIENTS)),
         )
 
-    @property
+    @functools.cached_property
     def gpu(self) -> Gpu | None:
         """GPU samples and kernel share; None if the run recorded no GPU entry."""
         entry = self.context.get("collectors", {}).get("gpu")
@@ -343,22 +344,35 @@ def list_runs(logdir: str | os.PathLike) -> list[str]:
     return sorted(runs)
 
 
-def read_run(logdir: str | os.PathLike, run: str) -> Run:
-    """Reads one run; raises NoMpprofDataError if it holds no mpprof records."""
+def event_files(logdir: str | os.PathLike, run: str) -> list[str]:
+    """Paths of the mpprof event files of `run` (a name from `list_runs`), sorted.
+
+    Raises NoMpprofDataError for a name that is not a run under `logdir`
+    (absolute paths and ".." included) or a run without mpprof records.
+    """
     logdir = _existing_logdir(logdir)
+    parts = run.split("/")
+    if run.startswith("/") or "\\" in run or ".." in parts or "" in parts:
+        raise NoMpprofDataError(f"No run {run!r} in {logdir}")
     path = logdir if run == "." else posixpath.join(logdir, run)
-    if ".." in run.split("/") or not tf.io.gfile.isdir(path):
+    if not tf.io.gfile.isdir(path):
         raise NoMpprofDataError(f"No run {run!r} in {logdir}")
     files = sorted(f for f in tf.io.gfile.listdir(path) if _is_mpprof_event_file(f))
     if not files:
         raise NoMpprofDataError(f"Run {run!r} in {logdir} holds no mpprof records")
+    return [posixpath.join(path, name) for name in files]
+
+
+def read_run(logdir: str | os.PathLike, run: str) -> Run:
+    """Reads one run; raises NoMpprofDataError if it holds no mpprof records."""
+    files = event_files(logdir, run)
     records: dict[str, list[Record]] = {}
     warnings: list[str] = []
-    for name in files:
-        _read_event_file(posixpath.join(path, name), records, warnings)
+    for path in files:
+        _read_event_file(path, records, warnings)
     for found in records.values():
         found.sort(key=lambda r: (r.wall_time, r.step))
-    return Run(name=run, path=path, records=records, warnings=warnings)
+    return Run(name=run, path=posixpath.dirname(files[0]), records=records, warnings=warnings)
 
 
 def read_logdir(logdir: str | os.PathLike) -> dict[str, Run]:
@@ -388,40 +402,37 @@ def _existing_logdir(logdir: str | os.PathLike) -> str:
 
 
 def _read_event_file(path: str, records: dict, warnings: list[str]) -> None:
+    """Reads one event file record by record (TFRecord framing: length (8
+    bytes), its CRC (4), payload, payload CRC (4)); CRCs are not checked, a
+    payload that does not parse is reported and skipped."""
     try:
+        size = tf.io.gfile.stat(path).length
         with tf.io.gfile.GFile(path, "rb") as f:
-            data = f.read()
+            offset = 0
+            while header := f.read(12):
+                (length,) = struct.unpack_from("<Q", header) if len(header) == 12 else (-1,)
+                fits = 0 <= length <= size - offset - 16
+                body = f.read(length + 4) if fits else b""
+                if not fits or len(body) < length + 4:
+                    warnings.append(
+                        f"{path}: ends in an incomplete record at byte {offset} (still "
+                        "being written, or truncated); read what came before it"
+                    )
+                    return
+                _parse_event(body[:length], path, offset, records, warnings)
+                offset += 12 + length + 4
     except (OSError, tf.errors.OpError) as e:
         warnings.append(f"{path}: cannot be read ({e}); skipped")
-        return
-    offset = 0
-    while offset < len(data):
-        payload, next_offset = _next_record(data, offset)
-        if payload is None:
-            warnings.append(
-                f"{path}: ends in an incomplete record at byte {offset} of "
-                f"{len(data)} (still being written, or truncated); read what "
-                "came before it"
-            )
-            return
-        offset = next_offset
-        try:
-            event = event_pb2.Event.FromString(payload)
-            for value in event.summary.value:
-                _collect(value, event, records)
-        except Exception as e:  # noqa: BLE001 - corrupt bytes raise anything
-            warnings.append(f"{path}: corrupt record at byte {offset} ({e}); skipped")
 
 
-def _next_record(data: bytes, offset: int) -> tuple[bytes | None, int]:
-    """One TFRecord: length (8 bytes), length CRC (4), payload, payload CRC (4)."""
-    if offset + 12 > len(data):
-        return None, offset
-    (length,) = struct.unpack_from("<Q", data, offset)
-    end = offset + 12 + length + 4
-    if end > len(data):
-        return None, offset
-    return data[offset + 12 : offset + 12 + length], end
+def _parse_event(payload: bytes, path: str, offset: int, records: dict,
+                 warnings: list[str]) -> None:
+    try:
+        event = event_pb2.Event.FromString(payload)
+        for value in event.summary.value:
+            _collect(value, event, records)
+    except Exception as e:  # noqa: BLE001 - corrupt bytes raise anything
+        warnings.append(f"{path}: corrupt record at byte {offset} ({e}); skipped")
 
 
 def _collect(value, event, records: dict) -> None:

@@ -39,6 +39,9 @@ MAX_EVENT_MARKERS = 2_000
 # Numerics heatmap columns (sampled steps); consecutive samples are merged
 # keeping the worst value, so an overflow never disappears.
 MAX_HEATMAP_STEPS = 300
+# Tables longer than this start folded (a 200-layer inventory would bury the
+# plots below it).
+MAX_OPEN_TABLE_ROWS = 40
 # GPU samples per line.
 MAX_GPU_POINTS = 2_000
 # GPU sample columns drawn as tracks (those present with any finite value).
@@ -161,9 +164,7 @@ def _decimate_step_function(steps: np.ndarray, values: np.ndarray, limit: int):
     keep = set()
     for start, end in zip(starts, ends, strict=True):
         chunk = values[start:end]
-        keep.update(
-            (start, start + int(np.argmin(chunk)), start + int(np.argmax(chunk)))
-        )
+        keep.update((start, start + int(np.argmin(chunk)), start + int(np.argmax(chunk))))
     keep.add(len(steps) - 1)
     index = np.array(sorted(keep))
     return steps[index], values[index]
@@ -175,9 +176,7 @@ def _markers(steps: np.ndarray, scales: np.ndarray) -> dict:
     if len(steps) <= MAX_EVENT_MARKERS:
         return {"steps": steps.tolist(), "scales": _finite_list(scales), "counts": None}
     edges = np.linspace(steps.min(), steps.max() + 1, MAX_EVENT_MARKERS + 1)
-    bucket = np.clip(
-        np.searchsorted(edges, steps, side="right") - 1, 0, MAX_EVENT_MARKERS - 1
-    )
+    bucket = np.clip(np.searchsorted(edges, steps, side="right") - 1, 0, MAX_EVENT_MARKERS - 1)
     used, first, counts = np.unique(bucket, return_index=True, return_counts=True)
     peak = np.full(MAX_EVENT_MARKERS, -np.inf)
     np.maximum.at(peak, bucket, scales)
@@ -196,12 +195,8 @@ def _numerics_data(numerics) -> dict:
     maps = {
         "forward_log10_abs_max": _log10_map(forward_max, groups),
         "backward_log10_abs_max": _log10_map(backward_max, groups),
-        "forward_nonfinite_frac": _worst_map(
-            numerics.forward["nonfinite_frac"], groups
-        ),
-        "backward_underflow_frac": _worst_map(
-            numerics.backward["underflow_frac"], groups
-        ),
+        "forward_nonfinite_frac": _worst_map(numerics.forward["nonfinite_frac"], groups),
+        "backward_underflow_frac": _worst_map(numerics.backward["underflow_frac"], groups),
     }
     overflow = {
         "forward": _overflow_cells(
@@ -271,11 +266,7 @@ def _gpu_data(gpu) -> list[dict]:
     samples = samples.reshape(len(samples), len(columns))
     time = samples[:, columns.index("wall_time")] if "wall_time" in columns else None
     x = time - np.nanmin(time) if time is not None else np.arange(len(samples))
-    devices = (
-        samples[:, columns.index("device")]
-        if "device" in columns
-        else np.zeros(len(samples))
-    )
+    devices = samples[:, columns.index("device")] if "device" in columns else np.zeros(len(samples))
     tracks = []
     for column, title in GPU_TRACKS:
         if column not in columns:
@@ -317,24 +308,19 @@ def _e(value) -> str:
     return html.escape("" if value is None else str(value))
 
 
-def _run_section(
-    index: int, run: reader.Run, result: diagnosis.Diagnosis, data: dict
-) -> str:
+def _run_section(index: int, run: reader.Run, result: diagnosis.Diagnosis, data: dict) -> str:
     parts = [f'<section class="run" id="run-{index}"><h2>Run {_e(run.name)}</h2>']
     if run.warnings:
         items = "".join(f"<li>{_e(w)}</li>" for w in run.warnings)
         parts.append(
-            f'<div class="warnings"><b>Could not read everything:</b>'
-            f"<ul>{items}</ul></div>"
+            f'<div class="warnings"><b>Could not read everything:</b><ul>{items}</ul></div>'
         )
     parts.append(_context_html(run))
     parts.append(_findings_html(result))
     parts.append(_inventory_html(run.inventory))
     parts.append("<h3>Loss scale</h3>")
     if "loss_scale" in data:
-        parts.append(
-            f'<div class="plot" data-kind="loss_scale" data-run="{index}"></div>'
-        )
+        parts.append(f'<div class="plot" data-kind="loss_scale" data-run="{index}"></div>')
     else:
         parts.append(
             "<p class=muted>No dynamic loss scale was recorded (the optimizer "
@@ -402,9 +388,7 @@ def _context_html(run: reader.Run) -> str:
     health = getattr(run, "health", None)
     if health:
         rows.append(("health", json.dumps(health)))
-    body = "".join(
-        f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows if v is not None
-    )
+    body = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows if v is not None)
     return f'<h3>Run context</h3><table class="context">{body}</table>'
 
 
@@ -430,9 +414,7 @@ def _findings_html(result: diagnosis.Diagnosis) -> str:
         )
     unmeasured = result.not_measured
     if unmeasured:
-        items = "".join(
-            f"<li><b>{_e(c.code)}</b>: {_e(c.reason)}</li>" for c in unmeasured
-        )
+        items = "".join(f"<li><b>{_e(c.code)}</b>: {_e(c.reason)}</li>" for c in unmeasured)
         parts.append(f'<div class="muted">Not measured:<ul>{items}</ul></div>')
     return "\n".join(parts)
 
@@ -482,19 +464,23 @@ def _inventory_html(inventory: dict | None) -> str:
         f"<td>{_e(c.get('from_dtype'))} &rarr; {_e(c.get('to_dtype'))}</td></tr>"
         for c in casts
     )
+    table = (
+        f'<div class="scroll"><table class="inventory"><tr>{head}</tr>{"".join(rows)}</table></div>'
+    )
+    if len(rows) > MAX_OPEN_TABLE_ROWS:
+        table = f"<details><summary>{len(rows)} layers</summary>{table}</details>"
+    cast_table = (
+        f'<table class="casts"><tr><th>from</th><th>into</th><th>cast</th></tr>{cast_rows}</table>'
+    )
+    if len(casts) > MAX_OPEN_TABLE_ROWS:
+        cast_table = f"<details><summary>{len(casts)} casts</summary>{cast_table}</details>"
     return (
         f"<h3>Precision inventory</h3><p>Model <code>{_e(model.get('name'))}</code> "
         f"({_e(model.get('class'))}), policy {_e(model.get('policy'))}, output "
         f"{_e(', '.join(model.get('output_dtypes', [])))}, {_e(model.get('params'))} "
-        f'parameters.</p><div class="scroll"><table class="inventory"><tr>{head}</tr>'
-        f"{''.join(rows)}</table></div>"
+        f"parameters.</p>{table}"
         f"<h4>Casts between layers ({len(casts)})</h4>"
-        + (
-            f'<table class="casts"><tr><th>from</th><th>into</th><th>cast</th></tr>'
-            f"{cast_rows}</table>"
-            if casts
-            else "<p class=muted>None.</p>"
-        )
+        + (cast_table if casts else "<p class=muted>None.</p>")
     )
 
 
@@ -507,8 +493,7 @@ def _gpu_html(run: reader.Run, data: dict, index: int) -> str:
     parts.append(f"<p>Sampler mode: {_e(getattr(gpu, 'mode', None))}</p>")
     for track in range(len(data.get("gpu", []))):
         parts.append(
-            f'<div class="plot gpu" data-kind="gpu" data-track="{track}" '
-            f'data-run="{index}"></div>'
+            f'<div class="plot gpu" data-kind="gpu" data-track="{track}" data-run="{index}"></div>'
         )
     kernels = getattr(gpu, "kernels", None)
     if kernels:
@@ -518,9 +503,7 @@ def _gpu_html(run: reader.Run, data: dict, index: int) -> str:
 
 def _page(logdir: str, names: list[str], sections: list[str], data: list[dict]) -> str:
     generated = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    nav = " · ".join(
-        f'<a href="#run-{i}">{_e(name)}</a>' for i, name in enumerate(names)
-    )
+    nav = " · ".join(f'<a href="#run-{i}">{_e(name)}</a>' for i, name in enumerate(names))
     payload = _script_json(data)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
@@ -554,6 +537,4 @@ def _plotly_js() -> str:
 
 def _static(name: str) -> str:
     """A file shipped beside this module in report_static/."""
-    return (pathlib.Path(__file__).parent / "report_static" / name).read_text(
-        encoding="utf-8"
-    )
+    return (pathlib.Path(__file__).parent / "report_static" / name).read_text(encoding="utf-8")

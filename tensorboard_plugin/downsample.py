@@ -27,9 +27,7 @@ def envelope(x: np.ndarray, y: np.ndarray, points: int) -> np.ndarray:
     if len(x) <= points:
         return np.arange(len(x))
     span = float(x[-1] - x[0]) or 1.0
-    buckets = np.minimum(
-        ((x - x[0]) / span * (points // 2)).astype(np.int64), points // 2 - 1
-    )
+    buckets = np.minimum(((x - x[0]) / span * (points // 2)).astype(np.int64), points // 2 - 1)
     order = np.lexsort((y, buckets))
     sorted_buckets = buckets[order]
     first = np.r_[True, sorted_buckets[1:] != sorted_buckets[:-1]]
@@ -45,9 +43,7 @@ def evenly(count: int, limit: int) -> np.ndarray:
     return np.unique(np.linspace(0, count - 1, limit).round().astype(np.int64))
 
 
-def pool_max(
-    matrix: np.ndarray, row_starts: np.ndarray, column_starts: np.ndarray
-) -> np.ndarray:
+def pool_max(matrix: np.ndarray, row_starts: np.ndarray, column_starts: np.ndarray) -> np.ndarray:
     """Max of each (row group, column group) cell, ignoring NaN (NaN if all are)."""
     if matrix.size == 0:
         return matrix.reshape(len(row_starts), len(column_starts))

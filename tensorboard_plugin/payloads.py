@@ -13,7 +13,7 @@ import math
 import numpy as np
 from tensorboard import errors
 
-from mpprof import reader, schema
+from mpprof import diagnosis, reader, schema
 from tensorboard_plugin_mpprof import downsample, metadata
 
 NUMERICS_DIRECTIONS = ("forward", "backward")
@@ -26,6 +26,15 @@ NUMERICS_STATS = (
 )
 # Derived from the forward abs max: log2(largest finite value / abs max).
 HEADROOM = "headroom"
+# Enough digits for a heatmap's colour and hover; the rest is payload size.
+# abs_max keeps full precision (it spans 40 binades).
+_DECIMALS = {
+    HEADROOM: 2,
+    "nonfinite_frac": 5,
+    "zero_frac": 5,
+    "underflow_frac": 5,
+    "subnormal_frac": 5,
+}
 # Headroom given to a cell whose values overflowed (non-finite or beyond max).
 OVERFLOW_HEADROOM = -1.0
 
@@ -58,8 +67,8 @@ def run_summary(run: reader.Run) -> dict:
             "overflows": loss_scale.skipped_steps,
             "growths": len(loss_scale.growths),
         },
-        "has_numerics": _numerics(run) is not None,
-        "gpu_mode": getattr(_gpu(run), "mode", None),
+        "has_numerics": run.numerics is not None,
+        "gpu_mode": getattr(run.gpu, "mode", None),
         "warnings": len(run.warnings),
     }
 
@@ -69,12 +78,6 @@ def context_payload(run: reader.Run) -> dict:
 
 
 def findings_payload(run: reader.Run) -> dict:
-    try:
-        from mpprof import diagnosis
-    except ImportError as e:
-        return not_available(
-            f"the diagnosis engine is not installed ({e})", findings=[]
-        )
     findings = [_jsonable(finding.to_dict()) for finding in diagnosis.diagnose(run)]
     return {"available": True, "findings": findings}
 
@@ -82,9 +85,7 @@ def findings_payload(run: reader.Run) -> dict:
 def inventory_payload(run: reader.Run) -> dict:
     inventory = run.inventory
     if inventory is None:
-        return not_available(
-            "no precision inventory was recorded (the model never traced)"
-        )
+        return not_available("no precision inventory was recorded (the model never traced)")
     return {"available": True, **inventory}
 
 
@@ -93,8 +94,7 @@ def loss_scale_payload(run: reader.Run, points: int) -> dict:
     if loss_scale is None:
         optimizer = run.context.get("optimizer")
         return not_available(
-            f"no dynamic loss scale: the optimizer ({optimizer}) "
-            "is not a LossScaleOptimizer"
+            f"no dynamic loss scale: the optimizer ({optimizer}) is not a LossScaleOptimizer"
         )
     steps, scales = loss_scale.series()
     kept = downsample.envelope(steps, scales, points)
@@ -128,15 +128,13 @@ def loss_scale_payload(run: reader.Run, points: int) -> dict:
     }
 
 
-def numerics_payload(
-    run: reader.Run, direction: str, stat: str, rows: int, columns: int
-) -> dict:
+def numerics_payload(run: reader.Run, direction: str, stat: str, rows: int, columns: int) -> dict:
     """A layer x step matrix of one statistic, max-pooled to rows x columns.
 
     Each cell holds the worst value of the layers and sampled steps it covers
     (for headroom: of the largest abs max), so an overflow never averages away.
     """
-    numerics = _numerics(run)
+    numerics = run.numerics
     if numerics is None:
         return not_available("per-layer numerics were not recorded in this run")
     layers, steps = list(numerics.layers), np.asarray(numerics.steps, dtype=np.int64)
@@ -159,13 +157,10 @@ def numerics_payload(
         "rows": [_row_label(layers, row_starts, i) for i in range(len(row_starts))],
         "row_layers": [layers[start] for start in row_starts.tolist()],
         "column_steps": steps[column_starts].tolist() if len(steps) else [],
-        "column_last_steps": _group_last(steps, column_starts).tolist(),
         "column_forensic": (
-            np.logical_or.reduceat(forensic, column_starts).tolist()
-            if len(steps)
-            else []
+            np.logical_or.reduceat(forensic, column_starts).tolist() if len(steps) else []
         ),
-        "values": downsample.json_floats(values, decimals=6),
+        "values": downsample.json_floats(values, decimals=_DECIMALS.get(stat)),
         "layers_total": len(layers),
         "samples_total": len(steps),
     }
@@ -173,14 +168,12 @@ def numerics_payload(
 
 def layer_history_payload(run: reader.Run, layer: str, points: int) -> dict:
     """Every recorded statistic of one layer over the sampled steps."""
-    numerics = _numerics(run)
+    numerics = run.numerics
     if numerics is None:
         return not_available("per-layer numerics were not recorded in this run")
     layers = list(numerics.layers)
     if layer not in layers:
-        raise errors.NotFoundError(
-            f"No layer {layer!r} in the numerics of run {run.name!r}"
-        )
+        raise errors.NotFoundError(f"No layer {layer!r} in the numerics of run {run.name!r}")
     index = layers.index(layer)
     steps = np.asarray(numerics.steps, dtype=np.int64)
     starts = downsample.group_starts(len(steps), points)
@@ -196,19 +189,17 @@ def layer_history_payload(run: reader.Run, layer: str, points: int) -> dict:
         "layer": layer,
         "policy_max": _finite_or_none(numerics.policy_max),
         "step": steps[starts].tolist() if len(steps) else [],
-        "forensic": np.logical_or.reduceat(forensic, starts).tolist()
-        if len(steps)
-        else [],
+        "forensic": np.logical_or.reduceat(forensic, starts).tolist() if len(steps) else [],
         "series": series,
     }
 
 
 def gpu_payload(run: reader.Run, points: int) -> dict:
     """GPU sample tracks per device (bucket means), the kernel Tensor Core share."""
-    gpu = _gpu(run)
+    gpu = run.gpu
     if gpu is None:
         return not_available("no GPU samples were recorded in this run")
-    kernels = _jsonable(gpu.kernels) if getattr(gpu, "kernels", None) else None
+    kernels = _jsonable(gpu.kernels) if gpu.kernels else None
     payload = {
         "available": gpu.mode != "unavailable",
         "mode": gpu.mode,
@@ -226,9 +217,7 @@ def gpu_payload(run: reader.Run, points: int) -> dict:
         rows = rows[np.argsort(rows[:, columns.index("wall_time")], kind="stable")]
         starts = downsample.group_starts(len(rows), points)
         payload["tracks"][str(int(device))] = {
-            name: downsample.json_floats(
-                downsample.pool_mean(rows[:, i], starts), decimals=4
-            )
+            name: downsample.json_floats(downsample.pool_mean(rows[:, i], starts), decimals=4)
             for i, name in enumerate(columns)
             if name != "device"
         }
@@ -255,9 +244,7 @@ def _headroom(numerics, abs_max, row_starts, column_starts) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         headroom = np.log2(numerics.policy_max / abs_max)
     overflowed = numerics.forward_overflowed().T.astype(np.float64)
-    headroom[downsample.pool_max(overflowed, row_starts, column_starts) > 0] = (
-        OVERFLOW_HEADROOM
-    )
+    headroom[downsample.pool_max(overflowed, row_starts, column_starts) > 0] = OVERFLOW_HEADROOM
     # An all-zero output has unbounded headroom: show it as the most there is
     # (the policy max over the float16 smallest subnormal).
     largest = math.log2(numerics.policy_max / schema.FLOAT16_SMALLEST_SUBNORMAL)
@@ -270,21 +257,6 @@ def _row_label(layers: list[str], starts: np.ndarray, i: int) -> str:
     if first == last:
         return layers[first]
     return f"{layers[first]} … {layers[last]} ({last - first + 1} layers)"
-
-
-def _group_last(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    if not len(values):
-        return values
-    ends = np.r_[starts[1:], len(values)] - 1
-    return values[ends]
-
-
-def _numerics(run: reader.Run):
-    return getattr(run, "numerics", None)
-
-
-def _gpu(run: reader.Run):
-    return getattr(run, "gpu", None)
 
 
 def _finite_or_none(value) -> float | None:

@@ -10,8 +10,6 @@ cached with it and dropped with it.
 from __future__ import annotations
 
 import collections
-import functools
-import posixpath
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -19,42 +17,23 @@ from collections.abc import Callable, Hashable
 import tensorflow as tf
 from tensorboard import errors
 
-from mpprof import reader, schema
+from mpprof import reader
 
 # Listing runs walks the whole logdir; every route validates its run name
 # against the listing, so it is reused for this long.
 _RUN_LIST_TTL_S = 2.0
 
 
-class _ReadOnceRun(reader.Run):
-    """A `reader.Run` whose derived properties are computed once.
-
-    `Run.numerics` and friends rebuild their arrays on every access (half a
-    second for a large run) and every route and diagnosis rule asks for them;
-    a cached read never changes, so each is kept after its first use.
-    """
-
-    @classmethod
-    def of(cls, run: reader.Run) -> _ReadOnceRun:
-        return cls(
-            name=run.name, path=run.path, records=run.records, warnings=run.warnings
-        )
-
-
-for _name, _attribute in vars(reader.Run).items():
-    if isinstance(_attribute, property):
-        _cached = functools.cached_property(_attribute.fget)
-        _cached.__set_name__(_ReadOnceRun, _name)
-        setattr(_ReadOnceRun, _name, _cached)
-
-
 class CachedRun:
-    """One read of a run and what was derived from it."""
+    """One read of a run and what was derived from it (the latest few)."""
+
+    # Derived payloads kept per run: a handful of views and screen sizes.
+    MAX_DERIVED = 64
 
     def __init__(self, run: reader.Run, signature: tuple):
         self.run = run
         self.signature = signature
-        self._derived: dict[Hashable, object] = {}
+        self._derived: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def derive(self, key: Hashable, compute: Callable[[reader.Run], object]):
@@ -62,6 +41,9 @@ class CachedRun:
         with self._lock:
             if key not in self._derived:
                 self._derived[key] = compute(self.run)
+                while len(self._derived) > self.MAX_DERIVED:
+                    self._derived.popitem(last=False)
+            self._derived.move_to_end(key)
             return self._derived[key]
 
 
@@ -72,9 +54,7 @@ class RunCache:
         self.logdir = logdir
         self._max_runs = max_runs
         self._runs: collections.OrderedDict[str, CachedRun] = collections.OrderedDict()
-        self._run_locks: dict[str, threading.Lock] = collections.defaultdict(
-            threading.Lock
-        )
+        self._run_locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self._lock = threading.Lock()
         self._listing: tuple[float, list[str]] = (float("-inf"), [])
 
@@ -105,7 +85,7 @@ class RunCache:
             if cached is None or cached.signature != signature:
                 try:
                     cached = CachedRun(
-                        _ReadOnceRun.of(reader.read_run(self.logdir, run)), signature
+                        reader.read_run(self.logdir, run), signature
                     )
                 except reader.NoMpprofDataError as e:
                     raise errors.NotFoundError(str(e)) from e
@@ -118,14 +98,12 @@ class RunCache:
 
     def _signature(self, run: str) -> tuple:
         """Name, size and mtime of each of the run's mpprof event files."""
-        path = self.logdir if run == "." else posixpath.join(self.logdir, run)
         try:
-            names = sorted(tf.io.gfile.listdir(path))
-        except tf.errors.NotFoundError as e:
-            raise errors.NotFoundError(f"No mpprof run named {run!r}") from e
+            paths = reader.event_files(self.logdir, run)
+        except reader.NoMpprofDataError as e:
+            raise errors.NotFoundError(str(e)) from e
         signature = []
-        for name in names:
-            if "tfevents" in name and name.endswith(schema.EVENT_FILE_SUFFIX):
-                stat = tf.io.gfile.stat(posixpath.join(path, name))
-                signature.append((name, stat.length, stat.mtime_nsec))
+        for path in paths:
+            stat = tf.io.gfile.stat(path)
+            signature.append((path, stat.length, stat.mtime_nsec))
         return tuple(signature)

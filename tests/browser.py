@@ -37,6 +37,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -106,7 +107,7 @@ def load_page(
     target: str | os.PathLike,
     *,
     wait_for: str | None = None,
-    evaluate: dict[str, str] | None = None,
+    evaluate: dict[str, str | Callable[[], object]] | None = None,
     screenshot: str | None = None,
     timeout: float = 60.0,
     settle: float = 0.3,
@@ -118,7 +119,9 @@ def load_page(
         wait_for: a JavaScript expression; after the load event, waits until
             it is truthy (fails the test if it never is within `timeout`).
         evaluate: JavaScript expressions evaluated after loading, by name;
-            their (JSON) values land in `PageLoad.values`.
+            their (JSON) values land in `PageLoad.values`. A Python callable
+            in their place is called at its turn (e.g. to change what the
+            server serves between two expressions); its result lands there too.
         screenshot: file name of a PNG screenshot to save in test-artifacts/.
         timeout: seconds before giving up on the page.
         settle: seconds to wait after loading so late errors are caught.
@@ -207,7 +210,8 @@ class _DevTools:
                 time.sleep(0.1)
         time.sleep(settle)
         values = {
-            name: self._evaluate(expr, session) for name, expr in evaluate.items()
+            name: expr() if callable(expr) else self._evaluate(expr, session)
+            for name, expr in evaluate.items()
         }
         dom = self._evaluate("document.documentElement.outerHTML", session)
         saved = None

@@ -5,8 +5,8 @@
   Keras on TensorFlow refuses such layer names, they must be valid TF scope
   names), trained with a loss scale so large that the first steps overflow:
   loss-scale events, a float32 island, casts.
-- `bfloat16/train`: the same shape under mixed_bfloat16 (no loss scaling), to
-  compare runs.
+- `bfloat16/train`: the same shape under mixed_bfloat16 (no loss scaling),
+  with per-layer numerics off, to compare runs.
 
 Written once per test session and shared by the route and the browser tests.
 """
@@ -33,13 +33,18 @@ def dashboard_logdir(tmp_path_factory) -> pathlib.Path:
     if "logdir" not in _written:
         logdir = tmp_path_factory.mktemp("dashboard")
         _train(logdir / HOSTILE_NAME, "mixed_float16", initial_scale=2.0**30)
-        _train(logdir / "bfloat16", "mixed_bfloat16", initial_scale=None)
+        _train(logdir / "bfloat16", "mixed_bfloat16", initial_scale=None, numerics_every=None)
         keras.mixed_precision.set_dtype_policy("float32")
         _written["logdir"] = logdir
     return _written["logdir"]
 
 
-def _train(log_dir: pathlib.Path, policy: str, initial_scale: float | None) -> None:
+def _train(
+    log_dir: pathlib.Path,
+    policy: str,
+    initial_scale: float | None,
+    numerics_every: int | None = 500,
+) -> None:
     keras.mixed_precision.set_dtype_policy(policy)
     model = keras.Sequential(
         [
@@ -64,5 +69,7 @@ def _train(log_dir: pathlib.Path, policy: str, initial_scale: float | None) -> N
         batch_size=8,
         epochs=3,
         verbose=0,
-        callbacks=[mpprof.MixedPrecisionProfiler(log_dir=str(log_dir))],
+        callbacks=[
+            mpprof.MixedPrecisionProfiler(log_dir=str(log_dir), numerics_every=numerics_every)
+        ],
     )

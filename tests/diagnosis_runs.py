@@ -8,6 +8,7 @@ which finding it must trigger and why it does.
 from __future__ import annotations
 
 import atexit
+import copy
 import functools
 import pathlib
 import shutil
@@ -17,7 +18,7 @@ import keras
 import numpy as np
 
 import mpprof
-from mpprof import reader
+from mpprof import reader, schema
 from mpprof.writer import RecordWriter
 
 HOSTILE_NAME = "<img src=x onerror=alert(1)>"
@@ -70,7 +71,7 @@ def _classifier(
         [
             keras.layers.Input((inputs,)),
             keras.layers.Dense(hidden, activation="relu", name=hidden_name),
-            keras.layers.Dense(8, dtype=last_dtype),
+            keras.layers.Dense(8, dtype=last_dtype, name="logits"),
         ]
     )
     compile_kwargs.setdefault("optimizer", "adam")
@@ -288,3 +289,72 @@ BUILDERS = {
         hostile,
     )
 }
+
+
+# GPU runs: the records of a real CPU run, rewritten through the schema writer
+# as if it had run on a GPU (this machine has none).
+
+
+A100 = {
+    "name": "NVIDIA A100-SXM4-40GB",
+    "compute_capability": [8, 0],
+    "architecture": "Ampere",
+    "fp16_tensor_cores": True,
+    "bf16": True,
+}
+P100 = {
+    "name": "Tesla P100-PCIE-16GB",
+    "compute_capability": [6, 0],
+    "architecture": "Pascal",
+    "fp16_tensor_cores": False,
+    "bf16": False,
+}
+
+
+def write_gpu_run(
+    tmp_path,
+    source: str,
+    gpus: list[dict],
+    *,
+    gpu_mode="gpm",
+    samples=None,
+    kernels=None,
+    name="train",
+) -> reader.Run:
+    """A real run's records, rewritten as if it had run on `gpus`."""
+    run = read(source)
+    context = copy.deepcopy(run.context)
+    context["hardware"] = {"cpu_only": False, "gpus": gpus, "source": "test"}
+    context["gpus_visible_to_tensorflow"] = len(gpus)
+    context["collectors"]["gpu"] = {
+        "state": "ok",
+        "mode": gpu_mode,
+        "reason": "test",
+        "devices": gpus,
+    }
+    writer = RecordWriter(tmp_path / name)
+    for record, found in run.records.items():
+        for item in found:
+            if record == schema.RUN_CONTEXT:
+                writer.write_json(record, context, item.step)
+            elif isinstance(item.value, dict):
+                writer.write_json(record, item.value, item.step)
+            else:
+                writer.write_array(record, item.value, item.step)
+    if samples is not None:
+        writer.write_array(schema.GPU_SAMPLES, samples, 0)
+    if kernels is not None:
+        writer.write_json(schema.KERNEL_STATS, kernels, 0)
+    writer.close()
+    return reader.read_run(tmp_path, name)
+
+
+def gpu_samples(tensor_util: float, gpu_util: float, rows: int = 50) -> np.ndarray:
+    columns = schema.GPU_SAMPLE_COLUMNS
+    samples = np.full((rows, len(columns)), np.nan)
+    samples[:, columns.index("wall_time")] = 1000.0 + 0.5 * np.arange(rows)
+    samples[:, columns.index("step")] = np.arange(rows)
+    samples[:, columns.index("device")] = 0
+    samples[:, columns.index("tensor_util")] = tensor_util
+    samples[:, columns.index("gpu_util")] = gpu_util
+    return samples

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -22,7 +23,8 @@ import pytest
 from browser import load_page, require_chromium
 from dashboard_logdirs import BFLOAT16_RUN, FLOAT16_RUN, HOSTILE_NAME, dashboard_logdir
 
-from mpprof import reader
+from mpprof import reader, schema
+from mpprof.writer import RecordWriter
 
 pytestmark = pytest.mark.browser
 
@@ -35,9 +37,13 @@ _NOT_PAGE_ERRORS = re.compile(r"/favicon\.ico$")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """Base URL of `tensorboard --logdir <dashboard logdir> --port 0`."""
+    """(base URL, logdir) of `tensorboard --logdir <copy of the dashboard logdir>`.
+
+    A copy, so that a test may write into it as training would.
+    """
     require_chromium()  # skip (or fail in CI) before training and serving
-    logdir = dashboard_logdir(tmp_path_factory)
+    logdir = tmp_path_factory.mktemp("served") / "logs"
+    shutil.copytree(dashboard_logdir(tmp_path_factory), logdir)
     tensorboard = pathlib.Path(sys.executable).with_name("tensorboard")
     process = subprocess.Popen(
         [
@@ -69,7 +75,7 @@ def server(tmp_path_factory):
     try:
         if not found.wait(timeout=120):
             pytest.fail("tensorboard did not start:\n" + "".join(lines[-30:]))
-        yield url[0]
+        yield url[0], logdir
     finally:
         process.terminate()
         try:
@@ -103,22 +109,76 @@ def show_view(view: str) -> str:
     }})()"""
 
 
+# A real mouse click (move, down, up) in the top left of the first heatmap:
+# plotly turns it into plotly_click, the page fetches that layer's history.
+CLICK_HEATMAP = """(async () => {
+  const chart = document.querySelector('main .heatmap.js-plotly-plot');
+  if (!chart) return null;
+  const area = chart.querySelector('.nsewdrag').getBoundingClientRect();
+  const x = area.left + area.width * 0.1, y = area.top + area.height * 0.1;
+  const target = document.elementFromPoint(x, y);
+  const options = { bubbles: true, cancelable: true, clientX: x, clientY: y, view: window };
+  for (const type of ['mousemove', 'mousedown', 'mouseup', 'click'])
+    target.dispatchEvent(new MouseEvent(type, options));
+  const plots = '.layer-history .js-plotly-plot .main-svg';
+  for (let i = 0; i < 300 && !document.querySelector(plots); i++)
+    await new Promise((resolve) => setTimeout(resolve, 100));
+  return {
+    layer: document.querySelector('.layer-history .layer-name')?.textContent,
+    plots: document.querySelectorAll('.layer-history .js-plotly-plot').length,
+  };
+})()"""
+
+# On the overview, follow the first finding's "Show evidence" link.
+FOLLOW_FIRST_FINDING = """(async () => {
+  const finding = document.querySelector('.findings > li');
+  finding.querySelector('.evidence-link').click();
+  const main = document.querySelector('main.view');
+  for (let i = 0; i < 300 && main.dataset.state !== 'ready'; i++)
+    await new Promise((resolve) => setTimeout(resolve, 100));
+  return { code: finding.querySelector('.code').textContent, view: main.dataset.view };
+})()"""
+
+# Filter the inventory table by typing, then sort it by parameters.
+FILTER_AND_SORT = """(async () => {
+  document.querySelector('.tabs [data-view="inventory"]').click();
+  for (let i = 0; i < 300 && document.querySelector('main.view').dataset.state !== 'ready'; i++)
+    await new Promise((resolve) => setTimeout(resolve, 100));
+  const names = () => [...document.querySelectorAll('table.inventory tbody .col-name')]
+    .map((cell) => cell.textContent);
+  const search = document.querySelector('.filters input[type=search]');
+  search.value = 'head';
+  search.dispatchEvent(new Event('input'));
+  const filtered = names();
+  search.value = '';
+  search.dispatchEvent(new Event('input'));
+  const header = document.querySelector('th[data-key=params]');
+  header.click();
+  const ascending = names();
+  header.click();
+  return { filtered, ascending, descending: names() };
+})()"""
+
+
 def page_errors(page) -> list[str]:
     return [e for e in page.errors if not _NOT_PAGE_ERRORS.search(e)]
 
 
-def test_every_view_draws_without_errors(server, tmp_path_factory):
-    logdir = dashboard_logdir(tmp_path_factory)
+def test_every_view_draws_without_errors(server):
+    url, logdir = server
     runs = reader.read_logdir(logdir)
     page = load_page(
-        server + "data/plugin_entry.html?name=mpprof",
+        url + "data/plugin_entry.html?name=mpprof",
         wait_for="document.querySelector('main.view[data-state=ready]')",
         evaluate={
             "overview": show_view("overview"),
+            "evidence": FOLLOW_FIRST_FINDING,
             "inventory": show_view("inventory"),
             "loss_scale": show_view("loss_scale"),
             "gpu": show_view("gpu"),
-            "numerics": show_view("numerics"),  # last: the screenshot shows it
+            "table": FILTER_AND_SORT,
+            "numerics": show_view("numerics"),
+            "history": CLICK_HEATMAP,  # last: the screenshot shows it
             "runs": "[...document.querySelectorAll('.run-picker option')]"
             ".map((o) => o.textContent)",
             "images": "document.querySelectorAll('img').length",
@@ -130,23 +190,30 @@ def test_every_view_draws_without_errors(server, tmp_path_factory):
     for name in ("overview", "inventory", "loss_scale", "numerics", "gpu"):
         assert views[name]["state"] == "ready", (name, views[name]["text"])
 
-    assert views["overview"]["findings"] + views["overview"]["allClear"] > 0
+    # The overflow storm gives findings; each links to a view with its evidence.
+    assert views["overview"]["findings"] > 0
+    assert views["evidence"]["code"].startswith("MP")
+    assert views["evidence"]["view"] in ("loss_scale", "numerics", "inventory", "gpu")
     focus = sorted(runs)[0]
     leaf_and_containers = runs[focus].inventory["layers"]
     assert views["inventory"]["rows"] == len(leaf_and_containers)
 
     assert views["loss_scale"]["plots"] >= 1
     assert any("overflow" in text for text in views["loss_scale"]["legend"])
-    assert any(
-        "not a LossScaleOptimizer" in t for t in views["loss_scale"]["notMeasured"]
-    )
+    assert any("not a LossScaleOptimizer" in t for t in views["loss_scale"]["notMeasured"])
 
-    if getattr(runs[focus], "numerics", None) is None:
-        assert views["numerics"]["notMeasured"]
-    else:
-        assert views["numerics"]["heatmaps"] >= 2
+    numerics = runs[focus].numerics
+    assert numerics is not None  # the callback samples numerics by default
+    assert views["numerics"]["heatmaps"] >= 2
+    assert views["history"] == {"layer": numerics.layers[0], "plots": 2}
 
-    gpu = getattr(runs[focus], "gpu", None)
+    layers = runs[focus].inventory["layers"]
+    assert views["table"]["filtered"] == [x["name"] for x in layers if "head" in x["name"]]
+    by_params = [x["name"] for x in sorted(layers, key=lambda x: x["params"])]
+    assert views["table"]["ascending"] == by_params
+    assert views["table"]["descending"] == by_params[::-1]
+
+    gpu = runs[focus].gpu
     if gpu is None or gpu.mode == "unavailable":
         assert views["gpu"]["notMeasured"]
     else:
@@ -158,14 +225,14 @@ def test_every_view_draws_without_errors(server, tmp_path_factory):
 
 
 def test_hostile_run_name_shows_as_text(server):
+    url, _ = server
     page = load_page(
-        server + "data/plugin_entry.html?name=mpprof",
+        url + "data/plugin_entry.html?name=mpprof",
         wait_for="document.querySelector('main.view[data-state=ready]')",
         evaluate={
             "loss_scale": show_view("loss_scale"),
             "images": "document.querySelectorAll('img, image[href=x]').length",
-            "options": "[...document.querySelectorAll('option')]"
-            ".map((o) => o.textContent)",
+            "options": "[...document.querySelectorAll('option')].map((o) => o.textContent)",
             "body": "document.body.innerText",
         },
     )
@@ -183,8 +250,9 @@ def test_tensorboard_ui_shows_the_mpprof_tab(server):
         "[...document.querySelectorAll('iframe')].map((f) => f.contentDocument)"
         ".find((d) => d && d.querySelector('main.view[data-state=ready]'))"
     )
+    url, _ = server
     page = load_page(
-        server + "#mpprof",
+        url + "#mpprof",
         wait_for=in_frame,
         evaluate={
             "tab": "document.body.innerText.includes('MPPROF') || "
@@ -206,3 +274,47 @@ def test_tensorboard_ui_shows_the_mpprof_tab(server):
     assert page.values["loss_scale"] >= 1
     assert page_errors(page) == [], json.dumps(page.errors, indent=1)
     assert page.screenshot is not None and page.screenshot.stat().st_size > 0
+
+
+def reload_until_legend_has(text: str) -> str:
+    """JS: click Reload until the loss-scale legend shows `text`; its legend."""
+    return f"""(async () => {{
+      const legend = () => [...document.querySelectorAll('main .legendtext')]
+        .map((e) => e.textContent);
+      const main = document.querySelector('main.view');
+      for (let attempt = 0; attempt < 60; attempt++) {{
+        if (legend().some((t) => t.includes({json.dumps(text)}))) break;
+        await new Promise((resolve) => setTimeout(resolve, 250));
+        document.querySelector('.toolbar button').click();
+        while (main.dataset.state === "loading")
+          await new Promise((resolve) => setTimeout(resolve, 50));
+      }}
+      return legend();
+    }})()"""
+
+
+def test_reload_shows_what_training_wrote_since_the_page_opened(server):
+    url, logdir = server
+    loss_scale = reader.read_run(logdir, FLOAT16_RUN).loss_scale
+    overflows, step = loss_scale.skipped_steps, loss_scale.steps_run + 10
+
+    def write_an_overflow():
+        # What the callback writes when a later step overflows.
+        writer = RecordWriter(logdir / FLOAT16_RUN)
+        event = [[step, 64.0, 32.0, schema.EVENT_OVERFLOW]]
+        writer.write_array(schema.LOSS_SCALE_EVENTS, event, step=step)
+        writer.close()
+        return True
+
+    page = load_page(
+        url + "data/plugin_entry.html?name=mpprof",
+        wait_for="document.querySelector('main.view[data-state=ready]')",
+        evaluate={
+            "before": show_view("loss_scale"),
+            "written": write_an_overflow,
+            "after": reload_until_legend_has(f"overflow ({overflows + 1})"),
+        },
+    )
+    assert page_errors(page) == []
+    assert any(f"overflow ({overflows})" in t for t in page.values["before"]["legend"])
+    assert any(f"overflow ({overflows + 1})" in t for t in page.values["after"])

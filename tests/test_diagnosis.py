@@ -1,12 +1,11 @@
 """The finding catalogue on real CPU runs, and GPU-only rules on written records."""
 
-import copy
 import json
 import math
 
 import numpy as np
 import pytest
-from diagnosis_runs import HOSTILE_NAME, read
+from diagnosis_runs import A100, HOSTILE_NAME, P100, gpu_samples, read, write_gpu_run
 
 from mpprof import diagnosis, reader, schema
 from mpprof.writer import RecordWriter
@@ -58,16 +57,13 @@ def test_finding_to_dict_is_json_with_every_field():
 
 def test_catalogue_covers_every_rule_and_severity():
     assert list(diagnosis.CATALOGUE) == [f"MP{i:03d}" for i in range(1, 14)]
-    assert {rule.severity for rule in diagnosis.CATALOGUE.values()} == set(
-        diagnosis.SEVERITIES
-    )
+    assert {rule.severity for rule in diagnosis.CATALOGUE.values()} == set(diagnosis.SEVERITIES)
 
 
 def test_findings_sorted_most_severe_first_then_by_step():
     findings = diagnosis.diagnose(read("collapse"))
     ranks = [
-        (diagnosis.SEVERITIES.index(f.severity), f.step is None, f.step or 0)
-        for f in findings
+        (diagnosis.SEVERITIES.index(f.severity), f.step is None, f.step or 0) for f in findings
     ]
     assert ranks == sorted(ranks)
     assert [f.code for f in findings][:2] == ["MP001", "MP002"]
@@ -166,10 +162,10 @@ def test_mp005_gradient_underflow():
 def test_mp006_and_mp007_on_a_float16_output_with_odd_shapes():
     run = read("half_output_misaligned")
     mp006 = only(run, "MP006")
-    assert mp006.layer == "dense"  # the last layer
+    assert mp006.layer == "logits"  # the last layer
     assert 'dtype="float32"' in mp006.fix
     mp007 = {f.layer: f for f in diagnosis.diagnose(run) if f.code == "MP007"}
-    assert set(mp007) == {"hidden", "dense"}
+    assert set(mp007) == {"hidden", "logits"}
     assert mp007["hidden"].evidence["misaligned_dims"] == [20, 100]
     assert "input size 20 -> 24" in mp007["hidden"].fix
     assert "output size 100 -> 104" in mp007["hidden"].fix
@@ -214,71 +210,6 @@ def test_rules_without_their_data_say_not_measured():
 # --- Rules on records written through the schema writer (GPU-only data).
 
 
-A100 = {
-    "name": "NVIDIA A100-SXM4-40GB",
-    "compute_capability": [8, 0],
-    "architecture": "Ampere",
-    "fp16_tensor_cores": True,
-    "bf16": True,
-}
-P100 = {
-    "name": "Tesla P100-PCIE-16GB",
-    "compute_capability": [6, 0],
-    "architecture": "Pascal",
-    "fp16_tensor_cores": False,
-    "bf16": False,
-}
-
-
-def write_gpu_run(
-    tmp_path,
-    source: str,
-    gpus: list[dict],
-    *,
-    gpu_mode="gpm",
-    samples=None,
-    kernels=None,
-    name="train",
-) -> reader.Run:
-    """A real run's records, rewritten as if it had run on `gpus`."""
-    run = read(source)
-    context = copy.deepcopy(run.context)
-    context["hardware"] = {"cpu_only": False, "gpus": gpus, "source": "test"}
-    context["gpus_visible_to_tensorflow"] = len(gpus)
-    context["collectors"]["gpu"] = {
-        "state": "ok",
-        "mode": gpu_mode,
-        "reason": "test",
-        "devices": gpus,
-    }
-    writer = RecordWriter(tmp_path / name)
-    for record, found in run.records.items():
-        for item in found:
-            if record == schema.RUN_CONTEXT:
-                writer.write_json(record, context, item.step)
-            elif isinstance(item.value, dict):
-                writer.write_json(record, item.value, item.step)
-            else:
-                writer.write_array(record, item.value, item.step)
-    if samples is not None:
-        writer.write_array(schema.GPU_SAMPLES, samples, 0)
-    if kernels is not None:
-        writer.write_json(schema.KERNEL_STATS, kernels, 0)
-    writer.close()
-    return reader.read_run(tmp_path, name)
-
-
-def gpu_samples(tensor_util: float, gpu_util: float, rows: int = 50) -> np.ndarray:
-    columns = schema.GPU_SAMPLE_COLUMNS
-    samples = np.full((rows, len(columns)), np.nan)
-    samples[:, columns.index("wall_time")] = 1000.0 + 0.5 * np.arange(rows)
-    samples[:, columns.index("step")] = np.arange(rows)
-    samples[:, columns.index("device")] = 0
-    samples[:, columns.index("tensor_util")] = tensor_util
-    samples[:, columns.index("gpu_util")] = gpu_util
-    return samples
-
-
 def test_mp010_low_tensor_core_activity_from_gpm(tmp_path):
     run = write_gpu_run(
         tmp_path,
@@ -301,9 +232,7 @@ def test_mp010_low_tensor_core_share_from_kernel_stats(tmp_path):
         "eligible_not_using_us": 700.0,
         "top_ops": [],
     }
-    finding = only(
-        write_gpu_run(tmp_path, "healthy_mixed", [A100], kernels=kernels), "MP010"
-    )
+    finding = only(write_gpu_run(tmp_path, "healthy_mixed", [A100], kernels=kernels), "MP010")
     assert finding.evidence["tensor_core_share"] == pytest.approx(0.05)
 
 

@@ -397,3 +397,17 @@ def test_fit_records_samples_that_line_up_with_steps(tmp_path):
             assert t > before[s - 1]  # step s-1 had ended...
         if s < steps:
             assert t < after[s]  # ...and step s had not
+
+
+def test_an_unexpected_error_while_opening_leaves_nvml_shut_down():
+    library = FakeNvmlLibrary([FakeGpu()])
+
+    def crash(ref):
+        raise OSError("segfault-like failure inside the library wrapper")
+
+    library.nvmlDeviceGetCount_v2 = crash
+    with installed(library):
+        sampler = started(library)
+    assert sampler.mode == gpu.MODE_UNAVAILABLE
+    assert "failed to start" in sampler.reason and "OSError" in sampler.reason
+    assert library.shutdowns == 1 and not sampler.running

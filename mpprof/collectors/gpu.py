@@ -256,6 +256,7 @@ class GpuSampler:
         try:
             self._open()
         except Exception as e:  # noqa: BLE001 - the sampler must never break training
+            self._close()
             self._set_unavailable(f"the GPU sampler failed to start: {_describe(e)}")
         if self.mode == MODE_UNAVAILABLE:
             return

@@ -32,8 +32,12 @@
     const isLog = key.indexOf("log10") >= 0;
     const direction = key.startsWith("forward") ? "forward" : "backward";
     const cells = n.overflow[direction];
+    // Forward magnitudes in float16 end at its maximum (yellow = no headroom);
+    // bfloat16's maximum (1e38) would squash every colour, so it is left out.
+    const capAtMax = key === "forward_log10_abs_max" && n.policy_log10_max < 10;
     const traces = [{type: "heatmap", z: n.maps[key], x: n.steps.map(String), y: n.layers,
-      colorscale: isLog ? "Viridis" : "Reds", zmin: isLog ? null : 0, zmax: isLog ? null : 1,
+      colorscale: isLog ? "Viridis" : "Reds",
+      zmin: isLog ? null : 0, zmax: capAtMax ? n.policy_log10_max : (isLog ? null : 1),
       hovertemplate: "layer %{y}<br>step %{x}<br>%{z}<extra></extra>"}];
     if (cells.layer.length) {
       traces.push({type: "scatter", mode: "markers", name: "overflow",

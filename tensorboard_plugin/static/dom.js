@@ -31,7 +31,7 @@ export function replace(element, ...children) {
 
 /**
  * Escapes text for plotly, which renders labels, hover text and legends as
- * a subset of HTML: "<img ...>" in a layer name must stay text.
+ * a subset of HTML: "<img ...>" in a run or layer name must stay text.
  */
 export function plotlyText(value) {
   return String(value ?? "")
@@ -39,7 +39,9 @@ export function plotlyText(value) {
     .replaceAll("<", "&lt;")
     .replaceAll(">", "&gt;")
     .replaceAll('"', "&quot;")
-    .replaceAll("'", "&#39;");
+    .replaceAll("'", "&#39;")
+    // "%{x}" in a name would be a hovertemplate field; "&#37;" shows as "%".
+    .replaceAll("%", "&#37;");
 }
 
 /** A "not measured" note saying why a view has nothing to show. */

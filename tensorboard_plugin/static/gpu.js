@@ -22,7 +22,9 @@ export async function show(container, { plotly, compared, focus }) {
   if (tensorTraces.length) {
     const chart = el("div", { class: "chart gpu-chart" });
     container.append(chart);
-    await plotly.newPlot(chart, tensorTraces, layout("Tensor utilization (%)"), { responsive: true, displaylogo: false });
+    // The legend names the run and device even when there is one trace.
+    const tensorLayout = { ...layout("Tensor utilization (%)"), showlegend: true };
+    await plotly.newPlot(chart, tensorTraces, tensorLayout, { responsive: true, displaylogo: false });
   }
   const focusPayload = payloads.find(([run]) => run === focus)?.[1];
   if (focusPayload?.available) {
@@ -84,6 +86,6 @@ function layout(title) {
     yaxis: { range: [0, 100] },
     height: 340,
     margin: { t: 40, r: 20, b: 50 },
-    legend: { orientation: "h" },
+    legend: { orientation: "h", y: -0.25 },
   };
 }

@@ -162,6 +162,7 @@ class App {
       if (!current()) return;
       this.say(`updated ${new Date().toLocaleTimeString()}`);
       this.main.dataset.state = "ready";
+      performance.mark(`mpprof:${view}:ready`);
     } catch (error) {
       if (!current()) return;
       container.append(el("p", { class: "error" }, error.message));

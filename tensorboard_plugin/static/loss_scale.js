@@ -37,7 +37,7 @@ export async function show(container, { plotly, compared, target }) {
       shapes,
       height: 460,
       margin: { t: 40, r: 20, b: 50, l: 70 },
-      legend: { orientation: "h" },
+      legend: { orientation: "h", y: -0.2 },
     },
     { responsive: true, displaylogo: false },
   );

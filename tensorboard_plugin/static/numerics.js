@@ -33,7 +33,7 @@ export async function show(container, context) {
     SECOND_HEATMAPS.map(([, , label], i) => el("option", { value: String(i) }, label)),
   );
   container.append(
-    el("p", { class: "hint" }, `${headroom.layers_total} layers x ${headroom.samples_total} sampled steps; each cell shows the worst value of the layers and steps it covers. Click a cell for that layer's history.`),
+    el("p", { class: "hint" }, hint(headroom)),
     first,
     el("label", { class: "chooser" }, "Second heatmap: ", chooser),
     secondChart,
@@ -55,7 +55,7 @@ export async function show(container, context) {
     }
     await heatmap(context.plotly, secondChart, payload, {
       title: label,
-      colorscale: "Purples",
+      colorscale: [[0, "#f7f7f7"], [1, "#54278f"]],
       zmin: 0,
       zmax: 1,
       valueLabel: "share %{z:.3f}",
@@ -65,9 +65,20 @@ export async function show(container, context) {
   if (target.layer) await openLayer(target.layer);
 }
 
+function hint(payload) {
+  const perColumn = Math.ceil(payload.samples_total / Math.max(1, payload.column_steps.length));
+  const forensic = payload.column_forensic.filter(Boolean).length;
+  return (
+    `${payload.layers_total} layers x ${payload.samples_total} sampled steps` +
+    (perColumn > 1 ? ` (${perColumn} samples per column)` : "") +
+    `; each cell shows the worst value of the layers and steps it covers` +
+    (forensic ? `; ${forensic} columns hold samples taken right after an overflow` : "") +
+    ". Click a cell for that layer's history."
+  );
+}
+
 async function heatmap(plotly, chart, payload, { title, colorscale, zmin, zmax, valueLabel }, openLayer) {
   const rows = payload.rows.map(plotlyText);
-  const forensic = payload.column_forensic.map((flag) => (flag ? " (after an overflow)" : ""));
   await plotly.newPlot(
     chart,
     [
@@ -76,12 +87,11 @@ async function heatmap(plotly, chart, payload, { title, colorscale, zmin, zmax, 
         x: payload.column_steps,
         y: rows,
         z: payload.values,
-        customdata: payload.values.map(() => payload.column_last_steps.map((last, i) => `${last}${forensic[i]}`)),
         colorscale,
         zmin,
         zmax,
         hoverongaps: false,
-        hovertemplate: `%{y}<br>steps %{x} – %{customdata}<br>${valueLabel}<extra></extra>`,
+        hovertemplate: `%{y}<br>from step %{x}<br>${valueLabel}<extra></extra>`,
       },
     ],
     {

@@ -1,0 +1,149 @@
+"""Overhead of mpprof on training, against plain `model.fit` in the same process.
+
+For each model (the seed's Dense(256)->Dense(10) on MNIST-shaped data, and a
+small CNN) and each configuration, a fresh model trains one warm-up epoch
+(tracing) and then `--epochs` timed epochs; configurations are interleaved
+over `--repeats` rounds. Reported: the median epoch time of each
+configuration and its ratio to plain fit, and the ratio of total fit time
+(which includes one-time tracing).
+
+Configurations: plain fit; mpprof at defaults; mpprof with numerics on every
+step; keras.callbacks.TensorBoard(histogram_freq=1); TensorFlow Debugger V2
+(`tf.debugging.experimental.enable_dump_debug_info`) in NO_TENSOR and
+CONCISE_HEALTH modes.
+
+    python benchmarks/bench_overhead.py --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import mpprof  # noqa: E402
+
+
+class _EpochTimer(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.times = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.times.append(time.perf_counter() - self._start)
+
+
+def seed_model() -> keras.Model:
+    return keras.Sequential([
+        keras.layers.Input((784,)),
+        keras.layers.Dense(256, activation="relu"),
+        keras.layers.Dense(10, dtype="float32"),
+    ])
+
+
+def cnn_model() -> keras.Model:
+    return keras.Sequential([
+        keras.layers.Input((28, 28, 1)),
+        keras.layers.Conv2D(16, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(10, dtype="float32"),
+    ])
+
+
+MODELS = {
+    "seed": (seed_model, (784,), 20480),
+    "cnn": (cnn_model, (28, 28, 1), 4096),
+}
+
+
+def _callbacks(config: str, logdir: str) -> list:
+    if config == "mpprof_defaults":
+        return [mpprof.MixedPrecisionProfiler(logdir)]
+    if config == "mpprof_numerics_every_step":
+        return [mpprof.MixedPrecisionProfiler(logdir, numerics_every=1)]
+    if config == "tensorboard_histograms":
+        return [keras.callbacks.TensorBoard(logdir, histogram_freq=1)]
+    return []
+
+
+def run_once(model_name: str, config: str, epochs: int, policy: str) -> tuple[float, float]:
+    """(median epoch seconds, total fit seconds) of one fresh fit."""
+    build, shape, samples = MODELS[model_name]
+    keras.mixed_precision.set_dtype_policy(policy)
+    rng = np.random.default_rng(0)
+    x = rng.random((samples, *shape), dtype=np.float32)
+    y = rng.integers(0, 10, samples)
+    with tempfile.TemporaryDirectory() as logdir:
+        debugger = config.startswith("debugger_")
+        if debugger:
+            tf.debugging.experimental.enable_dump_debug_info(
+                logdir, tensor_debug_mode=config.removeprefix("debugger_").upper(),
+                circular_buffer_size=1000,
+            )
+        try:
+            model = build()
+            model.compile(optimizer="adam",
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            timer = _EpochTimer()
+            start = time.perf_counter()
+            model.fit(x, y, batch_size=128, epochs=epochs + 1, verbose=0,
+                      callbacks=[*_callbacks(config, logdir), timer])
+            total = time.perf_counter() - start
+        finally:
+            if debugger:
+                tf.debugging.experimental.disable_dump_debug_info()
+    return statistics.median(timer.times[1:]), total
+
+
+CONFIGS = (
+    "plain",
+    "mpprof_defaults",
+    "mpprof_numerics_every_step",
+    "tensorboard_histograms",
+    "debugger_no_tensor",
+    "debugger_concise_health",
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--policy", default="mixed_float16")
+    args = parser.parse_args()
+    for model_name in args.models:
+        epoch_times = {c: [] for c in args.configs}
+        totals = {c: [] for c in args.configs}
+        for _ in range(args.repeats):
+            for config in args.configs:
+                epoch, total = run_once(model_name, config, args.epochs, args.policy)
+                epoch_times[config].append(epoch)
+                totals[config].append(total)
+        plain_epoch = statistics.median(epoch_times["plain"])
+        plain_total = statistics.median(totals["plain"])
+        print(f"\n{model_name} ({args.policy}, {args.repeats} repeats x {args.epochs} epochs)")
+        print(f"{'configuration':30s} {'epoch s':>9s} {'ratio':>7s} {'added':>8s} {'fit ratio':>9s}")
+        for config in args.configs:
+            epoch = statistics.median(epoch_times[config])
+            total = statistics.median(totals[config])
+            print(f"{config:30s} {epoch:9.3f} {epoch / plain_epoch:7.3f} "
+                  f"{epoch - plain_epoch:+8.3f} {total / plain_total:9.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Per-layer numerics for tf-keras models.
+
+The layer taps of `NumericsCollector` work unchanged on tf-keras layers; only
+the optimizer differs. tf-keras's LossScaleOptimizer scales the loss in
+`get_scaled_loss` and divides the gradients by the scale BEFORE
+`apply_gradients`, so the gradients recorded there are the unscaled ones and
+the scaled ones (what float16 had to hold) are recomputed by multiplying back.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from mpprof.collectors.numerics import NumericsCollector
+
+
+class TfKerasNumericsCollector(NumericsCollector):
+    """`NumericsCollector` with tf-keras's optimizer methods wrapped."""
+
+    _WRAPPED = ("apply_gradients", "get_scaled_loss", "minimize")
+
+    def wrap_optimizer(self, optimizer, loss_scale_getter):
+        """Instance-level wrappers of `apply_gradients` and the loss (see `remove`)."""
+        apply_gradients = optimizer.apply_gradients
+
+        def instrumented_apply_gradients(grads_and_vars, *args, **kwargs):
+            grads_and_vars = list(grads_and_vars)
+            if self.instrumenting:
+                self._record_gradients(grads_and_vars, loss_scale_getter)
+            return apply_gradients(grads_and_vars, *args, **kwargs)
+
+        optimizer.apply_gradients = instrumented_apply_gradients
+        if hasattr(optimizer, "get_scaled_loss"):
+            get_scaled_loss = optimizer.get_scaled_loss
+
+            def instrumented_get_scaled_loss(loss):
+                self._record_loss(loss)
+                return get_scaled_loss(loss)
+
+            optimizer.get_scaled_loss = instrumented_get_scaled_loss
+        else:
+            # Without loss scaling the loss reaches `minimize` directly.
+            minimize = optimizer.minimize
+
+            def instrumented_minimize(loss, var_list, *args, **kwargs):
+                self._record_loss(loss)
+                return minimize(loss, var_list, *args, **kwargs)
+
+            optimizer.minimize = instrumented_minimize
+        self._optimizer = optimizer
+
+    def _record_loss(self, loss) -> None:
+        if self.instrumenting and not callable(loss):
+            self._loss.assign(tf.cast(loss, tf.float32))
+
+    def _record_gradients(self, grads_and_vars, loss_scale_getter) -> None:
+        scale = tf.cast(loss_scale_getter(), tf.float32)
+        for grad, variable in grads_and_vars:
+            row = self._variable_rows.get(id(variable))
+            if grad is None or row is None or isinstance(grad, tf.IndexedSlices):
+                continue
+            unscaled = tf.cast(grad, tf.float32)
+            self.gradients.record(row, unscaled * scale)
+            self.unscaled_gradients.record(row, unscaled)
+
+    def remove(self) -> None:
+        optimizer = getattr(self, "_optimizer", None)
+        for name in self._WRAPPED:
+            if optimizer is not None and name in vars(optimizer):
+                delattr(optimizer, name)
+        self._optimizer = None

@@ -1,0 +1,89 @@
+"""What differs when the model is a tf-keras (Keras 2) model.
+
+Many production codebases still train with tf-keras (`TF_USE_LEGACY_KERAS=1`
+and the `tf_keras` package, `pip install mpprof[tf-keras]`). mpprof never
+imports tf_keras itself: a tf-keras model can only exist once its user has
+imported it, so the module is looked up in `sys.modules`.
+
+The differences mpprof cares about:
+
+- variables are `tf.Variable`s: no `.path` (the name is "dense/kernel:0"),
+  `dtype` is a `tf.DType`, `value` is a method;
+- the global dtype policy lives in `tf_keras.mixed_precision`;
+- the LossScaleOptimizer keeps `loss_scale`/`dynamic_counter` (see
+  `mpprof.collectors.tf_keras_loss_scale`), and its `apply_gradients` receives
+  gradients already divided by the scale.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import tensorflow as tf
+
+KERAS_3 = "keras"
+TF_KERAS = "tf_keras"
+
+
+def tf_keras_module():
+    """The imported `tf_keras` package, or None when nobody imported it."""
+    return sys.modules.get("tf_keras")
+
+
+def keras_flavor(model) -> str:
+    """`TF_KERAS` when `model` is a tf-keras model, else `KERAS_3`."""
+    tf_keras = tf_keras_module()
+    if tf_keras is not None and isinstance(model, tf_keras.Model):
+        return TF_KERAS
+    return KERAS_3
+
+
+def is_tf_keras(model) -> bool:
+    return keras_flavor(model) == TF_KERAS
+
+
+def keras_version(model) -> str:
+    if is_tf_keras(model):
+        return tf_keras_module().__version__
+    import keras
+
+    return keras.__version__
+
+
+def global_policy_name(model) -> str:
+    """The global dtype policy of the Keras that `model` belongs to."""
+    if is_tf_keras(model):
+        return tf_keras_module().mixed_precision.global_policy().name
+    import keras
+
+    return keras.mixed_precision.global_policy().name
+
+
+def variable_path(variable) -> str:
+    """Keras 3's `variable.path`; for a tf.Variable its name without ":0"."""
+    path = getattr(variable, "path", None)
+    if isinstance(path, str) and path:
+        return path
+    name = variable.name
+    return name[: -len(":0")] if name.endswith(":0") else name
+
+
+def variable_short_name(variable) -> str:
+    """"kernel" for Keras 3's "kernel" and tf-keras's "dense/kernel:0"."""
+    return variable_path(variable).split("/")[-1]
+
+
+def is_float_variable(variable) -> bool:
+    return tf.as_dtype(variable.dtype).is_floating
+
+
+def is_loss_scale_optimizer(optimizer) -> bool:
+    """Whether `optimizer` is tf-keras's (V2 or V3) LossScaleOptimizer."""
+    tf_keras = tf_keras_module()
+    if tf_keras is None or optimizer is None:
+        return False
+    try:
+        from tf_keras.src.mixed_precision.loss_scale_optimizer import BaseLossScaleOptimizer
+    except ImportError:  # a tf-keras whose private layout changed
+        return isinstance(optimizer, tf_keras.mixed_precision.LossScaleOptimizer)
+    return isinstance(optimizer, BaseLossScaleOptimizer)

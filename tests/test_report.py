@@ -1,0 +1,163 @@
+"""`mpprof report`: one offline HTML file, opened in headless Chromium."""
+
+import html
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+from browser import load_page
+from diagnosis_runs import (
+    A100,
+    HOSTILE_NAME,
+    HOSTILE_RUN,
+    gpu_samples,
+    logdir,
+    write_gpu_run,
+)
+
+from mpprof import cli, reader, report
+
+
+@pytest.fixture(scope="module")
+def report_logdir(tmp_path_factory):
+    """Runs with every part a report can draw, hostile names included."""
+    root = tmp_path_factory.mktemp("report_logdir")
+    for name in ("healthy_float32", "storm", "forward_overflow"):
+        shutil.copytree(logdir(name), root / name)
+    shutil.copytree(logdir("hostile") / HOSTILE_RUN, root / HOSTILE_RUN)
+    write_gpu_run(
+        root,
+        "healthy_mixed",
+        [A100],
+        name="gpu",
+        samples=gpu_samples(tensor_util=30.0, gpu_util=90.0),
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def report_file(report_logdir, tmp_path_factory):
+    output = tmp_path_factory.mktemp("report") / "report.html"
+    assert cli.main(["report", str(report_logdir), "-o", str(output)]) == 0
+    return output
+
+
+def test_report_cli_shows_progress(report_logdir, tmp_path, capsys):
+    output = tmp_path / "sub" / "r.html"
+    assert cli.main(["report", str(report_logdir), "-o", str(output)]) == 0
+    err = capsys.readouterr().err
+    assert "reading run storm/train (" in err
+    assert f"wrote {output}" in err
+    assert output.stat().st_size > 1_000_000  # plotly.js is inside
+
+
+def test_report_is_self_contained(report_file):
+    page = report_file.read_text()
+    # No external script, stylesheet or image: it must open offline.
+    assert not re.search(r"<(script|link|img|iframe)[^>]*\b(src|href)=", page)
+    assert "Plotly" in page
+
+
+def test_hostile_names_are_escaped_in_the_html(report_file):
+    page = report_file.read_text()
+    assert HOSTILE_NAME not in page.replace(_json_escaped(HOSTILE_NAME), "")
+    assert html.escape(HOSTILE_NAME) in page  # the tables and findings
+    assert html.escape(HOSTILE_RUN) in page  # the run's heading
+
+
+def _json_escaped(text: str) -> str:
+    # The plot labels inside the embedded JSON are entity-escaped already.
+    return json.dumps(html.escape(text, quote=False))[1:-1]
+
+
+def test_embedded_json_cannot_close_its_script_element():
+    text = report._script_json({"name": "</script><script>alert(3)</script><!--"})
+    assert "</" not in text and "<!--" not in text
+    assert json.loads(text) == {"name": "</script><script>alert(3)</script><!--"}
+
+
+def test_report_of_one_run_and_unknown_run(report_logdir, tmp_path):
+    page = report.build_report(report_logdir, run="storm/train")
+    assert "Run storm/train" in page and "Run forward_overflow/train" not in page
+    with pytest.raises(reader.NoMpprofDataError, match="No mpprof run 'nope'"):
+        report.build_report(report_logdir, run="nope")
+
+
+def test_missing_and_empty_logdirs(tmp_path, capsys):
+    assert cli.main(["report", str(tmp_path / "absent"), "-o", str(tmp_path / "a")]) == 2
+    assert cli.main(["report", str(tmp_path), "-o", str(tmp_path / "b.html")]) == 2
+    assert "MixedPrecisionProfiler" in capsys.readouterr().err
+
+
+def test_loss_scale_timeline_downsamples_but_keeps_extremes():
+    steps = np.arange(1_000_000)
+    scales = np.full(len(steps), 2.0**15)
+    scales[123_457] = 1.0  # one dip must survive downsampling
+    scales[987_654] = 2.0**24
+    kept_steps, kept = report._decimate_step_function(steps, scales, report.MAX_TIMELINE_POINTS)
+    assert len(kept) <= report.MAX_TIMELINE_POINTS + 2
+    assert kept.min() == 1.0 and kept.max() == 2.0**24
+    assert kept_steps[0] == 0 and kept_steps[-1] == steps[-1]
+
+
+def test_event_markers_are_bucketed_with_counts():
+    steps = np.arange(0, 500_000, 10)
+    markers = report._markers(steps, np.full(len(steps), 4.0))
+    assert len(markers["steps"]) <= report.MAX_EVENT_MARKERS
+    assert sum(markers["counts"]) == len(steps)
+
+
+@pytest.mark.browser
+def test_report_opens_in_chromium_draws_plots_and_shows_names_as_text(report_file):
+    page = load_page(
+        report_file,
+        wait_for="Array.from(document.querySelectorAll('div.plot'))"
+        ".every(d => d.querySelector('.main-svg'))",
+        evaluate={
+            "plots": "document.querySelectorAll('div.plot').length",
+            "drawn": "Array.from(document.querySelectorAll('div.plot'))"
+            ".filter(d => d.querySelector('.main-svg')).length",
+            "images": "document.querySelectorAll('img').length",
+            "text": "document.body.innerText",
+            "tick_labels": "Array.from(document.querySelectorAll('div.heatmap .ytick text'))"
+            ".map(t => t.textContent)",
+            "gpu_plots": "document.querySelectorAll('div.plot.gpu .main-svg').length",
+        },
+        screenshot="report.png",
+    )
+    assert page.errors == []
+    values = page.values
+    # loss scale x3, numerics 4 maps x2, GPU tracks x2 (Tensor Core, utilisation).
+    assert values["plots"] >= 3 + 8 + 2
+    assert values["drawn"] == values["plots"]
+    assert values["gpu_plots"] >= 2
+    # The hostile layer name is text: in the findings, the tables and as a
+    # heatmap label; it never became an element.
+    assert values["images"] == 0
+    assert HOSTILE_NAME in values["text"]
+    assert HOSTILE_RUN in values["text"]
+    assert HOSTILE_NAME in values["tick_labels"]
+    assert page.screenshot.stat().st_size > 10_000
+
+
+def test_browser_helper_skips_without_chromium_unless_required(monkeypatch):
+    import browser
+
+    monkeypatch.setenv("CHROMIUM", "/nonexistent/chromium")
+    monkeypatch.delenv("MPPROF_REQUIRE_BROWSER", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="Chromium not found"):
+        browser.require_chromium()
+    monkeypatch.setenv("MPPROF_REQUIRE_BROWSER", "1")
+    with pytest.raises(pytest.fail.Exception, match="MPPROF_REQUIRE_BROWSER=1"):
+        browser.require_chromium()
+
+
+def test_truncated_event_file_is_reported_not_fatal(tmp_path):
+    shutil.copytree(logdir("storm"), tmp_path, dirs_exist_ok=True)
+    (event_file,) = (tmp_path / "train").glob("*tfevents*")
+    event_file.write_bytes(event_file.read_bytes()[:-40])
+    page = report.build_report(tmp_path)
+    assert "Could not read everything" in page and "incomplete record" in page
+    assert "MP002" in page  # what was readable is still diagnosed
