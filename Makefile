@@ -17,6 +17,9 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# oneDNN's float16 kernels are emulated on most CPUs (~50x slower steps):
+# the demo trains on CPU with the plain kernels unless you set it yourself.
+demo: export TF_ENABLE_ONEDNN_OPTS ?= 0
 demo: install
 	$(PY) examples/mnist_mixed_float16.py --log-dir $(LOGDIR)/mnist_mixed_float16
 	$(PY) examples/overflow_storm.py --log-dir $(LOGDIR)/overflow_storm

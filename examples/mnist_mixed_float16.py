@@ -53,7 +53,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--log-dir", default="logs/mnist_mixed_float16")
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--samples", type=int, default=20000)
+    parser.add_argument("--samples", type=int, default=8192)
+    parser.add_argument("--numerics-every", type=int, default=16,
+                        help="sample per-layer numerics every N steps (dense, for the demo)")
     args = parser.parse_args()
     x, y = load_mnist(args.samples)
     model = build_model()
@@ -61,7 +63,8 @@ def main() -> None:
         x, y, batch_size=128, epochs=args.epochs, validation_split=0.1,
         callbacks=[
             keras.callbacks.TensorBoard(log_dir=args.log_dir),
-            mpprof.MixedPrecisionProfiler(log_dir=args.log_dir),
+            mpprof.MixedPrecisionProfiler(log_dir=args.log_dir,
+                                          numerics_every=args.numerics_every),
         ],
         verbose=2,
     )

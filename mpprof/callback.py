@@ -12,14 +12,23 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from mpprof import schema
+from mpprof import schema, tf_keras_support
 from mpprof.collectors import gpu as gpu_collector
 from mpprof.collectors import kernels as kernel_collector
 from mpprof.collectors.layer_calls import LayerCallPatch
 from mpprof.collectors.loss_scale import LossScaleCollector, is_loss_scale_optimizer
 from mpprof.collectors.numerics import NumericsCollector
 from mpprof.collectors.precision import PrecisionCollector
+from mpprof.collectors.tf_keras_loss_scale import TfKerasLossScaleCollector
+from mpprof.collectors.tf_keras_numerics import TfKerasNumericsCollector
 from mpprof.context import run_context
+from mpprof.distributed import (
+    DiscardingWriter,
+    WorkerRole,
+    announce_keras_3_multi_worker,
+    warn_if_keras_3_multi_worker,
+    worker_role,
+)
 from mpprof.hardware import hardware_facts
 from mpprof.writer import RecordWriter
 
@@ -125,22 +134,43 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             if self.profile_steps else None
         )
         self._writer: RecordWriter | None = None
+        self._worker_writer: RecordWriter | None = None
+        self._role = WorkerRole()
         self._loss_scale: LossScaleCollector | None = None
         self._precision: PrecisionCollector | None = None
         self._numerics: NumericsCollector | None = None
         self._layer_patch: LayerCallPatch | None = None
         self._fit_count = 0
+        # Keras 3's fit fails across workers before any hook runs: say it now.
+        warn_if_keras_3_multi_worker()
 
     @property
     def run_dir(self) -> str:
         return posixpath.join(self.log_dir, schema.TRAIN_RUN)
 
+    # tf-keras's CallbackList asks every callback these (Keras 3 callbacks do
+    # not have them), so the one class serves models of either Keras.
+    _supports_tf_logs = False  # tf-keras converts batch logs to floats for us
+    _chief_worker_only = None  # every worker runs it: see mpprof.distributed
+
+    def _implements_train_batch_hooks(self) -> bool:
+        return True
+
+    def _implements_test_batch_hooks(self) -> bool:
+        return False
+
+    def _implements_predict_batch_hooks(self) -> bool:
+        return False
+
     # Keras hooks.
 
     def on_train_begin(self, logs=None):
-        self._writer = _open_writer(self.run_dir)
-        self._fit_count += 1
         model = self.model
+        self._tf_keras = tf_keras_support.is_tf_keras(model)
+        self._role = worker_role(model.distribute_strategy)
+        self._distribution_note = self._check_distribution()
+        self._writer, self._worker_writer = self._open_writers(self._role)
+        self._fit_count += 1
         self._precision = PrecisionCollector(model)
         self._layer_patch = LayerCallPatch(model, [self._precision])
         self._numerics = None
@@ -179,7 +209,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             self._loss_scale.install()
         self._start_gpu()
         atexit.register(self._finish)
-        self._writer.write_json(schema.RUN_CONTEXT, self._context(), self._step)
+        self._write_context()
         self._read_loss_scale()
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -217,6 +247,8 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._write_gpu_samples()
         self._check_weights()
         self._writer.flush()
+        if self._worker_writer is not None:
+            self._worker_writer.flush()
 
     def on_train_end(self, logs=None):
         self._finish()
@@ -254,7 +286,8 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
     def _prepare_numerics(self) -> bool:
         if self._numerics is None:
             model = self.model
-            self._numerics = NumericsCollector(model, model.distribute_strategy)
+            collector = TfKerasNumericsCollector if self._tf_keras else NumericsCollector
+            self._numerics = collector(model, model.distribute_strategy)
             self._numerics.wrap_optimizer(model.optimizer, self._loss_scale_tensor)
             self._layer_patch.add_hook(self._numerics)
         return True
@@ -262,6 +295,8 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
     def _loss_scale_tensor(self):
         if self._loss_scale is None:
             return tf.constant(1.0)
+        if self._tf_keras:
+            return tf.convert_to_tensor(self.model.optimizer.loss_scale)
         return tf.convert_to_tensor(self.model.optimizer.dynamic_scale)
 
     def _write_numerics_sample(self, step: int, steps: int) -> None:
@@ -306,9 +341,9 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
 
     def _check_weights(self) -> None:
         self._health["nonfinite_weights"] = [
-            w.path for w in self.model.weights
-            if w.dtype.startswith(("float", "bfloat"))
-            and not bool(tf.reduce_all(tf.math.is_finite(w.value)))
+            tf_keras_support.variable_path(w) for w in self.model.weights
+            if tf_keras_support.is_float_variable(w)
+            and not bool(tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(w))))
         ]
         self._health["checked_step"] = self._step
         self._writer.write_json(schema.HEALTH, self._health, self._step)
@@ -317,12 +352,18 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
 
     def _loss_scale_collector(self, model) -> LossScaleCollector | None:
         optimizer = model.optimizer
-        if not is_loss_scale_optimizer(optimizer):
+        if self._tf_keras:
+            is_lso = tf_keras_support.is_loss_scale_optimizer(optimizer)
+            collector = TfKerasLossScaleCollector
+        else:
+            is_lso = is_loss_scale_optimizer(optimizer)
+            collector = LossScaleCollector
+        if not is_lso:
             return None
         if self._loss_scale is not None and self._loss_scale.optimizer is optimizer:
             return self._loss_scale  # keeps counting skipped steps across fits
         capacity = max(1024, 2 * (self.flush_every_steps + self._steps_per_execution()))
-        return LossScaleCollector(optimizer, model.distribute_strategy, capacity)
+        return collector(optimizer, model.distribute_strategy, capacity)
 
     def _read_loss_scale(self) -> None:
         if self._loss_scale is None:
@@ -344,7 +385,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         return int(optimizer.iterations.numpy()) if optimizer is not None else 0
 
     def _steps_per_execution(self) -> int:
-        return int(getattr(self.model, "steps_per_execution", 1) or 1)
+        return tf_keras_support.steps_per_execution(self.model)
 
     # Ending a fit.
 
@@ -363,12 +404,15 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             self._finish_gpu()
             self._read_loss_scale()
             self._check_weights()
-            self._writer.write_json(schema.RUN_CONTEXT, self._context(), self._step)
+            self._write_context()
         finally:
             self._release_gpu()
             self._restore_model()
             self._writer.close()
             self._writer = None
+            if self._worker_writer is not None:
+                self._worker_writer.close()
+                self._worker_writer = None
 
     def _restore_model(self) -> None:
         self._layer_patch.remove()
@@ -400,7 +444,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
                 "forensic_budget": self.forensic_budget,
                 "forensic_used": self._forensic_used,
             }
-        return run_context(
+        context = run_context(
             self.model,
             collectors={
                 "precision": {"state": "ok", "traced": self._precision.traced},
@@ -412,6 +456,49 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             step=self._fit_start_step,
             fit_count=self._fit_count,
         )
+        context["distributed"] = self._role.describe(schema.TRAIN_RUN)
+        if self._distribution_note is not None:
+            context["distributed"]["note"] = self._distribution_note
+        return context
+
+    # Distribution: which process writes what (mpprof.distributed).
+
+    def _check_distribution(self) -> str | None:
+        """Says once, at train begin, what cannot work under this strategy."""
+        # One local worker is fine; Keras 3's fit fails across worker processes.
+        if self._tf_keras or not self._role.multi_worker:
+            return None
+        return announce_keras_3_multi_worker()
+
+    def _open_writers(self, role: WorkerRole) -> tuple:
+        """(model-level writer, this worker's own writer or None)."""
+        model_writer = _open_writer(self.run_dir) if role.is_chief else DiscardingWriter()
+        if role.worker_run is None:
+            return model_writer, None
+        try:
+            return model_writer, _open_writer(posixpath.join(self.run_dir, role.worker_run))
+        except BaseException:
+            model_writer.close()
+            raise
+
+    @property
+    def _host_writer(self):
+        """Where this host's own records (GPU samples, kernel share) go."""
+        return self._worker_writer if self._worker_writer is not None else self._writer
+
+    def _write_context(self) -> None:
+        context = self._context()
+        self._writer.write_json(schema.RUN_CONTEXT, context, self._step)
+        if self._worker_writer is not None:
+            context["run_role"] = "worker"
+            context["worker_evidence"] = {
+                "steps_run": self._step,
+                "skipped_steps": self._skipped_steps(),
+                "nonfinite_loss_batches": self._health["nonfinite_loss_batches"],
+                "first_nonfinite_loss_step": self._health["first_nonfinite_loss_step"],
+                "nonfinite_weights": list(self._health["nonfinite_weights"]),
+            }
+            self._worker_writer.write_json(schema.RUN_CONTEXT, context, self._step)
 
     # GPU sampler and XProf window (mpprof.collectors.gpu / .kernels). The
     # sampler thread only queues rows: this thread writes them.
@@ -441,11 +528,11 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             return
         rows = self._gpu.drain()
         if len(rows):
-            self._writer.write_array(schema.GPU_SAMPLES, rows, int(rows[-1, 1]))
+            self._host_writer.write_array(schema.GPU_SAMPLES, rows, int(rows[-1, 1]))
 
     def _write_kernel_stats(self, result: dict | None) -> None:
         if result is not None:
-            self._writer.write_json(schema.KERNEL_STATS, result, self._step)
+            self._host_writer.write_json(schema.KERNEL_STATS, result, self._step)
 
     def _finish_gpu(self) -> None:
         try:

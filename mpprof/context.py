@@ -9,6 +9,7 @@ import keras
 import tensorflow as tf
 
 import mpprof
+from mpprof import tf_keras_support
 
 
 def run_context(
@@ -29,16 +30,20 @@ def run_context(
     context = {
         "mpprof_version": mpprof.__version__,
         "tensorflow_version": tf.__version__,
-        "keras_version": keras.__version__,
-        "keras_backend": keras.backend.backend(),
+        "keras_version": tf_keras_support.keras_version(model),
+        # "tf_keras" for a tf-keras (Keras 2) model, else "keras" (Keras 3).
+        "keras_flavor": tf_keras_support.keras_flavor(model),
+        "keras_backend": (
+            "tensorflow" if tf_keras_support.is_tf_keras(model) else keras.backend.backend()
+        ),
         "python_version": platform.python_version(),
         "host": platform.node(),
-        "global_policy": keras.mixed_precision.global_policy().name,
+        "global_policy": tf_keras_support.global_policy_name(model),
         "model_policy": model.dtype_policy.name,
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
         "jit_compile": bool(getattr(model, "jit_compile", False)),
         "run_eagerly": bool(model.run_eagerly),
-        "steps_per_execution": int(getattr(model, "steps_per_execution", 1) or 1),
+        "steps_per_execution": tf_keras_support.steps_per_execution(model),
         "distribution_strategy": type(strategy).__name__,
         "num_replicas": int(strategy.num_replicas_in_sync),
         "devices": [

@@ -12,9 +12,10 @@ chief has one too. No two processes ever write into the same directory.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import posixpath
-
-import tensorflow as tf
+import sys
 
 KERAS_3_MULTI_WORKER_UNSUPPORTED = (
     "Keras 3's model.fit does not run under tf.distribute."
@@ -94,8 +95,39 @@ def worker_role(strategy) -> WorkerRole:
     )
 
 
-def is_multi_worker_strategy(strategy) -> bool:
-    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+def tf_config_workers() -> int:
+    """Worker processes (chief included) that TF_CONFIG describes; 0 without one."""
+    try:
+        cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster", {})
+        return len(cluster.get("chief", [])) + len(cluster.get("worker", []))
+    except (ValueError, AttributeError, TypeError):
+        return 0
+
+
+_warned_keras_3_multi_worker = False
+
+
+def warn_if_keras_3_multi_worker() -> str | None:
+    """Says, once per process, that Keras 3's fit cannot run this cluster.
+
+    Called when the profiler is made: Keras 3's fit fails under a multi-worker
+    MultiWorkerMirroredStrategy while building the model, before any callback
+    hook runs, so this is the one moment mpprof can say it. A tf-keras model
+    can only exist once tf_keras is imported, so without it the model is
+    Keras 3's. Returns the message when it applies.
+    """
+    if tf_config_workers() < 2 or "tf_keras" in sys.modules:
+        return None
+    return announce_keras_3_multi_worker()
+
+
+def announce_keras_3_multi_worker() -> str:
+    """Prints the Keras 3 multi-worker message, once per process; returns it."""
+    global _warned_keras_3_multi_worker
+    if not _warned_keras_3_multi_worker:
+        _warned_keras_3_multi_worker = True
+        print(f"mpprof: {KERAS_3_MULTI_WORKER_UNSUPPORTED}")
+    return KERAS_3_MULTI_WORKER_UNSUPPORTED
 
 
 class DiscardingWriter:

@@ -87,3 +87,13 @@ def is_loss_scale_optimizer(optimizer) -> bool:
     except ImportError:  # a tf-keras whose private layout changed
         return isinstance(optimizer, tf_keras.mixed_precision.LossScaleOptimizer)
     return isinstance(optimizer, BaseLossScaleOptimizer)
+
+
+def steps_per_execution(model) -> int:
+    """Keras 3 keeps an int; tf-keras a variable (mirrored under a strategy)."""
+    value = getattr(model, "steps_per_execution", None)
+    if value is None:
+        return 1
+    if hasattr(value, "numpy"):
+        value = value.numpy()
+    return int(value) or 1

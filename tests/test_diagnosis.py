@@ -190,10 +190,13 @@ def test_mp011_mixed_float16_on_cpu():
     assert "float32" in finding.fix and "mixed_bfloat16" in finding.fix
 
 
-def test_mp012_nan_weights():
+def test_mp012_nan_loss_then_nan_weights():
     run = read("nan_weights")
-    finding = only(run, "MP012")
-    assert finding.severity == "critical"
+    found = [f for f in diagnosis.diagnose(run) if f.code == "MP012"]
+    finding = next(f for f in found if "nonfinite_weights" in f.evidence)
+    loss = next(f for f in found if f is not finding)
+    assert loss.step == run.health["first_nonfinite_loss_step"] == 0
+    assert finding.severity == loss.severity == "critical"
     assert finding.evidence["nonfinite_weights"] == run.health["nonfinite_weights"]
     assert finding.layer == run.health["nonfinite_weights"][0].split("/")[-2]
     assert "TerminateOnNaN" in finding.fix

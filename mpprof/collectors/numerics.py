@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from mpprof import schema
 from mpprof.collectors.layer_calls import walk_layers
+from mpprof.tf_keras_support import variable_path
 
 _SMALLEST_NORMAL = schema.FLOAT16_SMALLEST_NORMAL
 _SMALLEST_SUBNORMAL = schema.FLOAT16_SMALLEST_SUBNORMAL
@@ -119,13 +120,14 @@ class NumericsCollector:
         self._model = model
         leaves = [
             (name, layer) for name, layer, _ in walk_layers(model)
-            if not layer._flatten_layers(include_self=False, recursive=False)
+            # list(): tf-keras returns a generator, Keras 3 a list.
+            if not list(layer._flatten_layers(include_self=False, recursive=False))
         ]
         self.layer_names = [name for name, _ in leaves]
         self._rows = {id(layer): row for row, (_, layer) in enumerate(leaves)}
         self._call_order: list[int] = []
         self._variables = list(model.trainable_variables)
-        self.variable_names = [v.path for v in self._variables]
+        self.variable_names = [variable_path(v) for v in self._variables]
         self._variable_rows = {id(v): row for row, v in enumerate(self._variables)}
         with strategy.scope():
             self.forward = StatisticsTable(len(leaves), "forward")

@@ -13,6 +13,7 @@ import math
 import tensorflow as tf
 
 from mpprof.collectors.layer_calls import walk_layers
+from mpprof.tf_keras_support import variable_short_name
 
 # Tensor Cores run float16/bfloat16 GEMMs at full speed only when the matrix
 # dimensions are multiples of 8 (NVIDIA's "Matrix Multiplication Background
@@ -84,7 +85,8 @@ class PrecisionCollector:
                 name,
                 layer,
                 parent,
-                is_leaf=not layer._flatten_layers(include_self=False, recursive=False),
+                # list(): tf-keras returns a generator, Keras 3 a list.
+                is_leaf=not list(layer._flatten_layers(include_self=False, recursive=False)),
                 mixed=mixed,
                 call_index=self._call_order.get(id(layer)),
                 output_dtypes=sorted(self._output_dtypes.get(id(layer), ())),
@@ -139,7 +141,8 @@ def gemm_dims(layer) -> list[int] | None:
     EinsumDense (and so MultiHeadAttention's projections): (contracted size,
     produced size) read from its equation. None for layers without a kernel.
     """
-    kernel = next((w for w in layer.weights if w.name == "kernel"), None)
+    # tf-keras names it "dense/kernel:0", Keras 3 "kernel".
+    kernel = next((w for w in layer.weights if variable_short_name(w) == "kernel"), None)
     if kernel is None or len(kernel.shape) < 2:
         return None
     shape = [int(d) for d in kernel.shape]

@@ -28,6 +28,9 @@ import tensorflow as tf
 from mpprof import schema
 from mpprof.collectors.loss_scale import MODE_GRAPH, MODE_HOST, LossScaleCollector
 
+# The private method of tf-keras's `_DynamicLossScaleState` that is wrapped.
+_UPDATE = "update"
+
 SKIP_DECIDED_BY = (
     "tf-keras _DynamicLossScaleState.update: finiteness of the gradients after "
     "the all-reduce across replicas"
@@ -48,7 +51,7 @@ class TfKerasLossScaleCollector(LossScaleCollector):
 
     def __init__(self, optimizer, strategy, capacity: int):
         super().__init__(optimizer, strategy, capacity)
-        self.mode = MODE_GRAPH if callable(getattr(self._state, "update", None)) else MODE_HOST
+        self.mode = MODE_GRAPH if callable(getattr(self._state, _UPDATE, None)) else MODE_HOST
         self._last_counter: int | None = None
 
     @property
@@ -76,7 +79,7 @@ class TfKerasLossScaleCollector(LossScaleCollector):
             return
         self.remove()
         state = self._state
-        update = state.update
+        update = getattr(state, _UPDATE)
 
         def recording_update(grads):
             # Reads before `update` see the values the step started with:
@@ -104,12 +107,12 @@ class TfKerasLossScaleCollector(LossScaleCollector):
                 return update_op, is_finite
             return tf.group(update_op, recorded), is_finite
 
-        state.update = recording_update
+        setattr(state, _UPDATE, recording_update)
 
     def remove(self) -> None:
         state = self._state
-        if state is not None and "update" in vars(state):
-            del state.update
+        if state is not None and _UPDATE in vars(state):
+            delattr(state, _UPDATE)
 
     def _graph_step(self) -> tf.Tensor:
         # tf-keras advances `iterations` on skipped steps as well.

@@ -1,0 +1,155 @@
+"""tf-keras (Keras 2) models: the same records as Keras 3, checked against the
+optimizer's own state.
+
+Every fit runs in a subprocess (tests/tf_keras_fit.py) with
+TF_USE_LEGACY_KERAS=1: tf-keras must be chosen before TensorFlow starts.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpprof import diagnosis, reader, schema
+from mpprof.collectors import loss_scale
+
+TESTS = os.path.dirname(__file__)
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("tf_keras") is None,
+    reason="tf-keras is an optional extra (pip install mpprof[tf-keras]); `make test` installs it",
+)
+
+
+def run_fits(modes: str, logdir) -> dict:
+    result = subprocess.run(
+        [sys.executable, os.path.join(TESTS, "tf_keras_fit.py"), modes, str(logdir)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("tf_keras")
+    return logdir, run_fits("single,floor,floor_host", logdir)
+
+
+@pytest.fixture(scope="module")
+def mirrored(tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("tf_keras_mirrored")
+    return logdir, run_fits("mirrored", logdir)["mirrored"]
+
+
+def _assert_matches_the_optimizer(found: dict) -> None:
+    """The records against the probe's per-step view of the optimizer."""
+    assert found["steps_run"] == len(found["probe_scales"]) == found["iterations"]
+    assert found["overflow_steps"] == found["probe_skipped"]
+    assert found["scale_after"] == found["probe_scales"]
+    assert found["recorded_final_scale"] == found["final_scale"]
+    assert found["patched_after_fit"] == [] and found["warnings"] == []
+
+
+def test_overflow_storm_matches_the_optimizer(single_process):
+    found = single_process[1]["single"]
+    _assert_matches_the_optimizer(found)
+    overflows, growths = np.array(found["overflows"]), np.array(found["growths"])
+    assert len(overflows) > 5 and len(growths) > 0
+    # Above the floor every overflow halves the scale and every growth doubles it.
+    np.testing.assert_array_equal(overflows[:, 2], overflows[:, 1] / 2)
+    np.testing.assert_array_equal(growths[:, 2], growths[:, 1] * 2)
+    settings = found["context"]["collectors"]["loss_scale"]
+    assert settings["mode"] == loss_scale.MODE_GRAPH
+    assert settings["initial_scale"] == 2.0**30 and settings["dynamic_growth_steps"] == 4
+    assert "all-reduce" in settings["skip_decided_by"]
+
+
+@pytest.mark.parametrize("mode", ["floor", "floor_host"])
+def test_skips_at_the_scale_floor_are_counted(single_process, mode):
+    """At tf-keras's floor of 1 the scale stays put: skips come from the
+    optimizer's verdict (graph) or the counter reset (host polling)."""
+    found = single_process[1][mode]
+    _assert_matches_the_optimizer(found)
+    assert found["overflow_steps"] == list(range(found["steps_run"]))
+    at_floor = [row for row in found["overflows"] if row[1] == 1.0]
+    assert len(at_floor) > 20 and all(row[2] == 1.0 for row in at_floor)
+    expected_mode = loss_scale.MODE_HOST if mode.endswith("_host") else loss_scale.MODE_GRAPH
+    assert found["context"]["collectors"]["loss_scale"]["mode"] == expected_mode
+
+
+def test_floor_run_is_diagnosed_as_collapsed(single_process):
+    logdir, _ = single_process
+    run = reader.read_run(logdir, "floor/train")
+    codes = [finding.code for finding in diagnosis.diagnose(run)]
+    assert "MP001" in codes and "MP002" in codes
+
+
+def test_inventory_of_a_tf_keras_model(single_process):
+    found = single_process[1]["single"]
+    inventory = found["inventory"]
+    assert inventory["model"]["policy"] == "mixed_float16"
+    assert inventory["model"]["output_dtypes"] == ["float32"]
+    layers = {layer["name"]: layer for layer in inventory["layers"]}
+    assert list(layers) == ["dense", "dense_1"]
+    assert layers["dense"]["output_dtypes"] == ["float16"]
+    assert layers["dense"]["gemm_dims"] == [8, 8] and layers["dense"]["is_leaf"]
+    assert layers["dense_1"]["float32_island"] and layers["dense_1"]["gemm_dims"] == [8, 1]
+    assert layers["dense_1"]["misaligned_dims"] == []  # float32: no Tensor Core lint
+    assert {"layer": "dense_1", "from_layer": "dense", "from_dtype": "float16",
+            "to_dtype": "float32"} in inventory["casts"]
+
+
+def test_run_context_names_tf_keras(single_process):
+    context = single_process[1]["single"]["context"]
+    assert context["keras_flavor"] == "tf_keras"
+    assert context["keras_version"].startswith("2.")
+    assert context["global_policy"] == context["model_policy"] == "mixed_float16"
+    assert context["optimizer"] == "LossScaleOptimizerV3"
+    assert context["distributed"]["multi_worker"] is False
+    assert context["distributed"]["role"] == "chief"
+
+
+def test_numerics_of_a_tf_keras_model(single_process):
+    found = single_process[1]["single"]
+    assert found["numerics_layers"] == ["dense", "dense_1"]
+    assert found["numerics_variables"] == [
+        "dense/kernel", "dense/bias", "dense_1/kernel", "dense_1/bias"]
+    # A global batch of 16 examples times 8 units, each sampled step.
+    assert set(found["forward_count"]) == {16.0 * 8}
+    assert found["forward_abs_max"][-1] == pytest.approx(found["expected_abs_max"], rel=1e-3)
+    logdir, _ = single_process
+    run = reader.read_run(logdir, "single/train")
+    numerics = run.numerics
+    # Gradients reach tf-keras's apply_gradients unscaled: scaled = unscaled
+    # times the scale the step ran with (the scale after the step before).
+    finite = numerics.unscaled_variable_grads["nonfinite_frac"][:, 0] == 0
+    scale_used = run.loss_scale.scale_after(numerics.steps[finite] - 1)
+    scaled = numerics.variable_grads["abs_max"][finite, 0]
+    unscaled = numerics.unscaled_variable_grads["abs_max"][finite, 0]
+    assert len(scaled) >= 3
+    np.testing.assert_allclose(scaled, unscaled * scale_used, rtol=1e-5)
+
+
+def test_mirrored_strategy_with_tf_keras(mirrored):
+    _, found = mirrored
+    _assert_matches_the_optimizer(found)
+    context = found["context"]
+    assert (context["distribution_strategy"], context["num_replicas"]) == ("MirroredStrategy", 2)
+    # Statistics cover both replicas: the sum of counts, the max of the abs-maxima;
+    # the largest input reaches only the second replica.
+    assert set(found["forward_count"]) == {16.0 * 8}
+    assert found["forward_abs_max"][-1] == pytest.approx(found["expected_abs_max"], rel=1e-3)
+    assert found["first_replica_abs_max"] < 0.9 * found["expected_abs_max"]
+
+
+def test_records_are_in_the_model_run_only(single_process):
+    logdir, _ = single_process
+    assert reader.list_runs(logdir) == ["floor/train", "floor_host/train", "single/train"]
+    for run in reader.read_logdir(logdir).values():
+        assert run.records.keys() >= {schema.RUN_CONTEXT, schema.INVENTORY,
+                                      schema.LOSS_SCALE_PROGRESS, schema.HEALTH}
