@@ -12,7 +12,7 @@ SERVE ?= 1
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,tf-keras]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -21,6 +21,7 @@ install: $(VENV)/.installed
 # the demo trains on CPU with the plain kernels unless you set it yourself.
 demo: export TF_ENABLE_ONEDNN_OPTS ?= 0
 demo: install
+	rm -rf $(LOGDIR)/mnist_mixed_float16 $(LOGDIR)/overflow_storm
 	$(PY) examples/mnist_mixed_float16.py --log-dir $(LOGDIR)/mnist_mixed_float16
 	$(PY) examples/overflow_storm.py --log-dir $(LOGDIR)/overflow_storm
 	$(VENV)/bin/mpprof diagnose $(LOGDIR)

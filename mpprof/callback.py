@@ -170,6 +170,9 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._role = worker_role(model.distribute_strategy)
         self._distribution_note = self._check_distribution()
         self._writer, self._worker_writer = self._open_writers(self._role)
+        if self._profile_window is not None and self._role.worker_run is not None:
+            # Each worker traces its own host, into its own run.
+            self._profile_window.run_dir = posixpath.join(self.run_dir, self._role.worker_run)
         self._fit_count += 1
         self._precision = PrecisionCollector(model)
         self._layer_patch = LayerCallPatch(model, [self._precision])

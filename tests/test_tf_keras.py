@@ -37,7 +37,7 @@ def run_fits(modes: str, logdir) -> dict:
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("tf_keras")
-    return logdir, run_fits("single,floor,floor_host", logdir)
+    return logdir, run_fits("single,floor,floor_host,spe4,jit,float32", logdir)
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,34 @@ def test_overflow_storm_matches_the_optimizer(single_process):
     assert settings["mode"] == loss_scale.MODE_GRAPH
     assert settings["initial_scale"] == 2.0**30 and settings["dynamic_growth_steps"] == 4
     assert "all-reduce" in settings["skip_decided_by"]
+
+
+@pytest.mark.parametrize("mode", ["spe4", "jit"])
+def test_counted_in_the_graph_with_several_steps_per_execution_and_xla(single_process, mode):
+    """Batch hooks see every 4th step (spe4): only the in-graph counters know
+    each step; the same storm as `single` must come out step for step."""
+    found, truth = single_process[1][mode], single_process[1]["single"]
+    assert found["overflow_steps"] == truth["probe_skipped"]
+    assert found["scale_after"] == truth["probe_scales"]
+    assert found["steps_run"] == found["iterations"] == truth["iterations"]
+    assert found["patched_after_fit"] == [] and found["warnings"] == []
+    context = found["context"]
+    assert (context["steps_per_execution"], context["jit_compile"]) == (
+        (4, False) if mode == "spe4" else (1, True))
+    assert found["numerics_layers"] == ["dense", "dense_1"]
+
+
+def test_float32_tf_keras_run_records_no_loss_scale(single_process):
+    found = single_process[1]["float32"]
+    assert "overflow_steps" not in found  # no loss-scale records at all
+    loss_scale_state = found["context"]["collectors"]["loss_scale"]
+    assert loss_scale_state["state"] == "absent" and "SGD" in loss_scale_state["reason"]
+    assert found["context"]["model_policy"] == "float32"
+    assert found["numerics_layers"] == ["dense", "dense_1"]
+    assert found["patched_after_fit"] == [] and found["warnings"] == []
+    logdir, _ = single_process
+    numerics = reader.read_run(logdir, "float32/train").numerics
+    assert (numerics.loss > 0).all() and (numerics.loss_scale == 1.0).all()
 
 
 @pytest.mark.parametrize("mode", ["floor", "floor_host"])
@@ -149,7 +177,8 @@ def test_mirrored_strategy_with_tf_keras(mirrored):
 
 def test_records_are_in_the_model_run_only(single_process):
     logdir, _ = single_process
-    assert reader.list_runs(logdir) == ["floor/train", "floor_host/train", "single/train"]
+    modes = ["float32", "floor", "floor_host", "jit", "single", "spe4"]
+    assert reader.list_runs(logdir) == [f"{mode}/train" for mode in modes]
     for run in reader.read_logdir(logdir).values():
-        assert run.records.keys() >= {schema.RUN_CONTEXT, schema.INVENTORY,
-                                      schema.LOSS_SCALE_PROGRESS, schema.HEALTH}
+        assert run.records.keys() >= {schema.RUN_CONTEXT, schema.INVENTORY, schema.HEALTH}
+        assert run.context["distributed"]["worker_runs"] == []

@@ -10,6 +10,9 @@ Each mode's fit writes into LOGDIR/MODE; the JSON line maps mode to findings.
     single      one device
     floor       one device; the gradients overflow even at scale 1
     floor_host  as floor, with the collector's host-polling fallback
+    spe4        single, with steps_per_execution=4
+    jit         single, with jit_compile=True
+    float32     single in float32 with a plain SGD: no loss scale
     mirrored    MirroredStrategy on 2 logical CPUs (not with other modes)
     worker      one MultiWorkerMirroredStrategy worker; TF_CONFIG set by the
                 caller (tests/multi_worker_fit.py); writes into LOGDIR itself
@@ -64,6 +67,8 @@ class OptimizerProbe(tf_keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         optimizer = self.model.optimizer
+        if not hasattr(optimizer, "loss_scale"):
+            return
         self.scales.append(float(optimizer.loss_scale.numpy()))
         self.counters.append(int(optimizer.dynamic_counter.numpy()))
         self.iterations.append(int(optimizer.iterations.numpy()))
@@ -71,7 +76,7 @@ class OptimizerProbe(tf_keras.callbacks.Callback):
     def skipped_steps(self, initial_scale: float) -> list[int]:
         """Steps the optimizer skipped: its counter reset to 0 without the scale
         growing (the scale alone would miss skips at tf-keras's floor of 1)."""
-        scales_before = [initial_scale] + self.scales[:-1]
+        scales_before = [initial_scale] + self.scales[:-1] if self.scales else []
         return [
             step for step, (before, after, counter)
             in enumerate(zip(scales_before, self.scales, self.counters, strict=True))
@@ -79,17 +84,22 @@ class OptimizerProbe(tf_keras.callbacks.Callback):
         ]
 
 
-def build_model(initial_scale: float) -> tf_keras.Model:
-    tf_keras.mixed_precision.set_global_policy("mixed_float16")
+def build_model(mode: str, initial_scale: float) -> tf_keras.Model:
+    mixed = mode != "float32"
+    tf_keras.mixed_precision.set_global_policy("mixed_float16" if mixed else "float32")
     model = tf_keras.Sequential([
         tf_keras.layers.Input((8,)),
         tf_keras.layers.Dense(8, name="dense"),
         tf_keras.layers.Dense(1, dtype="float32", name="dense_1"),
     ])
-    optimizer = tf_keras.mixed_precision.LossScaleOptimizer(
-        tf_keras.optimizers.SGD(1e-6), initial_scale=initial_scale, dynamic_growth_steps=4
-    )
-    model.compile(optimizer=optimizer, loss="mse")
+    optimizer = tf_keras.optimizers.SGD(1e-6)
+    if mixed:
+        optimizer = tf_keras.mixed_precision.LossScaleOptimizer(
+            optimizer, initial_scale=initial_scale, dynamic_growth_steps=4
+        )
+    model.compile(optimizer=optimizer, loss="mse",
+                  steps_per_execution=4 if mode == "spe4" else 1,
+                  jit_compile=mode == "jit")
     return model
 
 
@@ -107,7 +117,7 @@ def fit(mode: str, logdir: str) -> dict:
     floor = mode.startswith("floor")
     initial_scale = 4.0 if floor else 2.0**30
     with strategy.scope():
-        model = build_model(initial_scale)
+        model = build_model(mode, initial_scale)
     x = np.full((SAMPLES, 8), 0.5, np.float32)
     x[GLOBAL_BATCH - 1 :: GLOBAL_BATCH] = 1.0
     target = 1e7 if floor else 1000.0
@@ -117,6 +127,8 @@ def fit(mode: str, logdir: str) -> dict:
     model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, verbose=0, shuffle=False,
               callbacks=[profiler, probe])
     first_dense = model.get_layer("dense")
+    optimizer = model.optimizer
+    scaled = hasattr(optimizer, "loss_scale")
     found = {
         "mode": mode,
         "pid": os.getpid(),
@@ -124,15 +136,15 @@ def fit(mode: str, logdir: str) -> dict:
         "probe_counters": probe.counters,
         "probe_iterations": probe.iterations,
         "probe_skipped": probe.skipped_steps(initial_scale),
-        "iterations": int(model.optimizer.iterations.numpy()),
-        "final_scale": float(model.optimizer.loss_scale.numpy()),
+        "iterations": int(optimizer.iterations.numpy()),
+        "final_scale": float(optimizer.loss_scale.numpy()) if scaled else None,
         "expected_abs_max": _abs_max(first_dense(x)),
         "first_replica_abs_max": _abs_max(first_dense(x[x[:, 0] < 1.0])),
         "dense_units": 8,
         "global_batch": GLOBAL_BATCH,
         "patched_after_fit": sorted(
-            {"apply_gradients", "get_scaled_loss", "minimize"} & set(vars(model.optimizer))
-            | ({"update"} & set(vars(model.optimizer._loss_scale)))
+            {"apply_gradients", "get_scaled_loss", "minimize"} & set(vars(optimizer))
+            | ({"update"} & set(vars(optimizer._loss_scale)) if scaled else set())
         ),
     }
     if mode != "worker":
