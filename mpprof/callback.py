@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import math
 import numbers
 import os
 import posixpath
@@ -15,6 +14,7 @@ import tensorflow as tf
 from mpprof import schema, tf_keras_support
 from mpprof.collectors import gpu as gpu_collector
 from mpprof.collectors import kernels as kernel_collector
+from mpprof.collectors.health import LossHealthCollector
 from mpprof.collectors.layer_calls import LayerCallPatch
 from mpprof.collectors.loss_scale import LossScaleCollector, is_loss_scale_optimizer
 from mpprof.collectors.numerics import NumericsCollector
@@ -26,6 +26,7 @@ from mpprof.distributed import (
     DiscardingWriter,
     WorkerRole,
     announce_keras_3_multi_worker,
+    keras_3_skip_decided_by,
     warn_if_keras_3_multi_worker,
     worker_role,
 )
@@ -137,6 +138,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._worker_writer: RecordWriter | None = None
         self._role = WorkerRole()
         self._loss_scale: LossScaleCollector | None = None
+        self._loss_health: LossHealthCollector | None = None
         self._precision: PrecisionCollector | None = None
         self._numerics: NumericsCollector | None = None
         self._layer_patch: LayerCallPatch | None = None
@@ -150,7 +152,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
 
     # tf-keras's CallbackList asks every callback these (Keras 3 callbacks do
     # not have them), so the one class serves models of either Keras.
-    _supports_tf_logs = False  # tf-keras converts batch logs to floats for us
+    _supports_tf_logs = True  # batch logs are not read: tf-keras need not sync them
     _chief_worker_only = None  # every worker runs it: see mpprof.distributed
 
     def _implements_train_batch_hooks(self) -> bool:
@@ -180,20 +182,16 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._loss_scale = self._loss_scale_collector(model)
         self._inventory_written = False
         self._layout_written = None
-        self._health = {
-            "first_nonfinite_loss_step": None,
-            "nonfinite_loss_batches": 0,
-            "nonfinite_weights": [],
-            "checked_step": None,
-        }
+        self._loss_health = self._loss_health_collector(model)
+        self._nonfinite_weights: list[str] = []
         self._step = self._optimizer_step()
         self._fit_start_step = self._step
         self._steps_since_flush = 0
         self._steps_since_sample = 0
+        self._calls = 0
         self._forensic_used = 0
         self._forensic_due = False
         self._overflows_seen = self._skipped_steps()
-        self._sampling = False
         self._batch_pending = False
 
         # fit made its train function just before this hook; keep it to put
@@ -210,40 +208,17 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._layer_patch.install()
         if self._loss_scale is not None:
             self._loss_scale.install()
+        if self._loss_health is not None:
+            self._loss_health.install()
         self._start_gpu()
         atexit.register(self._finish)
         self._write_context()
         self._read_loss_scale()
 
+    # No on_train_batch_end: overriding it makes Keras wait for every step's
+    # logs. The work after a step is done in _run_train_function instead.
     def on_train_batch_begin(self, batch, logs=None):
-        self._batch_begin = batch
         self._batch_pending = True
-        self._sampling = self._sample_due() and self._prepare_numerics()
-        if self._sampling:
-            self._numerics.reset()
-            if not self._forensic_due:
-                self._steps_since_sample = 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        steps = max(1, batch - self._batch_begin + 1)
-        sample_step = self._step
-        self._step += steps
-        self._steps_since_flush += steps
-        self._steps_since_sample += steps
-        self._after_step_gpu()
-        self._check_loss(logs, sample_step)
-        if not self._inventory_written and self._precision.traced:
-            self._writer.write_json(schema.INVENTORY, self._precision.inventory(), self._step)
-            self._inventory_written = True
-        if self._sampling:
-            self._write_numerics_sample(sample_step, steps)
-        if self._loss_scale is not None:
-            self._loss_scale.poll_if_host_mode()
-            self._watch_for_overflows()
-        if self._steps_since_flush >= self.flush_every_steps:
-            self._read_loss_scale()
-            self._write_gpu_samples()
-            self._steps_since_flush = 0
 
     def on_epoch_end(self, epoch, logs=None):
         self._read_loss_scale()
@@ -265,23 +240,50 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             self._finish()
             return self.model.train_function(iterator)
         self._batch_pending = False
-        function = self._instrumented_function if self._sampling else self._plain_function
+        sampling = self._sample_due() and self._prepare_numerics()
+        sample_step = self._start_sample() if sampling else None
+        function = self._instrumented_function if sampling else self._plain_function
         if self._numerics is not None:
-            self._numerics.instrumenting = self._sampling
+            self._numerics.instrumenting = sampling
         try:
-            return function(iterator)
+            logs = function(iterator)
         except BaseException:
             self._abort()
             raise
         finally:
             if self._numerics is not None:
                 self._numerics.instrumenting = False
+        self._after_train_call(sample_step)
+        return logs
+
+    def _after_train_call(self, sample_step: int | None) -> None:
+        """Bookkeeping after each call; reads the device only when it must."""
+        self._calls += 1
+        steps = self._steps_per_execution()  # exact but for an epoch's last call
+        self._step += steps
+        self._steps_since_flush += steps
+        self._steps_since_sample += steps
+        self._after_step_gpu()
+        if not self._inventory_written and self._precision.traced:
+            self._writer.write_json(schema.INVENTORY, self._precision.inventory(), self._step)
+            self._inventory_written = True
+        if sample_step is not None:
+            self._step = self._optimizer_step()
+            self._write_numerics_sample(sample_step, self._step - sample_step)
+        if self._loss_scale is not None:
+            self._loss_scale.poll_if_host_mode()
+            self._watch_for_overflows()
+        if self._steps_since_flush >= self.flush_every_steps:
+            self._step = self._optimizer_step()
+            self._read_loss_scale()
+            self._write_gpu_samples()
+            self._steps_since_flush = 0
 
     # Numerics sampling.
 
     def _sample_due(self) -> bool:
-        if self.numerics_every is None or self._step == self._fit_start_step:
-            return False  # the first step builds the model: run it plain
+        if self.numerics_every is None or self._calls == 0:
+            return False  # the first call builds the model: run it plain
         if self._forensic_due:
             return True
         return self._steps_since_sample >= self.numerics_every
@@ -295,6 +297,13 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             self._layer_patch.add_hook(self._numerics)
         return True
 
+    def _start_sample(self) -> int:
+        """Resets the tables; returns the exact step the sampled call starts at."""
+        self._numerics.reset()
+        if not self._forensic_due:
+            self._steps_since_sample = 0
+        return self._optimizer_step()
+
     def _loss_scale_tensor(self):
         if self._loss_scale is None:
             return tf.constant(1.0)
@@ -305,6 +314,8 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
     def _write_numerics_sample(self, step: int, steps: int) -> None:
         sample = self._numerics.read()
         loss = sample.pop("loss")
+        if self._loss_health is not None and self._loss_health.available:
+            loss = self._loss_health.last_loss()
         forensic = self._forensic_due
         if forensic:
             self._forensic_used += 1
@@ -319,7 +330,6 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         )
         for record, array in sample.items():
             self._writer.write_array(record, array, step)
-        self._sampling = False
 
     def _watch_for_overflows(self) -> None:
         """Arms a forensic sample for the next step after a new overflow."""
@@ -335,21 +345,31 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
 
     # Health: the loss and the weights.
 
-    def _check_loss(self, logs, step: int) -> None:
-        loss = (logs or {}).get("loss")
-        if isinstance(loss, numbers.Real) and not math.isfinite(loss):
-            self._health["nonfinite_loss_batches"] += 1
-            if self._health["first_nonfinite_loss_step"] is None:
-                self._health["first_nonfinite_loss_step"] = step
-
     def _check_weights(self) -> None:
-        self._health["nonfinite_weights"] = [
+        self._nonfinite_weights = [
             tf_keras_support.variable_path(w) for w in self.model.weights
             if tf_keras_support.is_float_variable(w)
             and not bool(tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(w))))
         ]
-        self._health["checked_step"] = self._step
-        self._writer.write_json(schema.HEALTH, self._health, self._step)
+        self._writer.write_json(schema.HEALTH, self._health(), self._step)
+
+    def _health(self) -> dict:
+        """The HEALTH record: the loss (in-graph counters) and the weights."""
+        if self._loss_health is not None and self._loss_health.available:
+            loss = self._loss_health.read()
+        else:
+            loss = {"first_nonfinite_loss_step": None, "nonfinite_loss_steps": None}
+        return {**loss, "nonfinite_weights": self._nonfinite_weights, "checked_step": self._step}
+
+    def _loss_health_collector(self, model) -> LossHealthCollector | None:
+        if self._tf_keras or model.optimizer is None:
+            return None  # tf-keras optimizers have no scale_loss to watch
+        if self._loss_health is not None and self._loss_health.optimizer is model.optimizer:
+            return self._loss_health
+        step = self._loss_scale.graph_step if self._loss_scale is not None else (
+            lambda: tf.convert_to_tensor(model.optimizer.iterations)
+        )
+        return LossHealthCollector(model.optimizer, model.distribute_strategy, step)
 
     # Loss scale.
 
@@ -423,6 +443,8 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             self._loss_scale.remove()
         if self._numerics is not None:
             self._numerics.remove()
+        if self._loss_health is not None:
+            self._loss_health.remove()
         if self.model.train_function == self._run_train_function:
             self.model.train_function = self._original_function
         self._plain_function = self._instrumented_function = None
@@ -430,6 +452,8 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
     def _context(self) -> dict:
         if self._loss_scale is not None:
             loss_scale = {"state": "ok", **self._loss_scale.settings()}
+            replicas = int(self.model.distribute_strategy.num_replicas_in_sync)
+            loss_scale.setdefault("skip_decided_by", keras_3_skip_decided_by(replicas))
         else:
             loss_scale = {
                 "state": "absent",
@@ -497,9 +521,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             context["worker_evidence"] = {
                 "steps_run": self._step,
                 "skipped_steps": self._skipped_steps(),
-                "nonfinite_loss_batches": self._health["nonfinite_loss_batches"],
-                "first_nonfinite_loss_step": self._health["first_nonfinite_loss_step"],
-                "nonfinite_weights": list(self._health["nonfinite_weights"]),
+                **self._health(),
             }
             self._worker_writer.write_json(schema.RUN_CONTEXT, context, self._step)
 

@@ -27,6 +27,26 @@ KERAS_3_MULTI_WORKER_UNSUPPORTED = (
 )
 
 
+def keras_3_skip_decided_by(num_replicas: int) -> str:
+    """What decides a skipped step in Keras 3's LossScaleOptimizer, in words.
+
+    Keras 3 checks the gradients for finiteness BEFORE they are all-reduced
+    (the inner optimizer all-reduces them afterwards); under a strategy with
+    several replicas it takes the first replica's verdict for all. Checked on
+    Keras 3.15 with MirroredStrategy on two logical CPUs: an overflow on the
+    second replica alone is applied, not skipped, and the weights become
+    non-finite (tf-keras all-reduces first and skips such a step).
+    """
+    if num_replicas <= 1:
+        return "Keras 3 LossScaleOptimizer: finiteness of the step's gradients"
+    return (
+        "Keras 3 LossScaleOptimizer: finiteness of the FIRST replica's gradients "
+        "(each replica's own where the strategy runs without merge_call), before the "
+        "all-reduce; an overflow on another replica alone is not skipped and turns "
+        "the weights non-finite (see the health record, MP012)"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkerRole:
     """This process's place in a (possibly multi-worker) fit.
@@ -59,6 +79,7 @@ class WorkerRole:
             "role": "chief" if self.is_chief else "worker",
             "task_type": self.task_type,
             "task_index": self.task_index,
+            "worker_index": self.worker_index,
             "num_workers": self.num_workers,
             "model_run": model_run,
             "worker_runs": (
@@ -113,10 +134,12 @@ def warn_if_keras_3_multi_worker() -> str | None:
     Called when the profiler is made: Keras 3's fit fails under a multi-worker
     MultiWorkerMirroredStrategy while building the model, before any callback
     hook runs, so this is the one moment mpprof can say it. A tf-keras model
-    can only exist once tf_keras is imported, so without it the model is
-    Keras 3's. Returns the message when it applies.
+    needs tf_keras imported (or `tf.keras` made tf-keras by
+    TF_USE_LEGACY_KERAS); without either the model is Keras 3's. Returns the
+    message when it applies.
     """
-    if tf_config_workers() < 2 or "tf_keras" in sys.modules:
+    legacy_keras = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes")
+    if tf_config_workers() < 2 or legacy_keras or "tf_keras" in sys.modules:
         return None
     return announce_keras_3_multi_worker()
 

@@ -235,6 +235,24 @@ class Run:
     def inventory(self) -> dict | None:
         return self.latest(schema.INVENTORY)
 
+    @property
+    def worker(self) -> dict | None:
+        """For one worker's own run of a multi-worker fit (`train/worker_<i>`):
+        `{"index", "role" ("chief"|"worker"), "model_run", "evidence"}`, where
+        `model_run` names the run with the model-level records (inventory, loss
+        scale, numerics), written by the chief. None for any other run.
+        """
+        context = self.context
+        if context.get("run_role") != "worker":
+            return None
+        distributed = context.get("distributed") or {}
+        return {
+            "index": distributed.get("worker_index"),
+            "role": distributed.get("role"),
+            "model_run": posixpath.dirname(self.name) or ".",
+            "evidence": context.get("worker_evidence") or {},
+        }
+
     @functools.cached_property
     def loss_scale(self) -> LossScale | None:
         events = self._stacked(schema.LOSS_SCALE_EVENTS, 4)

@@ -175,3 +175,16 @@ def test_mirrored_strategy_on_two_logical_cpus(tmp_path):
     # Statistics cover both replicas: 16 examples x 8 units, and the max of both.
     assert set(found["forward_count"]) == {128.0}
     assert found["forward_abs_max"][0] == pytest.approx(found["expected_abs_max"])
+
+
+def test_first_nonfinite_loss_step_is_exact(tmp_path):
+    model = seed_model("float32")
+    x, y = mnist_like(96)
+    x[3 * 16 + 5, 7] = np.nan  # in the batch of step 3
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
+              callbacks=[mpprof.MixedPrecisionProfiler(str(tmp_path))])
+    health = reader.read_run(tmp_path, "train").health
+    assert health["first_nonfinite_loss_step"] == 3
+    # Adam's update with a NaN gradient makes every later loss NaN too.
+    assert health["nonfinite_loss_steps"] == 3
+    assert health["nonfinite_weights"] and health["checked_step"] == 6

@@ -26,10 +26,11 @@ needs_tf_keras = pytest.mark.skipif(
 )
 
 
-def _worker_outputs(command: list[str]) -> list[tuple[dict, str]]:
+def _worker_outputs(command: list[str], env: dict | None = None) -> list[tuple[dict, str]]:
     """Each worker's JSON line and its stdout, in task order; fails on any failure."""
     found = []
-    for index, (returncode, out, err) in enumerate(run_workers(command, WORKERS, TIMEOUT_S)):
+    results = run_workers(command, WORKERS, TIMEOUT_S, env=env)
+    for index, (returncode, out, err) in enumerate(results):
         assert returncode == 0, f"worker {index} failed ({returncode}):\n{err[-3000:]}"
         found.append((json.loads(out.strip().splitlines()[-1]), out))
     return found
@@ -39,7 +40,9 @@ def _worker_outputs(command: list[str]) -> list[tuple[dict, str]]:
 def tf_keras_cluster(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("multi_worker")
     command = [sys.executable, os.path.join(TESTS, "tf_keras_fit.py"), "worker", str(logdir)]
-    return logdir, [found["worker"] for found, _ in _worker_outputs(command)]
+    # Each worker's host gets one fake NVML GPU: its samples must land in its own run.
+    outputs = _worker_outputs(command, env={"MPPROF_TEST_FAKE_GPU": "1"})
+    return logdir, [found["worker"] for found, _ in outputs]
 
 
 @needs_tf_keras
@@ -99,6 +102,7 @@ def test_every_worker_writes_its_own_run_and_no_file_is_shared(tf_keras_cluster)
 def test_worker_runs_hold_per_worker_evidence_only(tf_keras_cluster):
     logdir, (chief, _) = tf_keras_cluster
     model_run = reader.read_run(logdir, schema.TRAIN_RUN)
+    assert model_run.worker is None
     for index in range(WORKERS):
         run = reader.read_run(logdir, f"train/worker_{index}")
         context = run.context
@@ -106,13 +110,19 @@ def test_worker_runs_hold_per_worker_evidence_only(tf_keras_cluster):
         assert context["distributed"]["task_index"] == index
         assert context["distributed"]["role"] == ("chief" if index == 0 else "worker")
         assert context["distributed"]["worker_run"] == f"train/worker_{index}"
-        evidence = context["worker_evidence"]
+        assert run.worker["index"] == index and run.worker["model_run"] == "train"
+        assert run.worker["role"] == context["distributed"]["role"]
+        evidence = run.worker["evidence"]
         assert evidence["steps_run"] == model_run.loss_scale.steps_run
         assert evidence["skipped_steps"] == model_run.loss_scale.skipped_steps
         assert evidence["nonfinite_weights"] == []
         # Model-level records are the chief's alone.
         assert run.inventory is None and run.loss_scale is None and run.numerics is None
-        assert context["collectors"]["gpu"]["state"] == "unavailable"
+        # This host's GPU samples are here, and only this host's.
+        gpu = run.gpu
+        assert [device["uuid"] for device in gpu.devices] == [f"GPU-fake-worker-{index}"]
+        assert len(gpu.samples) >= 1 and set(gpu.samples[:, 2]) == {0.0}
+    assert not len(model_run.gpu.samples) if model_run.gpu else True
 
 
 @needs_tf_keras

@@ -2,7 +2,8 @@
 optimizer's own state.
 
 Every fit runs in a subprocess (tests/tf_keras_fit.py) with
-TF_USE_LEGACY_KERAS=1: tf-keras must be chosen before TensorFlow starts.
+TF_USE_LEGACY_KERAS=1: tf-keras must be chosen before TensorFlow starts. The
+last test contrasts how Keras 3 decides a skip under MirroredStrategy.
 """
 
 import importlib.util
@@ -19,7 +20,7 @@ from mpprof.collectors import loss_scale
 
 TESTS = os.path.dirname(__file__)
 
-pytestmark = pytest.mark.skipif(
+needs_tf_keras = pytest.mark.skipif(
     importlib.util.find_spec("tf_keras") is None,
     reason="tf-keras is an optional extra (pip install mpprof[tf-keras]); `make test` installs it",
 )
@@ -37,13 +38,13 @@ def run_fits(modes: str, logdir) -> dict:
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("tf_keras")
-    return logdir, run_fits("single,floor,floor_host,spe4,jit,float32", logdir)
+    return logdir, run_fits("single,floor,floor_host,spe4,jit,float32,functional", logdir)
 
 
 @pytest.fixture(scope="module")
 def mirrored(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("tf_keras_mirrored")
-    return logdir, run_fits("mirrored", logdir)["mirrored"]
+    return logdir, run_fits("mirrored,mirrored_split", logdir)
 
 
 def _assert_matches_the_optimizer(found: dict) -> None:
@@ -55,6 +56,7 @@ def _assert_matches_the_optimizer(found: dict) -> None:
     assert found["patched_after_fit"] == [] and found["warnings"] == []
 
 
+@needs_tf_keras
 def test_overflow_storm_matches_the_optimizer(single_process):
     found = single_process[1]["single"]
     _assert_matches_the_optimizer(found)
@@ -69,6 +71,7 @@ def test_overflow_storm_matches_the_optimizer(single_process):
     assert "all-reduce" in settings["skip_decided_by"]
 
 
+@needs_tf_keras
 @pytest.mark.parametrize("mode", ["spe4", "jit"])
 def test_counted_in_the_graph_with_several_steps_per_execution_and_xla(single_process, mode):
     """Batch hooks see every 4th step (spe4): only the in-graph counters know
@@ -84,6 +87,7 @@ def test_counted_in_the_graph_with_several_steps_per_execution_and_xla(single_pr
     assert found["numerics_layers"] == ["dense", "dense_1"]
 
 
+@needs_tf_keras
 def test_float32_tf_keras_run_records_no_loss_scale(single_process):
     found = single_process[1]["float32"]
     assert "overflow_steps" not in found  # no loss-scale records at all
@@ -97,6 +101,7 @@ def test_float32_tf_keras_run_records_no_loss_scale(single_process):
     assert (numerics.loss > 0).all() and (numerics.loss_scale == 1.0).all()
 
 
+@needs_tf_keras
 @pytest.mark.parametrize("mode", ["floor", "floor_host"])
 def test_skips_at_the_scale_floor_are_counted(single_process, mode):
     """At tf-keras's floor of 1 the scale stays put: skips come from the
@@ -110,6 +115,7 @@ def test_skips_at_the_scale_floor_are_counted(single_process, mode):
     assert found["context"]["collectors"]["loss_scale"]["mode"] == expected_mode
 
 
+@needs_tf_keras
 def test_floor_run_is_diagnosed_as_collapsed(single_process):
     logdir, _ = single_process
     run = reader.read_run(logdir, "floor/train")
@@ -117,6 +123,7 @@ def test_floor_run_is_diagnosed_as_collapsed(single_process):
     assert "MP001" in codes and "MP002" in codes
 
 
+@needs_tf_keras
 def test_inventory_of_a_tf_keras_model(single_process):
     found = single_process[1]["single"]
     inventory = found["inventory"]
@@ -132,6 +139,22 @@ def test_inventory_of_a_tf_keras_model(single_process):
             "to_dtype": "float32"} in inventory["casts"]
 
 
+@needs_tf_keras
+def test_nested_functional_model_with_autograph_layer_and_legacy_optimizer(single_process):
+    found = single_process[1]["functional"]
+    _assert_matches_the_optimizer(found)
+    assert len(found["overflow_steps"]) > 5
+    assert found["context"]["optimizer"] == "LossScaleOptimizer"  # wraps OptimizerV2
+    assert found["context"]["collectors"]["loss_scale"]["mode"] == loss_scale.MODE_GRAPH
+    layers = {layer["name"]: layer for layer in found["inventory"]["layers"]}
+    assert [name for name, layer in layers.items() if layer["is_leaf"]] == [
+        "dense", "gate", "block/inner", "dense_1"]
+    assert not layers["block"]["is_leaf"] and layers["block"]["parent"] is None
+    assert layers["gate"]["output_dtypes"] == ["float16"]
+    assert found["numerics_layers"] == ["dense", "gate", "block/inner", "dense_1"]
+
+
+@needs_tf_keras
 def test_run_context_names_tf_keras(single_process):
     context = single_process[1]["single"]["context"]
     assert context["keras_flavor"] == "tf_keras"
@@ -142,6 +165,7 @@ def test_run_context_names_tf_keras(single_process):
     assert context["distributed"]["role"] == "chief"
 
 
+@needs_tf_keras
 def test_numerics_of_a_tf_keras_model(single_process):
     found = single_process[1]["single"]
     assert found["numerics_layers"] == ["dense", "dense_1"]
@@ -163,8 +187,9 @@ def test_numerics_of_a_tf_keras_model(single_process):
     np.testing.assert_allclose(scaled, unscaled * scale_used, rtol=1e-5)
 
 
+@needs_tf_keras
 def test_mirrored_strategy_with_tf_keras(mirrored):
-    _, found = mirrored
+    found = mirrored[1]["mirrored"]
     _assert_matches_the_optimizer(found)
     context = found["context"]
     assert (context["distribution_strategy"], context["num_replicas"]) == ("MirroredStrategy", 2)
@@ -175,10 +200,41 @@ def test_mirrored_strategy_with_tf_keras(mirrored):
     assert found["first_replica_abs_max"] < 0.9 * found["expected_abs_max"]
 
 
+@needs_tf_keras
 def test_records_are_in_the_model_run_only(single_process):
     logdir, _ = single_process
-    modes = ["float32", "floor", "floor_host", "jit", "single", "spe4"]
+    modes = ["float32", "floor", "floor_host", "functional", "jit", "single", "spe4"]
     assert reader.list_runs(logdir) == [f"{mode}/train" for mode in modes]
     for run in reader.read_logdir(logdir).values():
         assert run.records.keys() >= {schema.RUN_CONTEXT, schema.INVENTORY, schema.HEALTH}
         assert run.context["distributed"]["worker_runs"] == []
+
+
+@needs_tf_keras
+def test_mirrored_skip_is_decided_on_all_reduced_gradients(mirrored):
+    """Only the second replica's gradients overflow: tf-keras all-reduces
+    first, so the step is skipped; mpprof records the skip."""
+    found = mirrored[1]["mirrored_split"]
+    _assert_matches_the_optimizer(found)
+    assert found["overflow_steps"][:5] == [0, 1, 2, 3, 4] and found["weights_finite"]
+    assert "after the all-reduce" in found["context"]["collectors"]["loss_scale"][
+        "skip_decided_by"]
+
+
+def test_keras_3_mirrored_skip_is_decided_on_the_first_replica(tmp_path):
+    """Keras 3 checks the gradients before the all-reduce and takes the first
+    replica's verdict: an overflow on the second replica alone is applied.
+    mpprof records what the optimizer did, says why in the run context, and
+    the diagnosis reports the non-finite weights."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(TESTS, "keras3_mirrored_split_fit.py"), str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["recorded_overflow_steps"] == found["skipped_by_optimizer"]
+    assert 0 not in found["skipped_by_optimizer"], (
+        "Keras 3 now skips a step that overflowed on another replica only: update "
+        "mpprof.distributed.keras_3_skip_decided_by")
+    assert "FIRST replica" in found["skip_decided_by"]
+    assert found["nonfinite_weights"] and "MP012" in found["codes"]

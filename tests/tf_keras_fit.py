@@ -13,9 +13,15 @@ Each mode's fit writes into LOGDIR/MODE; the JSON line maps mode to findings.
     spe4        single, with steps_per_execution=4
     jit         single, with jit_compile=True
     float32     single in float32 with a plain SGD: no loss scale
-    mirrored    MirroredStrategy on 2 logical CPUs (not with other modes)
+    functional  a functional model with a nested Sequential and a subclassed
+                layer that needs AutoGraph, and the legacy (OptimizerV2) SGD
+    mirrored    MirroredStrategy on 2 logical CPUs (only with mirrored_split)
+    mirrored_split  as mirrored; only the second replica's gradients overflow
+                (the first replica sees zero inputs and targets)
     worker      one MultiWorkerMirroredStrategy worker; TF_CONFIG set by the
-                caller (tests/multi_worker_fit.py); writes into LOGDIR itself
+                caller (tests/multi_worker_fit.py); writes into LOGDIR itself.
+                With MPPROF_TEST_FAKE_GPU=1 the worker's host has one fake
+                NVML GPU (tests/fake_nvml.py) whose UUID ends in its task index.
 
 The model is a deterministic gradient-overflow storm: ones as inputs, targets
 of 1000 and an initial loss scale of 2**30, so the first steps overflow and the
@@ -30,6 +36,7 @@ a strategy it lands on the last replica (worker), never on the first, so the
 first replica's own statistics cannot produce the recorded maximum.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -40,7 +47,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
 MODES = sys.argv[1].split(",") if len(sys.argv) > 1 else ["single"]
-if "mirrored" in MODES:  # logical devices must exist before TensorFlow starts
+# Logical devices must exist before TensorFlow starts.
+if any(mode.startswith("mirrored") for mode in MODES):
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
@@ -84,15 +92,33 @@ class OptimizerProbe(tf_keras.callbacks.Callback):
         ]
 
 
+class SignGate(tf_keras.layers.Layer):
+    """Python control flow on a tensor: tf-keras runs its `call` through AutoGraph."""
+
+    def call(self, x):
+        if tf.reduce_sum(x) < 0:
+            return -x
+        return x
+
+
 def build_model(mode: str, initial_scale: float) -> tf_keras.Model:
     mixed = mode != "float32"
     tf_keras.mixed_precision.set_global_policy("mixed_float16" if mixed else "float32")
-    model = tf_keras.Sequential([
-        tf_keras.layers.Input((8,)),
-        tf_keras.layers.Dense(8, name="dense"),
-        tf_keras.layers.Dense(1, dtype="float32", name="dense_1"),
-    ])
-    optimizer = tf_keras.optimizers.SGD(1e-6)
+    if mode == "functional":
+        inputs = tf_keras.Input((8,))
+        hidden = tf_keras.layers.Dense(8, name="dense")(inputs)
+        hidden = SignGate(name="gate")(hidden)
+        block = tf_keras.Sequential([tf_keras.layers.Dense(8, name="inner")], name="block")
+        outputs = tf_keras.layers.Dense(1, dtype="float32", name="dense_1")(block(hidden))
+        model = tf_keras.Model(inputs, outputs)
+        optimizer = tf_keras.optimizers.legacy.SGD(1e-6)
+    else:
+        model = tf_keras.Sequential([
+            tf_keras.layers.Input((8,)),
+            tf_keras.layers.Dense(8, name="dense"),
+            tf_keras.layers.Dense(1, dtype="float32", name="dense_1"),
+        ])
+        optimizer = tf_keras.optimizers.SGD(1e-6)
     if mixed:
         optimizer = tf_keras.mixed_precision.LossScaleOptimizer(
             optimizer, initial_scale=initial_scale, dynamic_growth_steps=4
@@ -103,8 +129,16 @@ def build_model(mode: str, initial_scale: float) -> tf_keras.Model:
     return model
 
 
+def fake_host_gpu():
+    """One fake NVML GPU for this worker's host, named after its task index."""
+    from fake_nvml import FakeGpu, FakeNvmlLibrary, installed
+
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    return installed(FakeNvmlLibrary([FakeGpu(uuid=f"GPU-fake-worker-{index}")]))
+
+
 def strategy_for(mode: str):
-    if mode == "mirrored":
+    if mode.startswith("mirrored"):
         return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     if mode == "worker":
         return tf.distribute.MultiWorkerMirroredStrategy()
@@ -122,10 +156,16 @@ def fit(mode: str, logdir: str) -> dict:
     x[GLOBAL_BATCH - 1 :: GLOBAL_BATCH] = 1.0
     target = 1e7 if floor else 1000.0
     y = np.full((SAMPLES, 1), target, np.float32)
+    if mode == "mirrored_split":  # the first half of each global batch: replica 0
+        first_replica = (np.arange(SAMPLES) % GLOBAL_BATCH) < GLOBAL_BATCH // 2
+        x[first_replica], y[first_replica] = 0.0, 0.0
     probe = OptimizerProbe()
-    profiler = mpprof.MixedPrecisionProfiler(logdir, numerics_every=3, gpu_interval=None)
-    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, verbose=0, shuffle=False,
-              callbacks=[profiler, probe])
+    fake_gpu = os.environ.get("MPPROF_TEST_FAKE_GPU") == "1"
+    profiler = mpprof.MixedPrecisionProfiler(
+        logdir, numerics_every=3, gpu_interval=0.1 if fake_gpu else None)
+    with fake_host_gpu() if fake_gpu else contextlib.nullcontext():
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, verbose=0, shuffle=False,
+                  callbacks=[profiler, probe])
     first_dense = model.get_layer("dense")
     optimizer = model.optimizer
     scaled = hasattr(optimizer, "loss_scale")
@@ -140,6 +180,7 @@ def fit(mode: str, logdir: str) -> dict:
         "final_scale": float(optimizer.loss_scale.numpy()) if scaled else None,
         "expected_abs_max": _abs_max(first_dense(x)),
         "first_replica_abs_max": _abs_max(first_dense(x[x[:, 0] < 1.0])),
+        "weights_finite": all(bool(np.isfinite(w).all()) for w in model.get_weights()),
         "dense_units": 8,
         "global_batch": GLOBAL_BATCH,
         "patched_after_fit": sorted(
@@ -149,6 +190,7 @@ def fit(mode: str, logdir: str) -> dict:
     }
     if mode != "worker":
         found.update(describe_run(logdir, "train"))
+        model.save(os.path.join(logdir, "model.keras"))  # works after fit
     return found
 
 

@@ -86,7 +86,7 @@ class LossScaleCollector:
         non_finite = getattr(opt, _NON_FINITE)
 
         def handle_finite_grads(grads, trainable_variables):
-            step = self._graph_step()
+            step = self.graph_step()
             scale_before = tf.cast(tf.convert_to_tensor(opt.dynamic_scale), tf.float64)
             grows = tf.equal(
                 tf.convert_to_tensor(opt.step_counter), opt.dynamic_growth_steps - 1
@@ -101,7 +101,7 @@ class LossScaleCollector:
             return result
 
         def handle_non_finite_grads():
-            step = self._graph_step()
+            step = self.graph_step()
             scale_before = tf.cast(tf.convert_to_tensor(opt.dynamic_scale), tf.float64)
             result = non_finite()
             self._append(step, scale_before, 0.5 * scale_before, schema.EVENT_OVERFLOW)
@@ -116,7 +116,7 @@ class LossScaleCollector:
             if name in vars(self.optimizer):
                 delattr(self.optimizer, name)
 
-    def _graph_step(self) -> tf.Tensor:
+    def graph_step(self) -> tf.Tensor:
         iterations = tf.cast(tf.convert_to_tensor(self.optimizer.iterations), tf.int64)
         return iterations + self._skipped
 

@@ -136,6 +136,8 @@ class NumericsCollector:
             self.unscaled_gradients = StatisticsTable(
                 len(self._variables), "unscaled_gradients"
             )
+            # Filled by collectors whose optimizer has no `scale_loss` for
+            # LossHealthCollector to watch (tf-keras).
             self._loss = tf.Variable(0.0, trainable=False, name="mpprof_sampled_loss")
 
     @property
@@ -174,9 +176,12 @@ class NumericsCollector:
         return identity(tensor)
 
     def wrap_optimizer(self, optimizer, loss_scale_getter):
-        """Instance-level wrappers of `apply` and `scale_loss` (see `remove`)."""
+        """An instance-level wrapper of `optimizer.apply` (see `remove`).
+
+        The step's loss comes from `LossHealthCollector`, which watches
+        `scale_loss` on every step.
+        """
         apply = optimizer.apply
-        scale_loss = optimizer.scale_loss
 
         def instrumented_apply(grads, trainable_variables=None):
             if self.instrumenting:
@@ -190,20 +195,13 @@ class NumericsCollector:
                     self.unscaled_gradients.record(row, tf.cast(grad, tf.float32) / scale)
             return apply(grads, trainable_variables)
 
-        def instrumented_scale_loss(loss):
-            if self.instrumenting:
-                self._loss.assign(tf.cast(loss, tf.float32))
-            return scale_loss(loss)
-
         optimizer.apply = instrumented_apply
-        optimizer.scale_loss = instrumented_scale_loss
         self._optimizer = optimizer
 
     def remove(self) -> None:
         optimizer = getattr(self, "_optimizer", None)
-        for name in ("apply", "scale_loss"):
-            if optimizer is not None and name in vars(optimizer):
-                delattr(optimizer, name)
+        if optimizer is not None and "apply" in vars(optimizer):
+            del optimizer.apply
         self._optimizer = None
 
     def reset(self) -> None:

@@ -19,6 +19,13 @@ class TfKerasNumericsCollector(NumericsCollector):
 
     _WRAPPED = ("apply_gradients", "get_scaled_loss", "minimize")
 
+    @tf.autograph.experimental.do_not_convert
+    def on_call(self, layer, args, kwargs, outputs):
+        # tf-keras hands a subclassed layer's `call` (mpprof's wrapper, there)
+        # to AutoGraph, which would try to convert this hook too and warn that
+        # it cannot; it is plain Python over traced tensors: run it as it is.
+        return super().on_call(layer, args, kwargs, outputs)
+
     def wrap_optimizer(self, optimizer, loss_scale_getter):
         """Instance-level wrappers of `apply_gradients` and the loss (see `remove`)."""
         apply_gradients = optimizer.apply_gradients
