@@ -32,7 +32,7 @@ demo: install
 	fi
 
 test: install
-	$(PY) -m pytest -q
+	MPPROF_REQUIRE_TF_KERAS=1 $(PY) -m pytest -q
 
 lint: install
 	$(VENV)/bin/ruff check mpprof tensorboard_plugin tests examples benchmarks

@@ -19,6 +19,7 @@ from mpprof.collectors.layer_calls import LayerCallPatch
 from mpprof.collectors.loss_scale import LossScaleCollector, is_loss_scale_optimizer
 from mpprof.collectors.numerics import NumericsCollector
 from mpprof.collectors.precision import PrecisionCollector
+from mpprof.collectors.tf_keras_health import TfKerasLossHealthCollector
 from mpprof.collectors.tf_keras_loss_scale import TfKerasLossScaleCollector
 from mpprof.collectors.tf_keras_numerics import TfKerasNumericsCollector
 from mpprof.context import run_context
@@ -59,6 +60,12 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
     - the run context: versions, policies, optimizer, strategy, devices.
 
     Steps that are not sampled run the model's own train function, untouched.
+
+    The same class profiles Keras 3 and tf-keras (Keras 2) models, under any
+    `tf.distribute` strategy their `fit` supports. Under a multi-worker
+    `MultiWorkerMirroredStrategy` (tf-keras) the chief writes the model-level
+    records into `log_dir/train` and every worker its own host's records (GPU
+    samples, XProf window, its run context) into `log_dir/train/worker_<i>`.
     Read the records with `tensorboard --logdir LOG_DIR` (the "mpprof" tab),
     `mpprof diagnose LOG_DIR`, or `mpprof.reader.read_logdir(LOG_DIR)`.
 
@@ -362,14 +369,16 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         return {**loss, "nonfinite_weights": self._nonfinite_weights, "checked_step": self._step}
 
     def _loss_health_collector(self, model) -> LossHealthCollector | None:
-        if self._tf_keras or model.optimizer is None:
-            return None  # tf-keras optimizers have no scale_loss to watch
+        if model.optimizer is None:
+            return None
         if self._loss_health is not None and self._loss_health.optimizer is model.optimizer:
             return self._loss_health
         step = self._loss_scale.graph_step if self._loss_scale is not None else (
             lambda: tf.convert_to_tensor(model.optimizer.iterations)
         )
-        return LossHealthCollector(model.optimizer, model.distribute_strategy, step)
+        # tf-keras optimizers have no scale_loss: its train step calls minimize.
+        collector = TfKerasLossHealthCollector if self._tf_keras else LossHealthCollector
+        return collector(model.optimizer, model.distribute_strategy, step)
 
     # Loss scale.
 
@@ -497,7 +506,9 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             return None
         return announce_keras_3_multi_worker()
 
-    def _open_writers(self, role: WorkerRole) -> tuple:
+    def _open_writers(
+        self, role: WorkerRole
+    ) -> tuple[RecordWriter | DiscardingWriter, RecordWriter | None]:
         """(model-level writer, this worker's own writer or None)."""
         model_writer = _open_writer(self.run_dir) if role.is_chief else DiscardingWriter()
         if role.worker_run is None:
@@ -515,8 +526,13 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
 
     def _write_context(self) -> None:
         context = self._context()
+        gpu = context["collectors"]["gpu"]
+        if self._worker_writer is not None:
+            # GPU samples belong to hosts: point the model run at every worker's.
+            gpu["samples_in_runs"] = context["distributed"]["worker_runs"]
         self._writer.write_json(schema.RUN_CONTEXT, context, self._step)
         if self._worker_writer is not None:
+            gpu["samples_in_runs"] = [context["distributed"]["worker_run"]]
             context["run_role"] = "worker"
             context["worker_evidence"] = {
                 "steps_run": self._step,

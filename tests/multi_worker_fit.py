@@ -45,6 +45,8 @@ def run_workers(command: list[str], workers: int = 2, timeout_s: float = 240.0,
                 env: dict | None = None) -> list[tuple[int, str, str]]:
     """Runs `command` once per worker; returns (returncode, stdout, stderr) each.
 
+    Workers see no GPU (CUDA_VISIBLE_DEVICES="") unless `env` says otherwise.
+
     When one worker fails the others are killed (they would wait for it in
     their collectives). Raises TimeoutError, after killing every worker, when
     they do not all finish within `timeout_s`.
@@ -57,10 +59,11 @@ def run_workers(command: list[str], workers: int = 2, timeout_s: float = 240.0,
                 out = open(os.path.join(scratch, f"{index}.out"), "w+")  # noqa: SIM115
                 err = open(os.path.join(scratch, f"{index}.err"), "w+")  # noqa: SIM115
                 outputs.append((out, err))
-                worker_env = {**os.environ, **(env or {}),
-                              "TF_CONFIG": tf_config(ports, index),
-                              "CUDA_VISIBLE_DEVICES": "",
-                              "TF_CPP_MIN_LOG_LEVEL": "2"}
+                # CPU workers by default: processes sharing one GPU would
+                # each try to take all of its memory. `env` may override.
+                worker_env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
+                              "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {}),
+                              "TF_CONFIG": tf_config(ports, index)}
                 processes.append(subprocess.Popen(
                     command, stdout=out, stderr=err, env=worker_env, cwd=TESTS,
                 ))

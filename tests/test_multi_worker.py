@@ -6,7 +6,6 @@ fit cannot run across workers (keras-team/keras#20585): mpprof says so and
 changes nothing else about the failure.
 """
 
-import importlib.util
 import json
 import os
 import re
@@ -14,16 +13,19 @@ import sys
 
 import pytest
 from multi_worker_fit import TESTS, run_workers
+from tf_keras_env import require_tf_keras
 
 from mpprof import diagnosis, reader, schema
 
 WORKERS = 2
 TIMEOUT_S = 240
 
-needs_tf_keras = pytest.mark.skipif(
-    importlib.util.find_spec("tf_keras") is None,
-    reason="tf-keras is an optional extra (pip install mpprof[tf-keras]); `make test` installs it",
-)
+needs_tf_keras = pytest.mark.usefixtures("tf_keras_required")
+
+
+@pytest.fixture(scope="module")
+def tf_keras_required():
+    require_tf_keras()
 
 
 def _worker_outputs(command: list[str], env: dict | None = None) -> list[tuple[dict, str]]:
@@ -37,11 +39,14 @@ def _worker_outputs(command: list[str], env: dict | None = None) -> list[tuple[d
 
 
 @pytest.fixture(scope="module")
-def tf_keras_cluster(tmp_path_factory):
+def tf_keras_cluster(tf_keras_required, tmp_path_factory):
     logdir = tmp_path_factory.mktemp("multi_worker")
     command = [sys.executable, os.path.join(TESTS, "tf_keras_fit.py"), "worker", str(logdir)]
     # Each worker's host gets one fake NVML GPU: its samples must land in its own run.
-    outputs = _worker_outputs(command, env={"MPPROF_TEST_FAKE_GPU": "1"})
+    # (GPU 0 made visible to the sampler; memory growth in case a real one is there.)
+    outputs = _worker_outputs(command, env={
+        "MPPROF_TEST_FAKE_GPU": "1", "CUDA_VISIBLE_DEVICES": "0",
+        "TF_FORCE_GPU_ALLOW_GROWTH": "true"})
     return logdir, [found["worker"] for found, _ in outputs]
 
 
@@ -115,14 +120,18 @@ def test_worker_runs_hold_per_worker_evidence_only(tf_keras_cluster):
         evidence = run.worker["evidence"]
         assert evidence["steps_run"] == model_run.loss_scale.steps_run
         assert evidence["skipped_steps"] == model_run.loss_scale.skipped_steps
-        assert evidence["nonfinite_weights"] == []
+        assert evidence["nonfinite_weights"] == [] and evidence["nonfinite_loss_steps"] == 0
         # Model-level records are the chief's alone.
         assert run.inventory is None and run.loss_scale is None and run.numerics is None
         # This host's GPU samples are here, and only this host's.
         gpu = run.gpu
         assert [device["uuid"] for device in gpu.devices] == [f"GPU-fake-worker-{index}"]
         assert len(gpu.samples) >= 1 and set(gpu.samples[:, 2]) == {0.0}
-    assert not len(model_run.gpu.samples) if model_run.gpu else True
+        assert context["collectors"]["gpu"]["samples_in_runs"] == [f"train/worker_{index}"]
+    # The model run holds no GPU samples (they belong to hosts) and says where they are.
+    assert model_run.gpu is None or not len(model_run.gpu.samples)
+    assert model_run.context["collectors"]["gpu"]["samples_in_runs"] == [
+        "train/worker_0", "train/worker_1"]
 
 
 @needs_tf_keras
@@ -153,3 +162,38 @@ def test_keras_3_across_workers_is_explained_and_not_made_worse(tmp_path):
         assert out.count("keras-team/keras#20585") == 1
         assert "MirroredStrategy" in out and "tf-keras" in out
         assert "keras-team/keras#20585" not in baseline_out
+
+
+_SLEEPER = """
+import json, os, pathlib, sys, time
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+pathlib.Path(sys.argv[1], f"{index}.pid").write_text(str(os.getpid()))
+if index == 0 and sys.argv[2] == "fail":
+    while len(list(pathlib.Path(sys.argv[1]).glob("*.pid"))) < 2:  # the other is up
+        time.sleep(0.05)
+    sys.exit(3)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0): it is dead if its status says so.
+    with open(f"/proc/{pid}/status") as status:
+        return "zombie" not in status.read()
+
+
+@pytest.mark.parametrize("how", ["fail", "hang"])
+def test_launcher_kills_every_worker_when_one_fails_or_all_hang(tmp_path, how):
+    command = [sys.executable, "-c", _SLEEPER, str(tmp_path), how]
+    if how == "fail":
+        results = run_workers(command, WORKERS, timeout_s=TIMEOUT_S)
+        assert results[0][0] == 3 and results[1][0] != 0  # the sleeper was killed
+    else:
+        with pytest.raises(TimeoutError, match="did not finish"):
+            run_workers(command, WORKERS, timeout_s=5)
+    pids = [int((tmp_path / f"{index}.pid").read_text()) for index in range(WORKERS)]
+    assert not any(_alive(pid) for pid in pids)

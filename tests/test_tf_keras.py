@@ -6,7 +6,6 @@ TF_USE_LEGACY_KERAS=1: tf-keras must be chosen before TensorFlow starts. The
 last test contrasts how Keras 3 decides a skip under MirroredStrategy.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,16 +13,19 @@ import sys
 
 import numpy as np
 import pytest
+from tf_keras_env import require_tf_keras
 
 from mpprof import diagnosis, reader, schema
 from mpprof.collectors import loss_scale
 
 TESTS = os.path.dirname(__file__)
 
-needs_tf_keras = pytest.mark.skipif(
-    importlib.util.find_spec("tf_keras") is None,
-    reason="tf-keras is an optional extra (pip install mpprof[tf-keras]); `make test` installs it",
-)
+needs_tf_keras = pytest.mark.usefixtures("tf_keras_required")
+
+
+@pytest.fixture(scope="module")
+def tf_keras_required():
+    require_tf_keras()
 
 
 def run_fits(modes: str, logdir) -> dict:
@@ -36,13 +38,14 @@ def run_fits(modes: str, logdir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def single_process(tmp_path_factory):
+def single_process(tf_keras_required, tmp_path_factory):
     logdir = tmp_path_factory.mktemp("tf_keras")
-    return logdir, run_fits("single,floor,floor_host,spe4,jit,float32,functional", logdir)
+    modes = "single,floor,floor_host,spe4,jit,float32,functional,nan_loss"
+    return logdir, run_fits(modes, logdir)
 
 
 @pytest.fixture(scope="module")
-def mirrored(tmp_path_factory):
+def mirrored(tf_keras_required, tmp_path_factory):
     logdir = tmp_path_factory.mktemp("tf_keras_mirrored")
     return logdir, run_fits("mirrored,mirrored_split", logdir)
 
@@ -155,6 +158,20 @@ def test_nested_functional_model_with_autograph_layer_and_legacy_optimizer(singl
 
 
 @needs_tf_keras
+def test_nonfinite_loss_is_caught_at_its_step(single_process):
+    """tf-keras's loss is watched in the graph through `optimizer.minimize`."""
+    found = single_process[1]["nan_loss"]
+    steps_per_epoch = len(found["probe_scales"]) // 2
+    assert found["health"]["first_nonfinite_loss_step"] == 5
+    assert found["health"]["nonfinite_loss_steps"] == 2  # step 5 of both epochs
+    assert {5, steps_per_epoch + 5} <= set(found["overflow_steps"])  # NaN gradients too
+    assert found["patched_after_fit"] == []
+    healthy = single_process[1]["single"]["health"]
+    assert healthy["first_nonfinite_loss_step"] is None
+    assert healthy["nonfinite_loss_steps"] == 0
+
+
+@needs_tf_keras
 def test_run_context_names_tf_keras(single_process):
     context = single_process[1]["single"]["context"]
     assert context["keras_flavor"] == "tf_keras"
@@ -203,7 +220,8 @@ def test_mirrored_strategy_with_tf_keras(mirrored):
 @needs_tf_keras
 def test_records_are_in_the_model_run_only(single_process):
     logdir, _ = single_process
-    modes = ["float32", "floor", "floor_host", "functional", "jit", "single", "spe4"]
+    modes = ["float32", "floor", "floor_host", "functional", "jit", "nan_loss", "single",
+             "spe4"]
     assert reader.list_runs(logdir) == [f"{mode}/train" for mode in modes]
     for run in reader.read_logdir(logdir).values():
         assert run.records.keys() >= {schema.RUN_CONTEXT, schema.INVENTORY, schema.HEALTH}

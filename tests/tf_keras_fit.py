@@ -13,6 +13,7 @@ Each mode's fit writes into LOGDIR/MODE; the JSON line maps mode to findings.
     spe4        single, with steps_per_execution=4
     jit         single, with jit_compile=True
     float32     single in float32 with a plain SGD: no loss scale
+    nan_loss    single, with a NaN target in step 5 of each epoch
     functional  a functional model with a nested Sequential and a subclassed
                 layer that needs AutoGraph, and the legacy (OptimizerV2) SGD
     mirrored    MirroredStrategy on 2 logical CPUs (only with mirrored_split)
@@ -156,6 +157,8 @@ def fit(mode: str, logdir: str) -> dict:
     x[GLOBAL_BATCH - 1 :: GLOBAL_BATCH] = 1.0
     target = 1e7 if floor else 1000.0
     y = np.full((SAMPLES, 1), target, np.float32)
+    if mode == "nan_loss":
+        y[5 * GLOBAL_BATCH] = np.nan
     if mode == "mirrored_split":  # the first half of each global batch: replica 0
         first_replica = (np.arange(SAMPLES) % GLOBAL_BATCH) < GLOBAL_BATCH // 2
         x[first_replica], y[first_replica] = 0.0, 0.0
@@ -214,6 +217,7 @@ def describe_run(logdir: str, name: str) -> dict:
     numerics = run.numerics
     described = {
         "context": run.context,
+        "health": run.health,
         "inventory": run.inventory,
         "warnings": run.warnings,
     }

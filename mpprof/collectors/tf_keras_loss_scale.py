@@ -84,7 +84,7 @@ class TfKerasLossScaleCollector(LossScaleCollector):
         def recording_update(grads):
             # Reads before `update` see the values the step started with:
             # automatic control dependencies keep program order per variable.
-            step = self._graph_step()
+            step = self.graph_step()
             scale_before = tf.cast(tf.convert_to_tensor(state.current_loss_scale), tf.float64)
             update_op, is_finite = update(grads)
             with tf.control_dependencies([update_op] if update_op is not None else []):
@@ -114,7 +114,7 @@ class TfKerasLossScaleCollector(LossScaleCollector):
         if state is not None and _UPDATE in vars(state):
             delattr(state, _UPDATE)
 
-    def _graph_step(self) -> tf.Tensor:
+    def graph_step(self) -> tf.Tensor:
         # tf-keras advances `iterations` on skipped steps as well.
         return tf.cast(tf.convert_to_tensor(self.optimizer.iterations), tf.int64)
 

@@ -15,9 +15,7 @@ from mpprof.collectors.numerics import NumericsCollector
 
 
 class TfKerasNumericsCollector(NumericsCollector):
-    """`NumericsCollector` with tf-keras's optimizer methods wrapped."""
-
-    _WRAPPED = ("apply_gradients", "get_scaled_loss", "minimize")
+    """`NumericsCollector` with tf-keras's `apply_gradients` wrapped."""
 
     @tf.autograph.experimental.do_not_convert
     def on_call(self, layer, args, kwargs, outputs):
@@ -27,7 +25,11 @@ class TfKerasNumericsCollector(NumericsCollector):
         return super().on_call(layer, args, kwargs, outputs)
 
     def wrap_optimizer(self, optimizer, loss_scale_getter):
-        """Instance-level wrappers of `apply_gradients` and the loss (see `remove`)."""
+        """An instance-level wrapper of `apply_gradients` (see `remove`).
+
+        The step's loss comes from `TfKerasLossHealthCollector`, which
+        watches `minimize` on every step.
+        """
         apply_gradients = optimizer.apply_gradients
 
         def instrumented_apply_gradients(grads_and_vars, *args, **kwargs):
@@ -37,28 +39,7 @@ class TfKerasNumericsCollector(NumericsCollector):
             return apply_gradients(grads_and_vars, *args, **kwargs)
 
         optimizer.apply_gradients = instrumented_apply_gradients
-        if hasattr(optimizer, "get_scaled_loss"):
-            get_scaled_loss = optimizer.get_scaled_loss
-
-            def instrumented_get_scaled_loss(loss):
-                self._record_loss(loss)
-                return get_scaled_loss(loss)
-
-            optimizer.get_scaled_loss = instrumented_get_scaled_loss
-        else:
-            # Without loss scaling the loss reaches `minimize` directly.
-            minimize = optimizer.minimize
-
-            def instrumented_minimize(loss, var_list, *args, **kwargs):
-                self._record_loss(loss)
-                return minimize(loss, var_list, *args, **kwargs)
-
-            optimizer.minimize = instrumented_minimize
         self._optimizer = optimizer
-
-    def _record_loss(self, loss) -> None:
-        if self.instrumenting and not callable(loss):
-            self._loss.assign(tf.cast(loss, tf.float32))
 
     def _record_gradients(self, grads_and_vars, loss_scale_getter) -> None:
         scale = tf.cast(loss_scale_getter(), tf.float32)
@@ -72,7 +53,6 @@ class TfKerasNumericsCollector(NumericsCollector):
 
     def remove(self) -> None:
         optimizer = getattr(self, "_optimizer", None)
-        for name in self._WRAPPED:
-            if optimizer is not None and name in vars(optimizer):
-                delattr(optimizer, name)
+        if optimizer is not None and "apply_gradients" in vars(optimizer):
+            del optimizer.apply_gradients
         self._optimizer = None

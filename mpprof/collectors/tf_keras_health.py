@@ -1,0 +1,43 @@
+"""The loss of every tf-keras train step, checked inside the traced step.
+
+tf-keras optimizers have no `scale_loss`; tf-keras's train step hands the loss
+to `optimizer.minimize(loss, variables, tape=tape)` instead, for every
+optimizer (the LossScaleOptimizer, the new and the legacy ones), and only in
+training: `evaluate` never calls it, so validation losses are not counted.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from mpprof.collectors.health import LossHealthCollector
+
+
+class TfKerasLossHealthCollector(LossHealthCollector):
+    """`LossHealthCollector` watching tf-keras's `optimizer.minimize`."""
+
+    def __init__(self, optimizer, strategy, step):
+        super().__init__(optimizer, strategy, step)
+        self.available = callable(getattr(optimizer, "minimize", None))
+
+    def install(self) -> None:
+        if not self.available:
+            return
+        self.remove()
+        minimize = self.optimizer.minimize
+
+        def watched_minimize(loss, var_list, *args, **kwargs):
+            if not callable(loss):  # a loss callable is traced by minimize itself
+                self._watch(loss)
+            return minimize(loss, var_list, *args, **kwargs)
+
+        self.optimizer.minimize = watched_minimize
+
+    def _watch(self, loss) -> None:
+        value = tf.cast(tf.reduce_sum(loss), tf.float32)
+        self._last_loss.assign(value)
+        tf.cond(tf.math.is_finite(value), tf.no_op, self._record_nonfinite)
+
+    def remove(self) -> None:
+        if "minimize" in vars(self.optimizer):
+            del self.optimizer.minimize
