@@ -201,7 +201,14 @@ def evaluate(run) -> Diagnosis:
     view = _RunView(run)
     findings: list[Finding] = []
     checks: list[Check] = []
+    worker = getattr(run, "worker", None)
     for code, rule in _RULES.items():
+        if worker is not None and code not in _HOST_RULES:
+            checks.append(Check(code, "not applicable", (
+                f"run of worker {worker['index']} of a multi-worker fit: the model-level "
+                f"records are judged in run {worker['model_run']!r}, written by the chief"
+            )))
+            continue
         try:
             found = rule(view)
         except _NotMeasured as e:
@@ -1213,6 +1220,10 @@ def _json_safe(value):
 def _int_or_none(value) -> int | None:
     return None if value is None else int(value)
 
+
+# Rules that judge one host's hardware: the only ones a worker's own run
+# (`train/worker_<i>`, GPU samples and evidence only) can be checked against.
+_HOST_RULES = ("MP010", "MP011")
 
 _RULES = {
     "MP001": _mp001_loss_scale_collapse,
