@@ -305,8 +305,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         return True
 
     def _start_sample(self) -> int:
-        """Resets the tables; returns the exact step the sampled call starts at."""
-        self._numerics.reset()
+        """Returns the exact step the sampled call starts at."""
         if not self._forensic_due:
             self._steps_since_sample = 0
         return self._optimizer_step()

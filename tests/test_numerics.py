@@ -140,3 +140,19 @@ def test_shared_layer_aggregates_its_call_sites(tmp_path):
     shared_row = numerics.layers.index("shared")
     # Two call sites of 8 values per example, 8 examples per batch.
     assert numerics.forward["count"][0, shared_row] == 2 * 8 * 8
+
+
+def test_tensor_statistics_counts_and_log2_bins():
+    from mpprof.collectors.numerics import tensor_statistics
+
+    values = np.array([0.0, -1e-9, 1e-5, 1.0, -3.0, 7e4, 2.0**-41, np.inf, np.nan], np.float32)
+    counts, abs_max, histogram = (np.asarray(t) for t in tensor_statistics(values))
+    columns = dict(zip(schema.NUMERICS_COUNT_COLUMNS, counts, strict=True))
+    assert columns == {"count": 9, "nonfinite": 2, "zero": 1, "below_normal": 3,
+                       "below_subnormal": 2}
+    assert abs_max == pytest.approx(7e4)
+    edges = np.asarray(schema.NUMERICS_HIST_EDGES)
+    finite_nonzero = np.abs(values[np.isfinite(values) & (values != 0)])
+    expected = np.bincount(np.searchsorted(edges, np.log2(finite_nonzero), side="right"),
+                           minlength=len(edges) + 1)
+    np.testing.assert_array_equal(histogram, expected)

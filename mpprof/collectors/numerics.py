@@ -27,10 +27,13 @@ _SMALLEST_SUBNORMAL = schema.FLOAT16_SMALLEST_SUBNORMAL
 _EDGES = np.asarray(schema.NUMERICS_HIST_EDGES, dtype=np.float32)
 
 
-def tensor_statistics(tensor: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+def tensor_statistics(
+    tensor: tf.Tensor, with_histogram: bool = True
+) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
     """Counts (`schema.NUMERICS_COUNT_COLUMNS`), finite abs-max and log2 histogram.
 
     Computed in float32 so that float16 values are measured, not re-rounded.
+    Static shapes throughout (no boolean_mask, no bincount), so XLA compiles it.
     """
     values = tf.reshape(tf.cast(tensor, tf.float32), [-1])
     magnitude = tf.abs(values)
@@ -45,13 +48,24 @@ def tensor_statistics(tensor: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tenso
     ])
     abs_max = tf.reduce_max(tf.where(finite, magnitude, 0.0))
     abs_max = tf.maximum(abs_max, 0.0)  # reduce_max of an empty tensor is -inf
-    # Static shapes throughout (no boolean_mask, no bincount), so XLA compiles it.
-    exponents = tf.math.log(tf.where(nonzero, magnitude, 1.0)) / np.log(2.0)
-    bins = tf.searchsorted(_EDGES, exponents, side="right")
+    if not with_histogram:
+        return counts, abs_max, None
+    bins = tf.clip_by_value((_binary_exponent(values) - _EDGES[0]) // 2 + 1, 0, _BINS - 1)
     histogram = tf.math.unsorted_segment_sum(
-        tf.cast(nonzero, tf.float32), bins, num_segments=len(_EDGES) + 1
+        tf.cast(nonzero, tf.float32), bins, num_segments=_BINS
     )
     return counts, abs_max, histogram
+
+
+# Histogram bins: edges 2 binades apart, so a value's bin follows from its
+# binary exponent alone (integer ops, far cheaper than a log and a search).
+_BINS = len(_EDGES) + 1
+
+
+def _binary_exponent(values: tf.Tensor) -> tf.Tensor:
+    """floor(log2|v|) of float32 values, from their exponent bits."""
+    bits = tf.bitwise.right_shift(tf.bitcast(values, tf.int32), 23)
+    return tf.bitwise.bitwise_and(bits, 0xFF) - 127
 
 
 def _count(mask: tf.Tensor) -> tf.Tensor:
@@ -59,25 +73,28 @@ def _count(mask: tf.Tensor) -> tf.Tensor:
 
 
 class StatisticsTable:
-    """Device-side statistics of `rows` tensors, aggregated until `reset`.
+    """Device-side statistics of `rows` tensors, aggregated until drained.
+
+    One variable holds, per row, the counts, the abs-max and (optionally) the
+    histogram, so one read brings a whole table to the host.
 
     Args:
         rows: how many tensors (layers or variables) the table holds.
-        name: variable name prefix.
+        name: variable name.
+        with_histogram: whether to keep the log2 histogram too.
     """
 
-    def __init__(self, rows: int, name: str):
+    def __init__(self, rows: int, name: str, with_histogram: bool = True):
         self.rows = rows
-        columns = len(schema.NUMERICS_COUNT_COLUMNS)
-        self._counts = tf.Variable(tf.zeros((rows, columns)), trainable=False,
-                                   name=f"mpprof_{name}_counts")
-        self._abs_max = tf.Variable(tf.zeros((rows,)), trainable=False,
-                                    name=f"mpprof_{name}_abs_max")
-        self._histogram = tf.Variable(tf.zeros((rows, len(_EDGES) + 1)),
-                                      trainable=False, name=f"mpprof_{name}_histogram")
+        self.with_histogram = with_histogram
+        self.columns = len(schema.NUMERICS_STAT_COLUMNS) + (_BINS if with_histogram else 0)
+        self.table = tf.Variable(
+            tf.zeros((rows, self.columns)), trainable=False, name=f"mpprof_{name}"
+        )
 
     def record(self, row: int, tensor: tf.Tensor) -> None:
-        counts, abs_max, histogram = tensor_statistics(tensor)
+        counts, abs_max, histogram = tensor_statistics(tensor, self.with_histogram)
+        sums = counts if histogram is None else tf.concat([counts, histogram], 0)
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
             # MirroredStrategy all-reduces only SUM and MEAN: the maximum is
@@ -85,26 +102,25 @@ class StatisticsTable:
             per_replica_max = abs_max * tf.one_hot(
                 context.replica_id_in_sync_group, context.num_replicas_in_sync
             )
-            counts, histogram, per_replica_max = context.all_reduce(
-                tf.distribute.ReduceOp.SUM, [counts, histogram, per_replica_max]
+            sums, per_replica_max = context.all_reduce(
+                tf.distribute.ReduceOp.SUM, [sums, per_replica_max]
             )
             abs_max = tf.reduce_max(per_replica_max)
         # One-hot updates instead of scatter ops: XLA has no ResourceScatterNdMax.
-        one_hot = tf.one_hot(row, self.rows)
-        self._counts.assign_add(one_hot[:, None] * counts[None, :])
-        self._histogram.assign_add(one_hot[:, None] * histogram[None, :])
-        self._abs_max.assign(tf.maximum(self._abs_max, one_hot * abs_max))
+        one_hot = tf.one_hot(row, self.rows)[:, None]
+        count_columns = len(schema.NUMERICS_COUNT_COLUMNS)
+        table = self.table
+        self.table.assign(tf.concat([
+            table[:, :count_columns] + one_hot * sums[None, :count_columns],
+            tf.maximum(table[:, count_columns:count_columns + 1], one_hot * abs_max),
+            table[:, count_columns + 1:] + one_hot * sums[None, count_columns:],
+        ], axis=1))
 
-    def reset(self) -> None:
-        for variable in (self._counts, self._abs_max, self._histogram):
-            variable.assign(tf.zeros_like(variable))
-
-    def read(self) -> tuple[np.ndarray, np.ndarray]:
-        """([rows, counts + abs_max], [rows, bins]) as numpy arrays."""
-        stats = np.concatenate(
-            [self._counts.numpy(), self._abs_max.numpy()[:, None]], axis=1
-        )
-        return stats, self._histogram.numpy()
+    def split(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """A read table as ([rows, NUMERICS_STAT_COLUMNS], [rows, bins] or None)."""
+        stats_columns = len(schema.NUMERICS_STAT_COLUMNS)
+        histogram = values[:, stats_columns:] if self.with_histogram else None
+        return values[:, :stats_columns], histogram
 
 
 class NumericsCollector:
@@ -132,9 +148,11 @@ class NumericsCollector:
         with strategy.scope():
             self.forward = StatisticsTable(len(leaves), "forward")
             self.backward = StatisticsTable(len(leaves), "backward")
-            self.gradients = StatisticsTable(len(self._variables), "gradients")
+            self.gradients = StatisticsTable(
+                len(self._variables), "gradients", with_histogram=False
+            )
             self.unscaled_gradients = StatisticsTable(
-                len(self._variables), "unscaled_gradients"
+                len(self._variables), "unscaled_gradients", with_histogram=False
             )
             # Filled by collectors whose optimizer has no `scale_loss` for
             # LossHealthCollector to watch (tf-keras).
@@ -204,25 +222,43 @@ class NumericsCollector:
             del optimizer.apply
         self._optimizer = None
 
-    def reset(self) -> None:
-        for table in (self.forward, self.backward, self.gradients, self.unscaled_gradients):
-            table.reset()
+    @property
+    def _tables(self) -> tuple[StatisticsTable, ...]:
+        return (self.forward, self.backward, self.gradients, self.unscaled_gradients)
+
+    @tf.function
+    def _read_and_reset(self) -> tf.Tensor:
+        """Every table, flattened into one tensor (one device-to-host copy),
+        and zeroes them for the next sample."""
+        values = tf.concat(
+            [tf.reshape(t.table, [-1]) for t in self._tables] + [[self._loss]], axis=0
+        )
+        with tf.control_dependencies([values]):
+            for table in self._tables:
+                table.table.assign(tf.zeros_like(table.table))
+        return tf.identity(values)
 
     def read(self) -> dict[str, np.ndarray]:
-        """One sample: arrays keyed by `schema` record name, layers in call order."""
+        """One sample, and zeroes the tables: arrays keyed by `schema` record
+        name, layers in call order, plus "loss"."""
+        values = self._read_and_reset().numpy()
+        tables = {}
+        offset = 0
+        for table in self._tables:
+            size = table.rows * table.columns
+            tables[table] = table.split(values[offset:offset + size].reshape(table.rows, -1))
+            offset += size
         order = self.call_order
-        forward, forward_hist = self.forward.read()
-        backward, backward_hist = self.backward.read()
-        gradients, _ = self.gradients.read()
-        unscaled, _ = self.unscaled_gradients.read()
+        forward, forward_hist = tables[self.forward]
+        backward, backward_hist = tables[self.backward]
         return {
             schema.NUMERICS_FORWARD: forward[order],
             schema.NUMERICS_BACKWARD: backward[order],
             schema.NUMERICS_FORWARD_HIST: forward_hist[order],
             schema.NUMERICS_BACKWARD_HIST: backward_hist[order],
-            schema.NUMERICS_GRADIENTS: gradients,
-            schema.NUMERICS_UNSCALED_GRADIENTS: unscaled,
-            "loss": float(self._loss.numpy()),
+            schema.NUMERICS_GRADIENTS: tables[self.gradients][0],
+            schema.NUMERICS_UNSCALED_GRADIENTS: tables[self.unscaled_gradients][0],
+            "loss": float(values[-1]),
         }
 
     def layout(self, policy_max: float) -> dict:
