@@ -34,6 +34,10 @@ from mpprof.distributed import (
 from mpprof.hardware import hardware_facts
 from mpprof.writer import RecordWriter
 
+# Numerics samples wait on the host for the next flush, at most this many
+# (one write per record for all of them, instead of one per sample).
+_MAX_PENDING_SAMPLES = 64
+
 _POLICY_MAX = {
     "float16": schema.FLOAT16_MAX,
     "bfloat16": schema.BFLOAT16_MAX,
@@ -198,6 +202,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._calls = 0
         self._forensic_used = 0
         self._forensic_due = False
+        self._pending_samples: list[dict[str, np.ndarray]] = []
         self._overflows_seen = self._skipped_steps()
         self._batch_pending = False
 
@@ -229,6 +234,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._read_loss_scale()
+        self._write_numerics()
         self._write_gpu_samples()
         self._check_weights()
         self._writer.flush()
@@ -283,6 +289,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         if self._steps_since_flush >= self.flush_every_steps:
             self._step = self._optimizer_step()
             self._read_loss_scale()
+            self._write_numerics()
             self._write_gpu_samples()
             self._steps_since_flush = 0
 
@@ -318,6 +325,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         return tf.convert_to_tensor(self.model.optimizer.dynamic_scale)
 
     def _write_numerics_sample(self, step: int, steps: int) -> None:
+        """Reads one sample; it is written with the next batch of records."""
         sample = self._numerics.read()
         loss = sample.pop("loss")
         if self._loss_health is not None and self._loss_health.available:
@@ -328,14 +336,23 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             self._forensic_due = False
         layout = self._numerics.layout(self._policy_max())
         if layout != self._layout_written:
+            self._write_numerics()  # samples of the old layout go first
             self._writer.write_json(schema.NUMERICS_LAYOUT, layout, step)
             self._layout_written = layout
         scale = float(self._loss_scale_tensor().numpy())
-        self._writer.write_array(
-            schema.NUMERICS_STEP, [step, loss, scale, float(forensic), steps], step
-        )
-        for record, array in sample.items():
-            self._writer.write_array(record, array, step)
+        sample[schema.NUMERICS_STEP] = np.array([step, loss, scale, float(forensic), steps])
+        self._pending_samples.append(sample)
+        if len(self._pending_samples) >= _MAX_PENDING_SAMPLES:
+            self._write_numerics()
+
+    def _write_numerics(self) -> None:
+        """Writes the pending samples, each record as one [samples, ...] array."""
+        if not self._pending_samples:
+            return
+        samples, self._pending_samples = self._pending_samples, []
+        step = int(samples[0][schema.NUMERICS_STEP][0])
+        for record in samples[0]:
+            self._writer.write_array(record, np.stack([s[record] for s in samples]), step)
 
     def _watch_for_overflows(self) -> None:
         """Arms a forensic sample for the next step after a new overflow."""
@@ -434,6 +451,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         try:
             self._finish_gpu()
             self._read_loss_scale()
+            self._write_numerics()
             self._check_weights()
             self._write_context()
         finally:

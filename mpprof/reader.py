@@ -280,19 +280,32 @@ class Run:
             schema.NUMERICS_GRADIENTS: (variables, len(schema.NUMERICS_STAT_COLUMNS)),
             schema.NUMERICS_UNSCALED_GRADIENTS: (variables, len(schema.NUMERICS_STAT_COLUMNS)),
         }
-        # A sample is the records of one step; keep the last complete one per
-        # step whose shapes match the layout (a changed model starts anew).
-        by_step: dict[int, dict[str, np.ndarray]] = {}
+        # The callback writes its samples in batches: each record holds
+        # [samples, *shape] (a single [*shape] sample is read too), all
+        # records of a batch at the same event step. Batches whose shapes do
+        # not match the layout (a changed model) are left out.
+        batches: dict[int, dict[str, np.ndarray]] = {}
         for record, shape in shapes.items():
             for found in self.records.get(record, []):
-                if np.shape(found.value) == shape:
-                    by_step.setdefault(found.step, {})[record] = found.value
-        samples = [by_step[step] for step in sorted(by_step) if len(by_step[step]) == len(shapes)]
-        if not samples:
+                value = np.asarray(found.value)
+                if value.shape == shape:
+                    value = value[None]
+                if value.shape[1:] == shape:
+                    batches.setdefault(found.step, {})[record] = value
+        complete = [
+            batch for _, batch in sorted(batches.items())
+            if len(batch) == len(shapes) and len({len(v) for v in batch.values()}) == 1
+        ]
+        if not complete:
             return None
+        joined = {record: np.concatenate([b[record] for b in complete]) for record in shapes}
+        # One sample per step, the last written, in step order.
+        sample_steps = joined[schema.NUMERICS_STEP][:, 0]
+        reversed_unique = np.unique(sample_steps[::-1], return_index=True)[1]
+        keep = len(sample_steps) - 1 - reversed_unique
 
         def stacked(record: str) -> np.ndarray:
-            return np.stack([sample[record] for sample in samples])
+            return joined[record][keep]
 
         step_rows = stacked(schema.NUMERICS_STEP)
         return Numerics(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -12,6 +13,7 @@ from tensorboard.compat.proto import summary_pb2
 from mpprof import schema
 
 
+@functools.cache
 def _metadata(record: str) -> bytes:
     return summary_pb2.SummaryMetadata(
         plugin_data=summary_pb2.SummaryMetadata.PluginData(

@@ -33,8 +33,26 @@ def tensor_statistics(
     """Counts (`schema.NUMERICS_COUNT_COLUMNS`), finite abs-max and log2 histogram.
 
     Computed in float32 so that float16 values are measured, not re-rounded.
-    Static shapes throughout (no boolean_mask, no bincount), so XLA compiles it.
     """
+    if with_histogram:
+        return _statistics_with_histogram(tensor)
+    return (*_statistics(tensor), None)
+
+
+# XLA fuses the dozen element-wise passes below into one: without it they
+# cost as much as the layer itself on large activations. Static shapes
+# throughout (no boolean_mask, no bincount) so that it compiles.
+@tf.function(jit_compile=True, autograph=False)
+def _statistics_with_histogram(tensor):
+    return _compute_statistics(tensor, True)
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _statistics(tensor):
+    return _compute_statistics(tensor, False)[:2]
+
+
+def _compute_statistics(tensor, with_histogram):
     values = tf.reshape(tf.cast(tensor, tf.float32), [-1])
     magnitude = tf.abs(values)
     finite = tf.math.is_finite(values)
@@ -50,7 +68,7 @@ def tensor_statistics(
     abs_max = tf.maximum(abs_max, 0.0)  # reduce_max of an empty tensor is -inf
     if not with_histogram:
         return counts, abs_max, None
-    bins = tf.clip_by_value((_binary_exponent(values) - _EDGES[0]) // 2 + 1, 0, _BINS - 1)
+    bins = tf.clip_by_value((_binary_exponent(values) - _FIRST_EDGE) // 2 + 1, 0, _BINS - 1)
     histogram = tf.math.unsorted_segment_sum(
         tf.cast(nonzero, tf.float32), bins, num_segments=_BINS
     )
@@ -60,6 +78,7 @@ def tensor_statistics(
 # Histogram bins: edges 2 binades apart, so a value's bin follows from its
 # binary exponent alone (integer ops, far cheaper than a log and a search).
 _BINS = len(_EDGES) + 1
+_FIRST_EDGE = schema.NUMERICS_HIST_EDGES[0]
 
 
 def _binary_exponent(values: tf.Tensor) -> tf.Tensor:
