@@ -53,25 +53,32 @@ def _statistics(tensor):
 
 
 def _compute_statistics(tensor, with_histogram):
-    values = tf.reshape(tf.cast(tensor, tf.float32), [-1])
+    # Compared in the tensor's own dtype (no float32 copy of a large tensor);
+    # both thresholds are exact in float16 and bfloat16.
+    values = tf.reshape(tensor, [-1])
     magnitude = tf.abs(values)
     finite = tf.math.is_finite(values)
     nonzero = tf.logical_and(finite, magnitude > 0)
     counts = tf.stack([
         tf.cast(tf.size(values), tf.float32),
         _count(tf.logical_not(finite)),
-        _count(tf.equal(values, 0.0)),
-        _count(tf.logical_and(nonzero, magnitude < _SMALLEST_NORMAL)),
-        _count(tf.logical_and(nonzero, magnitude < _SMALLEST_SUBNORMAL)),
+        _count(tf.equal(values, 0)),
+        _count(tf.logical_and(nonzero, magnitude < tf.cast(_SMALLEST_NORMAL, values.dtype))),
+        _count(tf.logical_and(nonzero, magnitude < tf.cast(_SMALLEST_SUBNORMAL, values.dtype))),
     ])
-    abs_max = tf.reduce_max(tf.where(finite, magnitude, 0.0))
-    abs_max = tf.maximum(abs_max, 0.0)  # reduce_max of an empty tensor is -inf
+    abs_max = tf.cast(tf.reduce_max(tf.where(finite, magnitude, tf.zeros_like(magnitude))),
+                      tf.float32)
     if not with_histogram:
         return counts, abs_max, None
-    bins = tf.clip_by_value((_binary_exponent(values) - _FIRST_EDGE) // 2 + 1, 0, _BINS - 1)
+    # The histogram only shows where values sit: it is estimated from at most
+    # _HISTOGRAM_VALUES evenly spaced values, each counting for `stride`.
+    stride = tf.maximum(1, tf.size(values) // _HISTOGRAM_VALUES)
+    sampled = tf.cast(values[::stride], tf.float32)
+    sampled_nonzero = tf.logical_and(tf.math.is_finite(sampled), sampled != 0)
+    bins = tf.clip_by_value((_binary_exponent(sampled) - _FIRST_EDGE) // 2 + 1, 0, _BINS - 1)
     histogram = tf.math.unsorted_segment_sum(
-        tf.cast(nonzero, tf.float32), bins, num_segments=_BINS
-    )
+        tf.cast(sampled_nonzero, tf.float32), bins, num_segments=_BINS
+    ) * tf.cast(stride, tf.float32)
     return counts, abs_max, histogram
 
 
@@ -79,6 +86,7 @@ def _compute_statistics(tensor, with_histogram):
 # binary exponent alone (integer ops, far cheaper than a log and a search).
 _BINS = len(_EDGES) + 1
 _FIRST_EDGE = schema.NUMERICS_HIST_EDGES[0]
+_HISTOGRAM_VALUES = 2**16
 
 
 def _binary_exponent(values: tf.Tensor) -> tf.Tensor:
