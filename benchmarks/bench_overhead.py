@@ -67,7 +67,7 @@ def cnn_model() -> keras.Model:
 
 
 MODELS = {
-    "seed": (seed_model, (784,), 8192),
+    "seed": (seed_model, (784,), 32768),
     "cnn": (cnn_model, (28, 28, 1), 2048),
 }
 

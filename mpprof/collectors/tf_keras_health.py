@@ -28,15 +28,10 @@ class TfKerasLossHealthCollector(LossHealthCollector):
 
         def watched_minimize(loss, var_list, *args, **kwargs):
             if not callable(loss):  # a loss callable is traced by minimize itself
-                self._watch(loss)
+                self._watch(tf.cast(tf.reduce_sum(loss), tf.float32))
             return minimize(loss, var_list, *args, **kwargs)
 
         self.optimizer.minimize = watched_minimize
-
-    def _watch(self, loss) -> None:
-        value = tf.cast(tf.reduce_sum(loss), tf.float32)
-        self._last_loss.assign(value)
-        tf.cond(tf.math.is_finite(value), tf.no_op, self._record_nonfinite)
 
     def remove(self) -> None:
         if "minimize" in vars(self.optimizer):
