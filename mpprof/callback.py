@@ -34,6 +34,11 @@ from mpprof.distributed import (
 from mpprof.hardware import hardware_facts
 from mpprof.writer import RecordWriter
 
+# The key under which the plain train step reports the skipped-step count in
+# its logs (taken out before Keras sees them): reading a tensor the step
+# already returns is far cheaper than a variable read per step.
+_SKIPPED_LOG = "_mpprof_skipped_steps"
+
 # Numerics samples wait on the host for the next flush, at most this many
 # (one write per record for all of them, instead of one per sample).
 _MAX_PENDING_SAMPLES = 64
@@ -209,6 +214,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         # fit made its train function just before this hook; keep it to put
         # back, and make our own two so the patches are in their graphs.
         self._original_function = model.train_function
+        self._report_skips_in_logs()
         model.make_train_function(force=True)
         self._plain_function = model.train_function
         self._instrumented_function = None
@@ -266,10 +272,29 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         finally:
             if self._numerics is not None:
                 self._numerics.instrumenting = False
-        self._after_train_call(sample_step)
+        skipped = logs.pop(_SKIPPED_LOG, None) if isinstance(logs, dict) else None
+        self._after_train_call(sample_step, skipped)
         return logs
 
-    def _after_train_call(self, sample_step: int | None) -> None:
+    def _report_skips_in_logs(self) -> None:
+        """Makes the train step return the skipped-step count in its logs
+        (Keras 3, while forensic samples can still be taken)."""
+        if (self._tf_keras or self._loss_scale is None or self.numerics_every is None
+                or self.forensic_budget == 0):
+            return
+        model = self.model
+        train_step = model.train_step
+        counter = self._loss_scale.skipped_counter
+
+        def train_step_reporting_skips(data):
+            logs = train_step(data)
+            if not isinstance(logs, dict):
+                return logs
+            return {**logs, _SKIPPED_LOG: tf.identity(counter)}
+
+        model.train_step = train_step_reporting_skips
+
+    def _after_train_call(self, sample_step: int | None, skipped) -> None:
         """Bookkeeping after each call; reads the device only when it must."""
         self._calls += 1
         steps = self._steps_per_execution()  # exact but for an epoch's last call
@@ -285,7 +310,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             self._write_numerics_sample(sample_step, self._step - sample_step)
         if self._loss_scale is not None:
             self._loss_scale.poll_if_host_mode()
-            self._watch_for_overflows()
+            self._watch_for_overflows(skipped)
         if self._steps_since_flush >= self.flush_every_steps:
             self._step = self._optimizer_step()
             self._read_loss_scale()
@@ -354,11 +379,14 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         for record in samples[0]:
             self._writer.write_array(record, np.stack([s[record] for s in samples]), step)
 
-    def _watch_for_overflows(self) -> None:
-        """Arms a forensic sample for the next step after a new overflow."""
+    def _watch_for_overflows(self, reported) -> None:
+        """Arms a forensic sample for the next step after a new overflow.
+
+        `reported`: the count the step returned in its logs, if it did.
+        """
         if self.numerics_every is None or self._forensic_used >= self.forensic_budget:
             return
-        skipped = self._skipped_steps()
+        skipped = int(reported) if reported is not None else self._skipped_steps()
         if skipped > self._overflows_seen:
             self._forensic_due = True
         self._overflows_seen = skipped
@@ -471,6 +499,8 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             self._numerics.remove()
         if self._loss_health is not None:
             self._loss_health.remove()
+        if "train_step" in vars(self.model):
+            del self.model.train_step
         if self.model.train_function == self._run_train_function:
             self.model.train_function = self._original_function
         self._plain_function = self._instrumented_function = None

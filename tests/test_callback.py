@@ -42,6 +42,7 @@ def _assert_model_left_as_found(model):
     optimizer_patches = {"apply", "scale_loss", "_stateful_handle_finite_grads",
                          "_stateful_handle_non_finite_grads"} & set(vars(model.optimizer))
     assert not optimizer_patches
+    assert "train_step" not in vars(model)
     assert not isinstance(getattr(model.train_function, "__self__", None),
                           mpprof.MixedPrecisionProfiler)
 

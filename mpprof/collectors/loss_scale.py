@@ -130,6 +130,11 @@ class LossScaleCollector:
         self._event_count.assign_add(1)
         return tf.no_op()
 
+    @property
+    def skipped_counter(self) -> tf.Variable:
+        """The in-graph count of skipped steps."""
+        return self._skipped
+
     def skipped_steps(self) -> int:
         """Skipped (overflowed) steps counted so far (a host read)."""
         return int(self._skipped.numpy())
