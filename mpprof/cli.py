@@ -136,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     except (reader.LogdirNotFoundError, reader.NoMpprofDataError) as e:
         print(f"mpprof: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader of our output went away (`mpprof diagnose ... | head`):
+        # stop quietly, and keep Python from complaining when it flushes.
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives until exit
+        return 0
 
 
 if __name__ == "__main__":
