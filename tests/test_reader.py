@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from mpprof import reader, schema
+from mpprof import writer as writer_module
 from mpprof.writer import RecordWriter
 
 
@@ -39,10 +40,12 @@ def test_missing_logdir_and_empty_logdir(tmp_path):
 
 def test_newer_schema_version_is_reported(tmp_path, monkeypatch):
     monkeypatch.setattr(schema, "SCHEMA_VERSION", schema.SCHEMA_VERSION + 1)
+    writer_module._metadata.cache_clear()  # the writer caches each record's metadata
     writer = RecordWriter(tmp_path / "train")
     writer.write_json(schema.RUN_CONTEXT, {"x": 1}, 0)
     writer.close()
     monkeypatch.undo()
+    writer_module._metadata.cache_clear()
     run = reader.read_run(tmp_path, "train")
     assert run.context == {}
     assert any("upgrade mpprof" in w for w in run.warnings)
