@@ -995,8 +995,9 @@ def _mp011_hardware(view: _RunView) -> list[Finding]:
         }
         fix = (
             "CPUs have no float16 Tensor Cores: mixed_float16 is usually slower than "
-            "float32 there (about 2x in mpprof's tests). Train in float32 on this "
-            "machine, or in bfloat16 if the CPU has AVX512_BF16/AMX:\n"
+            "float32 there (2x to 50x in mpprof's tests, by TensorFlow's CPU "
+            "kernels). Train in float32 on this machine, or in bfloat16 if the "
+            "CPU has AVX512_BF16/AMX:\n"
             '    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")'
             '  # or "float32"'
         )
