@@ -14,11 +14,9 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
+from logical_cpus import split_cpu_in_two  # noqa: E402
 
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
-)
+split_cpu_in_two()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

@@ -50,10 +50,9 @@ import tensorflow as tf  # noqa: E402
 MODES = sys.argv[1].split(",") if len(sys.argv) > 1 else ["single"]
 # Logical devices must exist before TensorFlow starts.
 if any(mode.startswith("mirrored") for mode in MODES):
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
-    )
+    from logical_cpus import split_cpu_in_two
+
+    split_cpu_in_two()
 
 import numpy as np  # noqa: E402
 import tf_keras  # noqa: E402
