@@ -3,25 +3,24 @@
 from __future__ import annotations
 
 import atexit
-import numbers
+import math
 import os
 import posixpath
+import weakref
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from mpprof import schema, tf_keras_support
+from mpprof import arguments, schema, tf_keras_support
 from mpprof.collectors import gpu as gpu_collector
 from mpprof.collectors import kernels as kernel_collector
-from mpprof.collectors.health import LossHealthCollector
 from mpprof.collectors.layer_calls import LayerCallPatch
-from mpprof.collectors.loss_scale import LossScaleCollector, is_loss_scale_optimizer
-from mpprof.collectors.numerics import NumericsCollector
+from mpprof.collectors.loss_scales import LossScales
+from mpprof.collectors.numerics_samples import NumericsSamples
+from mpprof.collectors.optimizers import OptimizerUsage
 from mpprof.collectors.precision import PrecisionCollector
-from mpprof.collectors.tf_keras_health import TfKerasLossHealthCollector
-from mpprof.collectors.tf_keras_loss_scale import TfKerasLossScaleCollector
-from mpprof.collectors.tf_keras_numerics import TfKerasNumericsCollector
+from mpprof.collectors.run_health import RunHealth
 from mpprof.context import run_context
 from mpprof.distributed import (
     DiscardingWriter,
@@ -31,7 +30,12 @@ from mpprof.distributed import (
     warn_if_keras_3_multi_worker,
     worker_role,
 )
+from mpprof.guard import Guard, GuardedHook, GuardedWriter, describe_error
+from mpprof.hard_stop import FlushClock, SigtermFlush
 from mpprof.hardware import hardware_facts
+from mpprof.keras_api import check_backend, keras_api_for
+from mpprof.patching import Patches
+from mpprof.sampling import SampleSchedule
 from mpprof.writer import RecordWriter
 
 # The key under which the plain train step reports the skipped-step count in
@@ -39,15 +43,19 @@ from mpprof.writer import RecordWriter
 # already returns is far cheaper than a variable read per step.
 _SKIPPED_LOG = "_mpprof_skipped_steps"
 
-# Numerics samples wait on the host for the next flush, at most this many
-# (one write per record for all of them, instead of one per sample).
-_MAX_PENDING_SAMPLES = 64
+# The loss-scale ring holds 2x the steps between two reads: more than this
+# many steps between reads would make it large for nothing.
+MAX_FLUSH_EVERY_STEPS = 100_000
 
 _POLICY_MAX = {
     "float16": schema.FLOAT16_MAX,
     "bfloat16": schema.BFLOAT16_MAX,
     "float32": float(np.finfo(np.float32).max),
 }
+
+# The profiler running a fit on each model, to refuse a second one in the
+# same fit and to finish one whose fit was ended by another's exception.
+_ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class MixedPrecisionProfiler(keras.callbacks.Callback):
@@ -58,24 +66,37 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
     - the precision inventory: every layer's policy, compute/variable dtype,
       the dtypes it actually outputs, float32 islands, casts between layers
       and Tensor Core shape alignment (once per fit, at trace time);
-    - the dynamic loss scale and every overflow (skipped step) and growth,
-      exact to the step, counted inside the traced train step and read by the
-      host only every `flush_every_steps` steps;
+    - the dynamic loss scale of every LossScaleOptimizer the train step uses
+      (a GAN's own optimizers included) and every overflow (skipped step) and
+      growth, exact to the step, counted inside the traced train step;
     - per-layer numerics on sampled steps: for each leaf layer's output and
-      the gradient flowing into it, the abs-max (headroom to the float16
-      max), non-finite, zero and underflow shares and a log2 histogram; for
-      each variable its gradient, scaled and unscaled. Steps right after an
-      overflow are sampled too (forensic captures), up to `forensic_budget`;
-    - the run context: versions, policies, optimizer, strategy, devices.
+      the gradient flowing into it, the abs-max, non-finite, zero and
+      underflow shares and a log2 histogram; for each variable its gradient,
+      scaled and unscaled. Steps right after an overflow are sampled too
+      (forensic samples), up to `forensic_budget`;
+    - the loss and weights health, and the run context: versions, policies,
+      the optimizers the step used, strategy, devices, and each collector's
+      state.
 
     Steps that are not sampled run the model's own train function, untouched.
 
-    The same class profiles Keras 3 and tf-keras (Keras 2) models, under any
-    `tf.distribute` strategy their `fit` supports. Under a multi-worker
-    `MultiWorkerMirroredStrategy` (tf-keras) the chief writes the model-level
-    records into `log_dir/train` and every worker its own host's records (GPU
-    samples, XProf window, its run context) into `log_dir/train/worker_<i>`.
-    Read the records with `tensorboard --logdir LOG_DIR` (the "mpprof" tab),
+    mpprof never stops training: whatever one of its collectors raises while
+    recording switches that collector off for the rest of the fit (the run
+    context names it and the reason, one warning says so), and a failed
+    write (a full disk) stops the recording, not the training. The user's
+    own errors reach `fit`'s caller unchanged.
+
+    Records reach the disk every `flush_every_steps` steps or
+    `flush_every_seconds` seconds, whichever comes first, at every epoch end,
+    when `fit` ends or raises and on SIGTERM: a process killed outright
+    (SIGKILL, the OOM killer) loses at most that much.
+
+    The same class profiles Keras 3 (TensorFlow backend) and tf-keras
+    (Keras 2) models, under any `tf.distribute` strategy their `fit`
+    supports. Under a multi-worker `MultiWorkerMirroredStrategy` (tf-keras)
+    the chief writes the model-level records into `log_dir/train` and every
+    worker its own host's records into `log_dir/train/worker_<i>`. Read the
+    records with `tensorboard --logdir LOG_DIR` (the "mpprof" tab),
     `mpprof diagnose LOG_DIR`, or `mpprof.reader.read_logdir(LOG_DIR)`.
 
     The model is left as found: every patch is removed when `fit` ends or
@@ -85,12 +106,16 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         log_dir: directory to write into (local or any `tf.io.gfile` path);
             the same `log_dir` as `keras.callbacks.TensorBoard` is fine.
         numerics_every: sample per-layer numerics every this many train
-            steps; None turns sampling off (forensic captures too).
+            steps; None turns sampling off (forensic samples too).
         forensic_budget: how many overflow-triggered samples a fit may take.
+        forensic_spacing: least train steps between two forensic samples, so
+            that a run overflowing on many early steps is not mostly
+            instrumented.
         flush_every_steps: how often, in train steps, the host reads the
-            in-graph loss-scale counters and queues records. Records are also
-            written at every epoch end, at the end of `fit` and when `fit`
-            raises.
+            in-graph loss-scale counters and writes the pending records; at
+            most `MAX_FLUSH_EVERY_STEPS`.
+        flush_every_seconds: the same, in seconds (checked after each train
+            call); None: by steps only.
         gpu_interval: seconds between NVML samples of every visible GPU
             (Tensor Core utilization on Hopper+ via GPM, otherwise kernel
             utilization, memory, power, clocks); >= 0.1, or None to turn
@@ -100,6 +125,11 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             kernel time spent in Tensor Core kernels. None (default) traces
             nothing. A `keras.callbacks.TensorBoard(profile_batch=...)` in the
             same fit owns the profiler: mpprof reads its trace instead.
+
+    Raises:
+        ValueError: an argument is out of range.
+        mpprof.keras_api.UnsupportedBackendError: Keras runs on another
+            backend than TensorFlow.
 
     Example:
 
@@ -128,37 +158,46 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         *,
         numerics_every: int | None = 500,
         forensic_budget: int = 20,
+        forensic_spacing: int = 50,
         flush_every_steps: int = 500,
+        flush_every_seconds: float | None = 30.0,
         gpu_interval: float | None = gpu_collector.DEFAULT_INTERVAL_S,
         profile_steps: tuple[int, int] | None = None,
     ):
         super().__init__()
-        self.log_dir = _validated_log_dir(log_dir)
+        check_backend()
+        self.log_dir = arguments.log_dir(log_dir)
         self.numerics_every = (
-            None if numerics_every is None else _positive_int("numerics_every", numerics_every)
+            None if numerics_every is None
+            else arguments.positive_int("numerics_every", numerics_every)
         )
-        self.forensic_budget = _non_negative_int("forensic_budget", forensic_budget)
-        self.flush_every_steps = _positive_int("flush_every_steps", flush_every_steps)
+        self.forensic_budget = arguments.non_negative_int("forensic_budget", forensic_budget)
+        self.forensic_spacing = arguments.positive_int("forensic_spacing", forensic_spacing)
+        self.flush_every_steps = arguments.positive_int(
+            "flush_every_steps", flush_every_steps, at_most=MAX_FLUSH_EVERY_STEPS
+        )
+        self.flush_every_seconds = (
+            None if flush_every_seconds is None
+            else arguments.seconds("flush_every_seconds", flush_every_seconds,
+                                   at_least=0.1, what=", or None")
+        )
         self.gpu_interval = (
-            None if gpu_interval is None
-            else gpu_collector.validate_interval(gpu_interval)
+            None if gpu_interval is None else gpu_collector.validate_interval(gpu_interval)
         )
         self.profile_steps = kernel_collector.validate_profile_steps(profile_steps)
-        self._gpu: gpu_collector.GpuSampler | None = None
-        self._hardware: dict | None = None
+        self._schedule = SampleSchedule(
+            self.numerics_every, self.forensic_budget, self.forensic_spacing
+        )
         self._profile_window = (
             kernel_collector.ProfileWindow(*self.profile_steps, self.run_dir)
             if self.profile_steps else None
         )
-        self._writer: RecordWriter | None = None
-        self._worker_writer: RecordWriter | None = None
-        self._role = WorkerRole()
-        self._loss_scale: LossScaleCollector | None = None
-        self._loss_health: LossHealthCollector | None = None
-        self._precision: PrecisionCollector | None = None
-        self._numerics: NumericsCollector | None = None
-        self._layer_patch: LayerCallPatch | None = None
+        self._writer: GuardedWriter | None = None
         self._fit_count = 0
+        self._last_step: int | None = None
+        # Collectors of earlier fits, by optimizer: their counters go on.
+        self._earlier_loss_scales: dict[int, object] = {}
+        self._earlier_health: dict[int, object] = {}
         # Keras 3's fit fails across workers before any hook runs: say it now.
         warn_if_keras_3_multi_worker()
 
@@ -184,36 +223,65 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         model = self.model
-        self._tf_keras = tf_keras_support.is_tf_keras(model)
+        self._take_over(model)
         self._role = worker_role(model.distribute_strategy)
         self._distribution_note = self._check_distribution()
-        self._writer, self._worker_writer = self._open_writers(self._role)
-        if self._profile_window is not None and self._role.worker_run is not None:
-            # Each worker traces its own host, into its own run.
-            self._profile_window.run_dir = posixpath.join(self.run_dir, self._role.worker_run)
+        self._guard = Guard()
+        writer, worker_writer = self._open_writers(self._role)
+        self._writer = GuardedWriter(writer, self._guard)
+        self._worker_writer = (
+            GuardedWriter(worker_writer, self._guard) if worker_writer is not None else None
+        )
+        self._patches = Patches()
+        self._begun = False
+        self._fit_state = schema.FIT_RUNNING
         self._fit_count += 1
+        self._layer_patch = None
+        self._numerics: NumericsSamples | None = None
+        self._gpu: gpu_collector.GpuSampler | None = None
+        self._sigterm = SigtermFlush(self._flush)
+        atexit.register(self._finish_unended)
+        try:
+            self._begin(model)
+        except Exception as e:  # noqa: BLE001 - mpprof's failure must not stop fit
+            self._guard.fail("profiler", e)
+            self._finish()
+
+    def _begin(self, model) -> None:
+        api = keras_api_for(model)
+        strategy = model.distribute_strategy
+        self._usage = OptimizerUsage(api, model)
         self._precision = PrecisionCollector(model)
-        self._layer_patch = LayerCallPatch(model, [self._precision])
-        self._numerics = None
-        self._loss_scale = self._loss_scale_collector(model)
-        self._inventory_written = False
-        self._layout_written = None
-        self._loss_health = self._loss_health_collector(model)
-        self._nonfinite_weights: list[str] = []
-        self._step = self._optimizer_step()
+        self._layer_patch = LayerCallPatch(
+            model, [GuardedHook("precision", self._precision, self._guard)]
+        )
+        capacity = 2 * (self.flush_every_steps + self._steps_per_execution())
+        self._loss_scales = LossScales(
+            api, self._usage, strategy, capacity, self._earlier_loss_scales
+        )
+        self._health = RunHealth(
+            api, self._usage, strategy, self._graph_step_of, self._earlier_health
+        )
+        for collector in self._loss_scales.by_name.values():
+            collector.traced.on_error = self._failure_of("loss_scale")
+        for watcher in self._health.watchers.values():
+            watcher.traced.on_error = self._failure_of("loss_health")
+        self._numerics_collector_class = api.numerics_collector
+        self._step = self._start_step()
         self._fit_start_step = self._step
         self._steps_since_flush = 0
-        self._steps_since_sample = 0
         self._calls = 0
-        self._forensic_used = 0
-        self._forensic_due = False
-        self._pending_samples: list[dict[str, np.ndarray]] = []
-        self._overflows_seen = self._skipped_steps()
+        self._schedule.start_fit()
+        self._flush_clock = FlushClock(self.flush_every_seconds)
+        self._inventory_written = False
+        self._overflows_seen = self._loss_scales.skipped_steps()
         self._batch_pending = False
+        self._functions_run: set[int] = set()
 
         # fit made its train function just before this hook; keep it to put
         # back, and make our own two so the patches are in their graphs.
-        self._original_function = model.train_function
+        original = model.train_function
+        self._usage.install(self._patches)
         self._report_skips_in_logs()
         model.make_train_function(force=True)
         self._plain_function = model.train_function
@@ -221,17 +289,17 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         if self.numerics_every is not None:
             model.make_train_function(force=True)
             self._instrumented_function = model.train_function
-        model.train_function = self._run_train_function
+        model.train_function = original
+        self._patches.set(model, "train_function", self._run_train_function)
 
         self._layer_patch.install()
-        if self._loss_scale is not None:
-            self._loss_scale.install()
-        if self._loss_health is not None:
-            self._loss_health.install()
-        self._start_gpu()
-        atexit.register(self._finish)
+        self._loss_scales.install(self._patches)
+        self._health.install(self._patches)
+        self._begun = True
+        self._guard.run("gpu", self._start_gpu)
+        self._sigterm.install()
         self._write_context()
-        self._read_loss_scale()
+        self._guard.run("loss_scale", self._loss_scales.write, self._writer)
 
     # No on_train_batch_end: overriding it makes Keras wait for every step's
     # logs. The work after a step is done in _run_train_function instead.
@@ -239,285 +307,280 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._batch_pending = True
 
     def on_epoch_end(self, epoch, logs=None):
-        self._read_loss_scale()
-        self._write_numerics()
-        self._write_gpu_samples()
-        self._check_weights()
-        self._writer.flush()
-        if self._worker_writer is not None:
-            self._worker_writer.flush()
+        if self._writer is None:
+            return
+        self._guard.run("loss_health", self._health.check_weights, self.model)
+        self._flush()
 
     def on_train_end(self, logs=None):
+        self._fit_state = schema.FIT_ENDED
         self._finish()
 
     # The train function fit calls while this profiler runs.
 
     def _run_train_function(self, iterator):
-        if not self._batch_pending:
+        if not self._batch_pending or self._writer is None:
             # Called outside a profiled batch: a later fit or train_on_batch
             # after this fit was stopped by someone else's exception.
+            self._fit_state = schema.FIT_FAILED
             self._finish()
             return self.model.train_function(iterator)
         self._batch_pending = False
-        sampling = self._sample_due() and self._prepare_numerics()
-        sample_step = self._start_sample() if sampling else None
+        sampling = (self._instrumented_function is not None
+                    and self._schedule.due(self._calls)
+                    and bool(self._guard.run("numerics", self._prepare_numerics)))
+        forensic = self._schedule.sampled() if sampling else False
+        sample_step = self._measured_step() if sampling else None
         function = self._instrumented_function if sampling else self._plain_function
-        if self._numerics is not None:
-            self._numerics.instrumenting = sampling
+        logs = self._call(function, iterator)
+        skipped = logs.pop(_SKIPPED_LOG, None) if isinstance(logs, dict) else None
+        self._guard.run("profiler", self._after_call, sample_step, forensic, skipped)
+        return logs
+
+    def _failure_of(self, collector: str):
+        return lambda error: self._guard.fail(collector, error)
+
+    def _call(self, function, iterator):
+        """Runs one train function; if the instrumented one fails on its first
+        run, the numerics are switched off and the plain one runs instead.
+
+        mpprof's hooks inside the step catch their own errors (`GuardedHook`,
+        `TracedGuard`); what the plain step raises is the user's own error.
+        """
+        collector = self._numerics.collector if self._numerics is not None else None
+        if collector is not None:
+            collector.instrumenting = function is self._instrumented_function
         try:
             logs = function(iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            raise  # the end of the data: fit ends the epoch
+        except Exception as error:
+            if function is not self._instrumented_function or id(function) in self._functions_run:
+                self._abort()
+                raise
+            self._instrumented_function = None
+            self._guard.fail(
+                "numerics", f"the instrumented train step failed: {describe_error(error)}"
+            )
+            return self._call(self._plain_function, iterator)
         except BaseException:
             self._abort()
             raise
         finally:
-            if self._numerics is not None:
-                self._numerics.instrumenting = False
-        skipped = logs.pop(_SKIPPED_LOG, None) if isinstance(logs, dict) else None
-        self._after_train_call(sample_step, skipped)
+            if collector is not None:
+                collector.instrumenting = False
+        self._functions_run.add(id(function))
         return logs
 
     def _report_skips_in_logs(self) -> None:
         """Makes the train step return the skipped-step count in its logs
         (Keras 3, while forensic samples can still be taken)."""
-        if (self._tf_keras or self._loss_scale is None or self.numerics_every is None
-                or self.forensic_budget == 0):
+        skipped = self._loss_scales.skipped_total
+        if (self._usage.watched is False or not self._loss_scales.by_name
+                or not self._schedule.watching_overflows):
             return
-        model = self.model
-        train_step = model.train_step
-        counter = self._loss_scale.skipped_counter
+        train_step = self.model.train_step
 
         def train_step_reporting_skips(data):
             logs = train_step(data)
             if not isinstance(logs, dict):
                 return logs
-            return {**logs, _SKIPPED_LOG: tf.identity(counter)}
+            return {**logs, _SKIPPED_LOG: skipped()}
 
-        model.train_step = train_step_reporting_skips
+        self._patches.set(self.model, "train_step", train_step_reporting_skips)
 
-    def _after_train_call(self, sample_step: int | None, skipped) -> None:
+    def _after_call(self, sample_step: int | None, forensic: bool, skipped) -> None:
         """Bookkeeping after each call; reads the device only when it must."""
+        first_call = self._calls == 0
         self._calls += 1
         steps = self._steps_per_execution()  # exact but for an epoch's last call
         self._step += steps
         self._steps_since_flush += steps
-        self._steps_since_sample += steps
-        self._after_step_gpu()
-        if not self._inventory_written and self._precision.traced:
-            self._writer.write_json(schema.INVENTORY, self._precision.inventory(), self._step)
-            self._inventory_written = True
+        self._schedule.after_call(steps)
+        if first_call:
+            # Tracing showed which optimizers the step uses: say so at once.
+            self._usage.mark_traced()
+            self._step = self._measured_step()
+            self._write_context()
+        self._guard.run("gpu", self._after_step_gpu)
+        if not self._inventory_written and self._guard.ok("precision") and self._precision.traced:
+            self._guard.run("precision", self._write_inventory)
         if sample_step is not None:
-            self._step = self._optimizer_step()
-            self._write_numerics_sample(sample_step, self._step - sample_step)
-        if self._loss_scale is not None:
-            self._loss_scale.poll_if_host_mode()
-            self._watch_for_overflows(skipped)
-        if self._steps_since_flush >= self.flush_every_steps:
-            self._step = self._optimizer_step()
-            self._read_loss_scale()
-            self._write_numerics()
-            self._write_gpu_samples()
-            self._steps_since_flush = 0
+            self._step = self._measured_step()
+            self._guard.run("numerics", self._take_sample, sample_step, forensic)
+        if self._guard.ok("loss_scale") and self._loss_scales:
+            self._guard.run("loss_scale", self._loss_scales.poll_if_host_mode)
+            self._guard.run("loss_scale", self._watch_for_overflows, skipped)
+        if self._steps_since_flush >= self.flush_every_steps or self._flush_clock.due():
+            self._flush()
 
     # Numerics sampling.
-
-    def _sample_due(self) -> bool:
-        if self.numerics_every is None or self._calls == 0:
-            return False  # the first call builds the model: run it plain
-        if self._forensic_due:
-            return True
-        return self._steps_since_sample >= self.numerics_every
 
     def _prepare_numerics(self) -> bool:
         if self._numerics is None:
             model = self.model
-            collector = TfKerasNumericsCollector if self._tf_keras else NumericsCollector
-            self._numerics = collector(model, model.distribute_strategy)
-            self._numerics.wrap_optimizer(model.optimizer, self._loss_scale_tensor)
-            self._layer_patch.add_hook(self._numerics)
+            collector = self._numerics_collector_class(model, model.distribute_strategy)
+            primary = self._usage.primary()
+            if primary is not None:
+                collector.wrap_optimizer(primary.optimizer, self._loss_scales.scale_tensor)
+            self._layer_patch.add_hook(GuardedHook("numerics", collector, self._guard))
+            self._numerics = NumericsSamples(collector, self._policy_max())
         return True
 
-    def _start_sample(self) -> int:
-        """Returns the exact step the sampled call starts at."""
-        if not self._forensic_due:
-            self._steps_since_sample = 0
-        return self._optimizer_step()
-
-    def _loss_scale_tensor(self):
-        if self._loss_scale is None:
-            return tf.constant(1.0)
-        if self._tf_keras:
-            return tf.convert_to_tensor(self.model.optimizer.loss_scale)
-        return tf.convert_to_tensor(self.model.optimizer.dynamic_scale)
-
-    def _write_numerics_sample(self, step: int, steps: int) -> None:
-        """Reads one sample; it is written with the next batch of records."""
-        sample = self._numerics.read()
-        loss = sample.pop("loss")
-        if self._loss_health is not None and self._loss_health.available:
-            loss = self._loss_health.last_loss()
-        forensic = self._forensic_due
-        if forensic:
-            self._forensic_used += 1
-            self._forensic_due = False
-        layout = self._numerics.layout(self._policy_max())
-        if layout != self._layout_written:
-            self._write_numerics()  # samples of the old layout go first
-            self._writer.write_json(schema.NUMERICS_LAYOUT, layout, step)
-            self._layout_written = layout
-        scale = float(self._loss_scale_tensor().numpy())
-        sample[schema.NUMERICS_STEP] = np.array([step, loss, scale, float(forensic), steps])
-        self._pending_samples.append(sample)
-        if len(self._pending_samples) >= _MAX_PENDING_SAMPLES:
-            self._write_numerics()
-
-    def _write_numerics(self) -> None:
-        """Writes the pending samples, each record as one [samples, ...] array."""
-        if not self._pending_samples:
-            return
-        samples, self._pending_samples = self._pending_samples, []
-        step = int(samples[0][schema.NUMERICS_STEP][0])
-        for record in samples[0]:
-            self._writer.write_array(record, np.stack([s[record] for s in samples]), step)
+    def _take_sample(self, step: int, forensic: bool) -> None:
+        scale = float(self._loss_scales.scale_tensor().numpy()) if self._loss_scales else 1.0
+        self._numerics.take(
+            self._writer, step=step, steps=self._step - step,
+            loss=self._health.last_loss() if self._guard.ok("loss_health") else math.nan,
+            scale=scale, forensic=forensic,
+        )
 
     def _watch_for_overflows(self, reported) -> None:
-        """Arms a forensic sample for the next step after a new overflow.
+        """Arms a forensic sample after a new overflow.
 
         `reported`: the count the step returned in its logs, if it did.
         """
-        if self.numerics_every is None or self._forensic_used >= self.forensic_budget:
+        if not self._schedule.watching_overflows:
             return
-        skipped = int(reported) if reported is not None else self._skipped_steps()
+        skipped = int(reported) if reported is not None else self._loss_scales.skipped_steps()
         if skipped > self._overflows_seen:
-            self._forensic_due = True
+            self._schedule.overflowed()
         self._overflows_seen = skipped
 
     def _policy_max(self) -> float:
         return _POLICY_MAX.get(self.model.dtype_policy.compute_dtype, _POLICY_MAX["float32"])
 
-    # Health: the loss and the weights.
+    # Steps.
 
-    def _check_weights(self) -> None:
-        self._nonfinite_weights = [
-            tf_keras_support.variable_path(w) for w in self.model.weights
-            if tf_keras_support.is_float_variable(w)
-            and not bool(tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(w))))
-        ]
-        self._writer.write_json(schema.HEALTH, self._health(), self._step)
+    def _start_step(self) -> int:
+        if self._last_step is not None:
+            return self._last_step
+        return self._step_of(self._usage.uses[0]) if self._usage.uses else 0
 
-    def _health(self) -> dict:
-        """The HEALTH record: the loss (in-graph counters) and the weights."""
-        if self._loss_health is not None and self._loss_health.available:
-            loss = self._loss_health.read()
-        else:
-            loss = {"first_nonfinite_loss_step": None, "nonfinite_loss_steps": None}
-        return {**loss, "nonfinite_weights": self._nonfinite_weights, "checked_step": self._step}
+    def _measured_step(self) -> int:
+        """Steps run so far: the primary optimizer's (iterations, plus skipped
+        steps under loss scaling) or, when the step applies no optimizer,
+        the host's count of steps run."""
+        primary = self._usage.primary() if self._usage.traced else None
+        if primary is None or (primary.loss_scale and not self._guard.ok("loss_scale")):
+            return self._step
+        return self._step_of(primary)
 
-    def _loss_health_collector(self, model) -> LossHealthCollector | None:
-        if model.optimizer is None:
-            return None
-        if self._loss_health is not None and self._loss_health.optimizer is model.optimizer:
-            return self._loss_health
-        step = self._loss_scale.graph_step if self._loss_scale is not None else (
-            lambda: tf.convert_to_tensor(model.optimizer.iterations)
-        )
-        # tf-keras optimizers have no scale_loss: its train step calls minimize.
-        collector = TfKerasLossHealthCollector if self._tf_keras else LossHealthCollector
-        return collector(model.optimizer, model.distribute_strategy, step)
+    def _step_of(self, use) -> int:
+        collector = self._loss_scales.by_name.get(use.name)
+        if collector is not None:
+            return collector.current_step()
+        return int(use.optimizer.iterations.numpy())
 
-    # Loss scale.
-
-    def _loss_scale_collector(self, model) -> LossScaleCollector | None:
-        optimizer = model.optimizer
-        if self._tf_keras:
-            is_lso = tf_keras_support.is_loss_scale_optimizer(optimizer)
-            collector = TfKerasLossScaleCollector
-        else:
-            is_lso = is_loss_scale_optimizer(optimizer)
-            collector = LossScaleCollector
-        if not is_lso:
-            return None
-        if self._loss_scale is not None and self._loss_scale.optimizer is optimizer:
-            return self._loss_scale  # keeps counting skipped steps across fits
-        capacity = max(1024, 2 * (self.flush_every_steps + self._steps_per_execution()))
-        return collector(optimizer, model.distribute_strategy, capacity)
-
-    def _read_loss_scale(self) -> None:
-        if self._loss_scale is None:
-            return
-        events, progress = self._loss_scale.read()
-        step = int(progress[0])
-        if len(events):
-            self._writer.write_array(schema.LOSS_SCALE_EVENTS, events, step)
-        self._writer.write_array(schema.LOSS_SCALE_PROGRESS, progress, step)
-
-    def _skipped_steps(self) -> int:
-        return self._loss_scale.skipped_steps() if self._loss_scale is not None else 0
-
-    def _optimizer_step(self) -> int:
-        """Steps run so far: iterations, plus skipped steps under loss scaling."""
-        if self._loss_scale is not None:
-            return self._loss_scale.current_step()
-        optimizer = self.model.optimizer
-        return int(optimizer.iterations.numpy()) if optimizer is not None else 0
+    def _graph_step_of(self, name: str):
+        """For an optimizer's name, a function giving its step in-graph."""
+        collector = self._loss_scales.by_name.get(name)
+        if collector is not None:
+            return collector.graph_step
+        optimizer = next(u.optimizer for u in self._usage.uses if u.name == name)
+        return lambda: tf.convert_to_tensor(optimizer.iterations)
 
     def _steps_per_execution(self) -> int:
         return tf_keras_support.steps_per_execution(self.model)
+
+    # Writing.
+
+    def _flush(self) -> None:
+        """Reads the in-graph counters and writes every pending record."""
+        if self._writer is None:
+            return
+        self._step = self._guard.run("profiler", self._measured_step) or self._step
+        if self._guard.ok("loss_scale") and self._loss_scales:
+            self._guard.run("loss_scale", self._loss_scales.write, self._writer)
+        if self._numerics is not None:
+            self._guard.run("numerics", self._numerics.write, self._writer)
+        self._guard.run("gpu", self._write_gpu_samples)
+        self._guard.run("loss_health", self._write_health)
+        self._write_context()
+        self._writer.flush()
+        if self._worker_writer is not None:
+            self._worker_writer.flush()
+        self._steps_since_flush = 0
+        self._flush_clock.reset()
+
+    def _write_inventory(self) -> None:
+        self._writer.write_json(schema.INVENTORY, self._precision.inventory(), self._step)
+        self._inventory_written = True
+
+    def _write_health(self) -> None:
+        self._writer.write_json(schema.HEALTH, self._health.record(self._step), self._step)
 
     # Ending a fit.
 
     def _abort(self) -> None:
         """`fit` is raising from inside a train step: keep what was recorded."""
-        try:
-            self._finish()
-        except Exception as e:  # noqa: BLE001 - the original error matters more
-            print(f"mpprof: could not save the last records ({e})")
+        self._fit_state = schema.FIT_FAILED
+        self._finish()
+
+    def _finish_unended(self) -> None:
+        """At interpreter exit, for a fit that never reached its end."""
+        self._fit_state = schema.FIT_FAILED
+        self._finish()
 
     def _finish(self) -> None:
         if self._writer is None:
             return
-        atexit.unregister(self._finish)
+        atexit.unregister(self._finish_unended)
+        self._sigterm.remove()
         try:
-            self._finish_gpu()
-            self._read_loss_scale()
-            self._write_numerics()
-            self._check_weights()
-            self._write_context()
+            if self._begun:
+                self._guard.run("gpu", self._finish_gpu)
+                self._guard.run("loss_health", self._health.check_weights, self.model)
+                self._flush()
+                self._last_step = self._step
+                self._earlier_loss_scales = {
+                    id(c.optimizer): c for c in self._loss_scales.by_name.values()
+                }
+                self._earlier_health = self._health.by_optimizer()
+            else:
+                self._write_context()
         finally:
             self._release_gpu()
-            self._restore_model()
+            self._remove_patches()
+            self._plain_function = self._instrumented_function = None
             self._writer.close()
             self._writer = None
             if self._worker_writer is not None:
                 self._worker_writer.close()
                 self._worker_writer = None
+            if _ACTIVE.get(self.model) is self:
+                del _ACTIVE[self.model]
 
-    def _restore_model(self) -> None:
-        self._layer_patch.remove()
-        if self._loss_scale is not None:
-            self._loss_scale.remove()
+    def _remove_patches(self) -> None:
+        if self._layer_patch is not None:
+            self._layer_patch.remove()
         if self._numerics is not None:
-            self._numerics.remove()
-        if self._loss_health is not None:
-            self._loss_health.remove()
-        if "train_step" in vars(self.model):
-            del self.model.train_step
-        if self.model.train_function == self._run_train_function:
-            self.model.train_function = self._original_function
-        self._plain_function = self._instrumented_function = None
+            self._numerics.collector.remove()
+        for failure in self._patches.restore():
+            print(f"mpprof: could not undo a patch ({failure})")
+
+    def _take_over(self, model) -> None:
+        """Refuses a second profiler in the same fit; finishes one left behind
+        by a fit that another callback's exception ended."""
+        other = _ACTIVE.get(model)
+        if other is not None and other is not self:
+            if any(c is other for c in kernel_collector.sibling_callbacks(self)):
+                raise ValueError(
+                    "Two mpprof.MixedPrecisionProfiler callbacks in one fit: they would "
+                    "patch the same train step. Pass one (it records everything)."
+                )
+            other._fit_state = schema.FIT_FAILED
+            other._finish()
+        elif other is self:
+            self._fit_state = schema.FIT_FAILED
+            self._finish()
+        _ACTIVE[model] = self
+
+    # The run context.
 
     def _context(self) -> dict:
-        if self._loss_scale is not None:
-            loss_scale = {"state": "ok", **self._loss_scale.settings()}
-            replicas = int(self.model.distribute_strategy.num_replicas_in_sync)
-            loss_scale.setdefault("skip_decided_by", keras_3_skip_decided_by(replicas))
-        else:
-            loss_scale = {
-                "state": "absent",
-                "reason": (
-                    f"the optimizer is a {type(self.model.optimizer).__name__}, not a "
-                    "LossScaleOptimizer: no dynamic loss scale to record"
-                ),
-            }
+        model = self.model
+        guard = self._guard
         if self.numerics_every is None:
             numerics = {"state": "off", "reason": "numerics_every=None"}
         else:
@@ -525,31 +588,75 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
                 "state": "ok",
                 "every": self.numerics_every,
                 "forensic_budget": self.forensic_budget,
-                "forensic_used": self._forensic_used,
+                "forensic_spacing": self.forensic_spacing,
+                "forensic_used": self._schedule.forensic_used,
             }
+        collectors = {"numerics": guard.context("numerics", numerics)}
+        if self._begun:
+            replicas = int(model.distribute_strategy.num_replicas_in_sync)
+            collectors["precision"] = guard.context(
+                "precision", {"state": "ok", "traced": self._precision.traced}
+            )
+            collectors["loss_scale"] = guard.context(
+                "loss_scale", self._loss_scales.context(keras_3_skip_decided_by(replicas))
+            )
+            collectors["loss_health"] = guard.context(
+                "loss_health", {"state": "ok" if self._health.watched() else "absent"}
+            )
+        collectors.update(self._gpu_context())
+        for name in ("recording", "profiler", "run_context"):
+            if not guard.ok(name):
+                collectors[name] = guard.context(name, {})
         context = run_context(
-            self.model,
-            collectors={
-                "precision": {"state": "ok", "traced": self._precision.traced},
-                "loss_scale": loss_scale,
-                "numerics": numerics,
-                **self._gpu_context(),
-            },
-            hardware=self._hardware,
-            step=self._fit_start_step,
+            model, collectors=collectors, hardware=getattr(self, "_hardware", None),
+            step=self._fit_start_step if self._begun else self._step_or_start(),
             fit_count=self._fit_count,
         )
+        if self._begun:
+            context["optimizers"] = self._usage.describe()
+            primary = self._usage.primary() if self._usage.traced else None
+            if primary is not None:
+                context["optimizer"] = type(primary.optimizer).__name__
+        context["fit_state"] = self._fit_state
+        context["records_reach_disk"] = {
+            "every_steps": self.flush_every_steps,
+            "every_seconds": self.flush_every_seconds,
+            "on_sigterm": self._sigterm.state,
+        }
         context["distributed"] = self._role.describe(schema.TRAIN_RUN)
         if self._distribution_note is not None:
             context["distributed"]["note"] = self._distribution_note
         return context
+
+    def _write_context(self) -> None:
+        self._guard.run("run_context", self._write_contexts)
+
+    def _write_contexts(self) -> None:
+        context = self._context()
+        gpu = context["collectors"]["gpu"]
+        if self._worker_writer is not None:
+            # GPU samples belong to hosts: point the model run at every worker's.
+            gpu["samples_in_runs"] = context["distributed"]["worker_runs"]
+        self._writer.write_json(schema.RUN_CONTEXT, context, self._step_or_start())
+        if self._worker_writer is not None and self._begun:
+            gpu["samples_in_runs"] = [context["distributed"]["worker_run"]]
+            context["run_role"] = "worker"
+            context["worker_evidence"] = {
+                "steps_run": self._step_or_start(),
+                "skipped_steps": self._loss_scales.skipped_steps(),
+                **self._health.record(self._step_or_start()),
+            }
+            self._worker_writer.write_json(schema.RUN_CONTEXT, context, self._step_or_start())
+
+    def _step_or_start(self) -> int:
+        return self._step if self._begun else self._last_step or 0
 
     # Distribution: which process writes what (mpprof.distributed).
 
     def _check_distribution(self) -> str | None:
         """Says once, at train begin, what cannot work under this strategy."""
         # One local worker is fine; Keras 3's fit fails across worker processes.
-        if self._tf_keras or not self._role.multi_worker:
+        if tf_keras_support.is_tf_keras(self.model) or not self._role.multi_worker:
             return None
         return announce_keras_3_multi_worker()
 
@@ -571,34 +678,19 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         """Where this host's own records (GPU samples, kernel share) go."""
         return self._worker_writer if self._worker_writer is not None else self._writer
 
-    def _write_context(self) -> None:
-        context = self._context()
-        gpu = context["collectors"]["gpu"]
-        if self._worker_writer is not None:
-            # GPU samples belong to hosts: point the model run at every worker's.
-            gpu["samples_in_runs"] = context["distributed"]["worker_runs"]
-        self._writer.write_json(schema.RUN_CONTEXT, context, self._step)
-        if self._worker_writer is not None:
-            gpu["samples_in_runs"] = [context["distributed"]["worker_run"]]
-            context["run_role"] = "worker"
-            context["worker_evidence"] = {
-                "steps_run": self._step,
-                "skipped_steps": self._skipped_steps(),
-                **self._health(),
-            }
-            self._worker_writer.write_json(schema.RUN_CONTEXT, context, self._step)
-
     # GPU sampler and XProf window (mpprof.collectors.gpu / .kernels). The
     # sampler thread only queues rows: this thread writes them.
 
     def _start_gpu(self) -> None:
-        self._gpu = None
         if self.gpu_interval is not None:
             self._gpu = gpu_collector.GpuSampler(self.gpu_interval)
             self._gpu.step = self._step
             self._gpu.start()
         self._hardware = hardware_facts(self._gpu)
         if self._profile_window is not None:
+            if self._role.worker_run is not None:
+                # Each worker traces its own host, into its own run.
+                self._profile_window.run_dir = posixpath.join(self.run_dir, self._role.worker_run)
             siblings = kernel_collector.sibling_callbacks(self)
             self._profile_window.begin(self._step, siblings)
 
@@ -623,14 +715,11 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             self._host_writer.write_json(schema.KERNEL_STATS, result, self._step)
 
     def _finish_gpu(self) -> None:
-        try:
-            if self._gpu is not None:
-                self._gpu.stop()
-                self._write_gpu_samples()
-            if self._profile_window is not None:
-                self._write_kernel_stats(self._profile_window.finish())
-        except Exception as e:  # noqa: BLE001 - GPU records must not cost the others
-            print(f"mpprof: could not save the GPU records ({e})")
+        if self._gpu is not None:
+            self._gpu.stop()
+            self._write_gpu_samples()
+        if self._profile_window is not None:
+            self._write_kernel_stats(self._profile_window.finish())
 
     def _release_gpu(self) -> None:
         if self._gpu is not None:
@@ -645,8 +734,9 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
                 "reason": "the GPU sampler is off (gpu_interval=None)",
                 "interval_s": None,
             }}
+        collectors["gpu"] = self._guard.context("gpu", collectors["gpu"])
         if self._profile_window is not None:
-            collectors["kernels"] = self._profile_window.context()
+            collectors["kernels"] = self._guard.context("gpu", self._profile_window.context())
         return collectors
 
 
@@ -661,24 +751,3 @@ def _open_writer(run_dir: str) -> RecordWriter:
         ) from e
 
 
-def _validated_log_dir(log_dir) -> str:
-    if not isinstance(log_dir, (str, os.PathLike)):
-        raise ValueError(
-            f"log_dir must be a path (str or os.PathLike), got {type(log_dir).__name__}"
-        )
-    log_dir = os.fspath(log_dir)
-    if not log_dir.strip():
-        raise ValueError("log_dir must not be empty: pass a directory such as 'logs/run1'")
-    return log_dir
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _non_negative_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return int(value)

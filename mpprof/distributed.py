@@ -165,7 +165,7 @@ class DiscardingWriter:
     def write_json(self, record: str, value, step: int) -> None:
         pass
 
-    def write_array(self, record: str, value, step: int) -> None:
+    def write_array(self, record: str, value, step: int, series: str | None = None) -> None:
         pass
 
     def flush(self) -> None:

@@ -73,6 +73,17 @@ RECORDS = (
     NUMERICS_GRADIENTS, NUMERICS_UNSCALED_GRADIENTS, HEALTH,
 )
 
+# Records a run may hold several named series of (see `tag_for`).
+SERIES_RECORDS = (LOSS_SCALE_EVENTS, LOSS_SCALE_PROGRESS)
+SERIES_SEPARATOR = "@"
+
+# The run context's "fit_state": "running" from train begin (re-written at
+# every flush), "ended" when fit returned, "failed" when it raised. A run whose
+# latest context still says "running" was cut short (killed, or still going).
+FIT_RUNNING = "running"
+FIT_ENDED = "ended"
+FIT_FAILED = "failed"
+
 LOSS_SCALE_EVENT_COLUMNS = ("step", "scale_before", "scale_after", "kind")
 LOSS_SCALE_PROGRESS_COLUMNS = ("steps_run", "scale", "skipped_steps")
 
@@ -113,19 +124,37 @@ FLOAT16_SMALLEST_SUBNORMAL = 2.0**-24
 BFLOAT16_MAX = 3.3895313892515355e38
 
 
-def tag_for(record: str) -> str:
-    """The summary tag under which `record` is written."""
+def tag_for(record: str, series: str | None = None) -> str:
+    """The summary tag under which `record` is written.
+
+    `series` names one of several series of the same record in a run (the
+    loss scale of each LossScaleOptimizer a step uses besides the primary
+    one, see SERIES_RECORDS); the primary series has no name.
+    """
     if record not in RECORDS:
         raise ValueError(f"Unknown mpprof record {record!r}; known: {RECORDS}")
-    return TAG_PREFIX + record
+    if series is None:
+        return TAG_PREFIX + record
+    if record not in SERIES_RECORDS or not series or SERIES_SEPARATOR in series:
+        raise ValueError(f"Record {record!r} cannot have a series named {series!r}")
+    return TAG_PREFIX + record + SERIES_SEPARATOR + series
+
+
+def parse_tag(tag: str) -> tuple[str, str | None] | None:
+    """(record, series or None) of a summary tag, or None if it is not mpprof's."""
+    if not tag.startswith(TAG_PREFIX):
+        return None
+    record, _, series = tag[len(TAG_PREFIX) :].partition(SERIES_SEPARATOR)
+    if record not in RECORDS or (series and record not in SERIES_RECORDS):
+        return None
+    return record, series or None
 
 
 def record_for_tag(tag: str) -> str | None:
-    """The record name of a summary tag, or None if it is not mpprof's."""
-    if not tag.startswith(TAG_PREFIX):
-        return None
-    record = tag[len(TAG_PREFIX) :]
-    return record if record in RECORDS else None
+    """The record name of a summary tag of the primary series, or None if it
+    is not mpprof's (or belongs to a named series)."""
+    parsed = parse_tag(tag)
+    return parsed[0] if parsed is not None and parsed[1] is None else None
 
 
 def plugin_content(record: str) -> bytes:

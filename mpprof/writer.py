@@ -45,8 +45,11 @@ class RecordWriter:
         text = json.dumps(value, sort_keys=True, default=_json_default)
         self._write(record, tf.constant(text), step)
 
-    def write_array(self, record: str, value, step: int) -> None:
-        self._write(record, tf.constant(np.asarray(value, dtype=np.float64)), step)
+    def write_array(self, record: str, value, step: int, series: str | None = None) -> None:
+        """Writes a float64 array; `series` names one of several series of a
+        record (see `schema.tag_for`)."""
+        tensor = tf.constant(np.asarray(value, dtype=np.float64))
+        self._write(record, tensor, step, series)
 
     def flush(self) -> None:
         self._writer.flush()
@@ -54,10 +57,11 @@ class RecordWriter:
     def close(self) -> None:
         self._writer.close()
 
-    def _write(self, record: str, tensor: tf.Tensor, step: int) -> None:
+    def _write(self, record: str, tensor: tf.Tensor, step: int, series: str | None = None) -> None:
         with self._writer.as_default():
             tf.summary.write(
-                schema.tag_for(record), tensor, step=int(step), metadata=_metadata(record)
+                schema.tag_for(record, series), tensor, step=int(step),
+                metadata=_metadata(record),
             )
 
 

@@ -61,7 +61,8 @@ def test_gradient_storm_and_forensic_budget(tmp_path):
     keras.utils.set_random_seed(2)
     model = overflow_model(growth_steps=4)
     x, y = overflow_data()
-    run = _fit(model, x, y, tmp_path, epochs=2, numerics_every=1000, forensic_budget=3)
+    run = _fit(model, x, y, tmp_path, epochs=2, numerics_every=1000, forensic_budget=3,
+               forensic_spacing=1)
     numerics, overflows = run.numerics, run.loss_scale.overflow_steps
     assert numerics.forensic.all() and len(numerics.steps) == 3
     # Each capture is the step right after an overflow.

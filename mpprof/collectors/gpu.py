@@ -22,7 +22,6 @@ a machine that has only PyTorch or CuPy.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import threading
 import time
@@ -30,7 +29,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from mpprof import schema
+from mpprof import arguments, schema
 
 MODE_GPM = "gpm"
 MODE_BASIC = "basic"
@@ -676,17 +675,10 @@ _BASIC_QUERIES = (
 
 def validate_interval(interval_s) -> float:
     """`interval_s` as a float; ValueError unless it is a number >= 0.1."""
-    if (
-        isinstance(interval_s, bool)
-        or not isinstance(interval_s, (int, float))
-        or (not math.isfinite(interval_s) or interval_s < MIN_INTERVAL_S)
-    ):
-        raise ValueError(
-            f"gpu_interval must be a number of seconds >= {MIN_INTERVAL_S} (NVML "
-            f"updates its utilization no faster), or None to disable the GPU "
-            f"sampler; got {interval_s!r}"
-        )
-    return float(interval_s)
+    return arguments.seconds(
+        "gpu_interval", interval_s, at_least=MIN_INTERVAL_S,
+        what=" (NVML updates its utilization no faster), or None to disable the GPU sampler",
+    )
 
 
 def _optional(nvml, query, *args):

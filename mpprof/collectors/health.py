@@ -14,6 +14,9 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
+from mpprof.guard import TracedGuard
+from mpprof.patching import Patches
+
 
 class LossHealthCollector:
     """Watches the loss through `optimizer.scale_loss`.
@@ -28,6 +31,8 @@ class LossHealthCollector:
     def __init__(self, optimizer, strategy, step: Callable[[], tf.Tensor]):
         self.optimizer = optimizer
         self.available = callable(getattr(optimizer, "scale_loss", None))
+        # Runs this collector's own ops inside the traced step.
+        self.traced = TracedGuard()
         self._step = step
         with strategy.scope():
             self._last_loss = tf.Variable(0.0, trainable=False, name="mpprof_last_loss")
@@ -38,17 +43,17 @@ class LossHealthCollector:
                 0, dtype=tf.int64, trainable=False, name="mpprof_nonfinite_loss_steps"
             )
 
-    def install(self) -> None:
+    def install(self, patches: Patches) -> None:
+        """Wraps `optimizer.scale_loss` (undone by `patches.restore`)."""
         if not self.available:
             return
-        self.remove()
         scale_loss = self.optimizer.scale_loss
 
         def watched_scale_loss(loss):
-            self._watch(tf.cast(tf.reduce_sum(loss), tf.float32))
+            self.traced(lambda: self._watch(tf.cast(tf.reduce_sum(loss), tf.float32)))
             return scale_loss(loss)
 
-        self.optimizer.scale_loss = watched_scale_loss
+        patches.set(self.optimizer, "scale_loss", watched_scale_loss)
 
     def _watch(self, loss: tf.Tensor) -> None:
         # Element-wise updates instead of a tf.cond: a cond costs more per
@@ -59,10 +64,6 @@ class LossHealthCollector:
         self._last_loss.assign(loss)
         first.assign(tf.where(tf.logical_and(nonfinite, first < 0), step, first))
         self._nonfinite_steps.assign_add(tf.cast(nonfinite, tf.int64))
-
-    def remove(self) -> None:
-        if "scale_loss" in vars(self.optimizer):
-            del self.optimizer.scale_loss
 
     def last_loss(self) -> float:
         return float(self._last_loss.numpy())

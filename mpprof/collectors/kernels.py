@@ -18,6 +18,7 @@ Two ways in:
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import posixpath
 import sys
@@ -325,7 +326,8 @@ def validate_profile_steps(profile_steps) -> tuple[int, int] | None:
     valid = (
         isinstance(profile_steps, (tuple, list))
         and len(profile_steps) == 2
-        and all(isinstance(s, int) and not isinstance(s, bool) for s in profile_steps)
+        and all(isinstance(s, numbers.Integral) and not isinstance(s, bool)
+                for s in profile_steps)
         and 0 <= profile_steps[0] <= profile_steps[1]
     )
     if not valid:

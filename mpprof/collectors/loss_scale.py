@@ -19,6 +19,8 @@ import numpy as np
 import tensorflow as tf
 
 from mpprof import schema
+from mpprof.guard import TracedGuard
+from mpprof.patching import Patches
 
 _FINITE = "_stateful_handle_finite_grads"
 _NON_FINITE = "_stateful_handle_non_finite_grads"
@@ -64,6 +66,8 @@ class LossScaleCollector:
                                         name="mpprof_skipped_steps")
         self._events_read = 0
         self.dropped_events = 0
+        # Runs this collector's own ops inside the traced step.
+        self.traced = TracedGuard()
         self._last_polled: tuple[int, float] | None = None
 
     def settings(self) -> dict:
@@ -77,44 +81,48 @@ class LossScaleCollector:
             "dropped_events": self.dropped_events,
         }
 
-    def install(self) -> None:
+    def install(self, patches: Patches) -> None:
+        """Wraps the optimizer's two branches (undone by `patches.restore`)."""
         if self.mode != MODE_GRAPH:
             return
-        self.remove()
         opt = self.optimizer
         finite = getattr(opt, _FINITE)
         non_finite = getattr(opt, _NON_FINITE)
 
-        def handle_finite_grads(grads, trainable_variables):
+        def state_before():
             step = self.graph_step()
             scale_before = tf.cast(tf.convert_to_tensor(opt.dynamic_scale), tf.float64)
             grows = tf.equal(
                 tf.convert_to_tensor(opt.step_counter), opt.dynamic_growth_steps - 1
             )
+            return step, scale_before, grows
+
+        def handle_finite_grads(grads, trainable_variables):
+            before = self.traced(state_before)
             result = finite(grads, trainable_variables)
-            tf.cond(
-                grows,
-                lambda: self._append(step, scale_before, 2.0 * scale_before,
-                                     schema.EVENT_GROWTH),
-                tf.no_op,
-            )
+            if before is not None:
+                step, scale_before, grows = before
+                self.traced(lambda: tf.cond(
+                    grows,
+                    lambda: self._append(step, scale_before, 2.0 * scale_before,
+                                         schema.EVENT_GROWTH),
+                    tf.no_op,
+                ))
             return result
 
-        def handle_non_finite_grads():
-            step = self.graph_step()
-            scale_before = tf.cast(tf.convert_to_tensor(opt.dynamic_scale), tf.float64)
-            result = non_finite()
+        def record_overflow(step, scale_before, _):
             self._append(step, scale_before, 0.5 * scale_before, schema.EVENT_OVERFLOW)
             self._skipped.assign_add(1)
+
+        def handle_non_finite_grads():
+            before = self.traced(state_before)
+            result = non_finite()
+            if before is not None:
+                self.traced(lambda: record_overflow(*before))
             return result
 
-        setattr(opt, _FINITE, handle_finite_grads)
-        setattr(opt, _NON_FINITE, handle_non_finite_grads)
-
-    def remove(self) -> None:
-        for name in (_FINITE, _NON_FINITE):
-            if name in vars(self.optimizer):
-                delattr(self.optimizer, name)
+        patches.set(opt, _FINITE, handle_finite_grads)
+        patches.set(opt, _NON_FINITE, handle_non_finite_grads)
 
     def graph_step(self) -> tf.Tensor:
         iterations = tf.cast(tf.convert_to_tensor(self.optimizer.iterations), tf.int64)
@@ -164,6 +172,13 @@ class LossScaleCollector:
             self.skipped_steps(),
         ], dtype=np.float64)
         return buffer[slots], progress
+
+    def scale_tensor(self) -> tf.Tensor:
+        """The current scale inside the graph; the initial one until the
+        optimizer has built its variables (a custom step builds it late)."""
+        if not self.optimizer.built:
+            return tf.constant(float(self.optimizer.initial_scale))
+        return tf.convert_to_tensor(self.optimizer.dynamic_scale)
 
     def _scale(self) -> float:
         # The optimizer builds its variables on the first step's trace.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from mpprof.collectors.health import LossHealthCollector
+from mpprof.patching import Patches
 
 
 class TfKerasLossHealthCollector(LossHealthCollector):
@@ -20,19 +21,14 @@ class TfKerasLossHealthCollector(LossHealthCollector):
         super().__init__(optimizer, strategy, step)
         self.available = callable(getattr(optimizer, "minimize", None))
 
-    def install(self) -> None:
+    def install(self, patches: Patches) -> None:
         if not self.available:
             return
-        self.remove()
         minimize = self.optimizer.minimize
 
         def watched_minimize(loss, var_list, *args, **kwargs):
             if not callable(loss):  # a loss callable is traced by minimize itself
-                self._watch(tf.cast(tf.reduce_sum(loss), tf.float32))
+                self.traced(lambda: self._watch(tf.cast(tf.reduce_sum(loss), tf.float32)))
             return minimize(loss, var_list, *args, **kwargs)
 
-        self.optimizer.minimize = watched_minimize
-
-    def remove(self) -> None:
-        if "minimize" in vars(self.optimizer):
-            del self.optimizer.minimize
+        patches.set(self.optimizer, "minimize", watched_minimize)

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from mpprof import schema
 from mpprof.collectors.loss_scale import MODE_GRAPH, MODE_HOST, LossScaleCollector
+from mpprof.patching import Patches
 
 # The private method of tf-keras's `_DynamicLossScaleState` that is wrapped.
 _UPDATE = "update"
@@ -74,19 +75,29 @@ class TfKerasLossScaleCollector(LossScaleCollector):
             "dropped_events": self.dropped_events,
         }
 
-    def install(self) -> None:
+    def install(self, patches: Patches) -> None:
         if self.mode != MODE_GRAPH or self._state is None:
             return
-        self.remove()
         state = self._state
         update = getattr(state, _UPDATE)
+
+        def state_before():
+            return (self.graph_step(),
+                    tf.cast(tf.convert_to_tensor(state.current_loss_scale), tf.float64))
 
         def recording_update(grads):
             # Reads before `update` see the values the step started with:
             # automatic control dependencies keep program order per variable.
-            step = self.graph_step()
-            scale_before = tf.cast(tf.convert_to_tensor(state.current_loss_scale), tf.float64)
+            before = self.traced(state_before)
             update_op, is_finite = update(grads)
+            if before is None:
+                return update_op, is_finite
+            recorded = self.traced(lambda: record(update_op, is_finite, *before))
+            if update_op is None or recorded is None:  # eager: everything already ran
+                return update_op, is_finite
+            return tf.group(update_op, recorded), is_finite
+
+        def record(update_op, is_finite, step, scale_before):
             with tf.control_dependencies([update_op] if update_op is not None else []):
                 scale_after = tf.cast(tf.convert_to_tensor(state.current_loss_scale), tf.float64)
 
@@ -102,17 +113,9 @@ class TfKerasLossScaleCollector(LossScaleCollector):
                 self._skipped.assign_add(1)
                 return tf.no_op()
 
-            recorded = tf.cond(tf.cast(is_finite, tf.bool), on_finite, on_overflow)
-            if update_op is None:  # eager: everything already ran
-                return update_op, is_finite
-            return tf.group(update_op, recorded), is_finite
+            return tf.cond(tf.cast(is_finite, tf.bool), on_finite, on_overflow)
 
-        setattr(state, _UPDATE, recording_update)
-
-    def remove(self) -> None:
-        state = self._state
-        if state is not None and _UPDATE in vars(state):
-            delattr(state, _UPDATE)
+        patches.set(state, _UPDATE, recording_update)
 
     def graph_step(self) -> tf.Tensor:
         # tf-keras advances `iterations` on skipped steps as well.
@@ -120,6 +123,9 @@ class TfKerasLossScaleCollector(LossScaleCollector):
 
     def current_step(self) -> int:
         return int(self.optimizer.iterations.numpy())
+
+    def scale_tensor(self) -> tf.Tensor:
+        return tf.convert_to_tensor(self.optimizer.loss_scale)
 
     def _scale(self) -> float:
         return float(self.optimizer.loss_scale.numpy())

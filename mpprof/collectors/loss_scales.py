@@ -1,0 +1,120 @@
+"""The loss scale of every LossScaleOptimizer a train step uses, one series each.
+
+A model compiled with a LossScaleOptimizer has one series, written under the
+plain loss-scale tags. A custom `train_step` may use its own optimizers (a
+GAN's `g_opt` and `d_opt`): each LossScaleOptimizer among them gets its own
+`LossScaleCollector`, and once the step was traced only those it really
+used are kept. The primary one (the compiled optimizer when used, else the
+first used) is written under the plain tags, every other one under a series
+named after its attribute (`schema.tag_for(record, series)`).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from mpprof import schema
+from mpprof.collectors.optimizers import OptimizerUsage
+from mpprof.patching import Patches
+
+
+class LossScales:
+    """One loss-scale collector per LossScaleOptimizer the step may use.
+
+    Args:
+        keras_api: the model's `mpprof.keras_api.KerasApi`.
+        usage: the model's `OptimizerUsage`.
+        strategy: the model's distribution strategy.
+        capacity: events each ring buffer holds between two reads.
+        reuse: collectors of an earlier fit, by optimizer id: they keep
+            counting skipped steps across fits.
+    """
+
+    def __init__(self, keras_api, usage: OptimizerUsage, strategy, capacity: int,
+                 reuse: dict[int, object]):
+        self._usage = usage
+        self.by_name = {}
+        for use in usage.uses:
+            if not use.loss_scale:
+                continue
+            collector = reuse.get(id(use.optimizer))
+            if collector is None:
+                collector = keras_api.loss_scale_collector(use.optimizer, strategy, capacity)
+            self.by_name[use.name] = collector
+
+    def __bool__(self) -> bool:
+        return bool(self.active())
+
+    def install(self, patches: Patches) -> None:
+        for collector in self.by_name.values():
+            collector.install(patches)
+
+    def active(self) -> dict[str, object]:
+        """The series of optimizers the step uses (all of them until traced)."""
+        used = {use.name for use in self._usage.used()}
+        return {name: c for name, c in self.by_name.items() if name in used}
+
+    def primary(self):
+        """The collector of the primary optimizer, or None when it has no
+        loss scale."""
+        primary = self._usage.primary()
+        return self.by_name.get(primary.name) if primary is not None else None
+
+    def skipped_total(self) -> tf.Tensor | None:
+        """In-graph sum of every series' skipped steps (None: no series)."""
+        counters = [c.skipped_counter for c in self.by_name.values()]
+        return tf.add_n([tf.identity(c) for c in counters]) if counters else None
+
+    def skipped_steps(self) -> int:
+        """Skipped steps of every used series so far (a host read)."""
+        return sum(c.skipped_steps() for c in self.active().values())
+
+    def poll_if_host_mode(self) -> None:
+        for collector in self.active().values():
+            collector.poll_if_host_mode()
+
+    def write(self, writer) -> None:
+        """Reads every used series and writes its new events and progress."""
+        primary = self.primary()
+        for name, collector in self.active().items():
+            events, progress = collector.read()
+            series = None if collector is primary else name
+            step = int(progress[0])
+            if len(events):
+                writer.write_array(schema.LOSS_SCALE_EVENTS, events, step, series=series)
+            writer.write_array(schema.LOSS_SCALE_PROGRESS, progress, step, series=series)
+
+    def scale_tensor(self) -> tf.Tensor:
+        """The primary optimizer's loss scale inside the graph (1 without one,
+        or before its variables exist)."""
+        primary = self.primary()
+        if primary is None:
+            return tf.constant(1.0)
+        return primary.scale_tensor()
+
+    def context(self, replicas_note) -> dict:
+        """The run context's "loss_scale" collector state."""
+        active = self.active()
+        if not active:
+            used = self._usage.used()
+            names = ", ".join(f"{u.name} ({type(u.optimizer).__name__})" for u in used)
+            return {
+                "state": "absent",
+                "reason": (
+                    f"no LossScaleOptimizer among the optimizers the step uses ({names}): "
+                    "no dynamic loss scale to record" if used
+                    else "the train step applied no optimizer: no loss scale to record"
+                ),
+            }
+        primary = self.primary()
+        context = {"state": "ok"}
+        series = {}
+        for name, collector in active.items():
+            settings = collector.settings()
+            settings.setdefault("skip_decided_by", replicas_note)
+            if collector is primary or primary is None and not series:
+                context.update(settings, primary=name)
+            series[name] = settings
+        if len(series) > 1:
+            context["series"] = series
+        return context

@@ -1,0 +1,110 @@
+"""Which optimizers a train step really uses, seen while it is traced.
+
+`model.optimizer` is what `compile` got; a custom `train_step` may use other
+optimizers instead (a GAN's `self.g_opt` and `self.d_opt`) and never touch
+it, and may call `optimizer.apply` without ever passing the loss through
+`optimizer.scale_loss`. Tracing the step calls the Python methods it uses,
+so instance-level wrappers that set a flag when called tell, after the first
+trace, which optimizers ran and how: at no cost per step, since the flags
+are set at trace time and the wrappers add no operation to the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpprof.patching import Patches
+
+
+@dataclass
+class OptimizerUse:
+    """One optimizer a step may use, and what the traced step did with it.
+
+    `apply_called` / `scale_loss_called` are None until a step was traced, and
+    stay None where the Keras flavour's methods are not watched.
+    """
+
+    name: str
+    optimizer: object
+    loss_scale: bool
+    apply_called: bool | None = None
+    scale_loss_called: bool | None = None
+    # Position among the candidates in the order the traced step first
+    # called one of their methods (None: never called).
+    first_called: int | None = None
+
+    def describe(self) -> dict:
+        inner = getattr(self.optimizer, "inner_optimizer", None)
+        return {
+            "name": self.name,
+            "class": type(self.optimizer).__name__,
+            "inner": type(inner).__name__ if inner is not None else None,
+            "loss_scale": self.loss_scale,
+            "apply_called": self.apply_called,
+            "scale_loss_called": self.scale_loss_called,
+        }
+
+
+class OptimizerUsage:
+    """Watches the candidate optimizers' `apply` and `scale_loss`.
+
+    Args:
+        keras_api: the model's `mpprof.keras_api.KerasApi`.
+        model: the compiled model.
+    """
+
+    def __init__(self, keras_api, model):
+        self._api = keras_api
+        self.uses = [
+            OptimizerUse(name, optimizer, keras_api.is_loss_scale_optimizer(optimizer))
+            for name, optimizer in keras_api.candidate_optimizers(model)
+        ]
+        self.watched = keras_api.apply_method is not None
+        self.traced = False
+
+    def install(self, patches: Patches) -> None:
+        if not self.watched:
+            return
+        for use in self.uses:
+            use.apply_called = use.scale_loss_called = False
+            use.first_called = None
+            self._watch(patches, use, self._api.apply_method, "apply_called")
+            if self._api.scale_loss_method is not None:
+                self._watch(patches, use, self._api.scale_loss_method, "scale_loss_called")
+
+    def _watch(self, patches: Patches, use: OptimizerUse, method: str, flag: str) -> None:
+        original = getattr(use.optimizer, method, None)
+        if not callable(original):
+            return
+
+        def watched(*args, **kwargs):
+            setattr(use, flag, True)
+            if use.first_called is None:
+                use.first_called = sum(u.first_called is not None for u in self.uses)
+            return original(*args, **kwargs)
+
+        patches.set(use.optimizer, method, watched)
+
+    def used(self) -> list[OptimizerUse]:
+        """The optimizers the traced step applied; all candidates when that is
+        not known (nothing traced yet, or a flavour that is not watched)."""
+        if not self.watched or not self.traced:
+            return list(self.uses)
+        used = [use for use in self.uses if use.apply_called]
+        # The compiled optimizer first, then in the order the step used them.
+        return sorted(used, key=lambda u: (u.name != "optimizer", u.first_called))
+
+    def mark_traced(self) -> None:
+        """The step has run (so has been traced) at least once."""
+        self.traced = True
+
+    def primary(self) -> OptimizerUse | None:
+        """The optimizer whose steps are the run's step axis: the compiled one
+        when the step uses it, else the first one used."""
+        used = self.used()
+        return used[0] if used else None
+
+    def describe(self) -> list[dict]:
+        """The run context's "optimizers": the ones used (all candidates until
+        the step was traced)."""
+        return [use.describe() for use in self.used()]

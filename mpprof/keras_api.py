@@ -1,0 +1,105 @@
+"""The one seam between mpprof and the Keras a model belongs to.
+
+Keras 3 (on its TensorFlow backend) and tf-keras (Keras 2) differ in where
+the loss passes through the optimizer, how the loss scale is kept and what
+an optimizer's update method is called. Everything mpprof's callback needs
+to know about that difference is asked of a `KerasApi`; `keras_api_for`
+chooses it once per fit, and no other part of the callback branches on the
+flavour.
+
+A model of another Keras backend (JAX, PyTorch) cannot be profiled yet:
+`check_backend` says so before any training work.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mpprof import tf_keras_support
+from mpprof.collectors.health import LossHealthCollector
+from mpprof.collectors.loss_scale import LossScaleCollector, is_loss_scale_optimizer
+from mpprof.collectors.numerics import NumericsCollector
+from mpprof.collectors.tf_keras_health import TfKerasLossHealthCollector
+from mpprof.collectors.tf_keras_loss_scale import TfKerasLossScaleCollector
+from mpprof.collectors.tf_keras_numerics import TfKerasNumericsCollector
+
+
+class UnsupportedBackendError(RuntimeError):
+    """Keras runs on a backend mpprof cannot profile yet."""
+
+
+def check_backend() -> None:
+    """Raises `UnsupportedBackendError` unless Keras 3 runs on TensorFlow.
+
+    tf-keras always runs on TensorFlow; a tf-keras model does not depend on
+    `KERAS_BACKEND`, so only Keras 3's own backend is checked.
+    """
+    import keras
+
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise UnsupportedBackendError(
+            "mpprof.MixedPrecisionProfiler needs Keras' TensorFlow backend "
+            f"(KERAS_BACKEND is {os.environ.get('KERAS_BACKEND', backend)!r}). "
+            "Set KERAS_BACKEND=tensorflow before importing keras, or train without "
+            "the profiler."
+        )
+
+
+class KerasApi:
+    """What mpprof needs from Keras 3 (the default flavour)."""
+
+    flavor = tf_keras_support.KERAS_3
+    loss_scale_collector = LossScaleCollector
+    loss_health_collector = LossHealthCollector
+    numerics_collector = NumericsCollector
+    # The optimizer methods a train step calls to update the weights and to
+    # scale the loss (None: not watched in this flavour).
+    apply_method: str | None = "apply"
+    scale_loss_method: str | None = "scale_loss"
+
+    def is_loss_scale_optimizer(self, optimizer) -> bool:
+        return is_loss_scale_optimizer(optimizer)
+
+    def candidate_optimizers(self, model) -> list[tuple[str, object]]:
+        """The optimizers a train step may use, each with the name it is known by.
+
+        The compiled `model.optimizer` ("optimizer") and every optimizer held
+        in an attribute of the model (a GAN's `self.g_opt`, `self.d_opt`):
+        which of them a step really uses is only known once it is traced
+        (`mpprof.collectors.optimizers.OptimizerUsage`).
+        """
+        import keras
+
+        found: list[tuple[str, object]] = []
+        if isinstance(model.optimizer, keras.optimizers.Optimizer):
+            found.append(("optimizer", model.optimizer))
+        for name, value in sorted(vars(model).items()):
+            if (isinstance(value, keras.optimizers.Optimizer) and not name.startswith("_")
+                    and all(value is not known for _, known in found)):
+                found.append((name, value))
+        return found
+
+
+class TfKerasApi(KerasApi):
+    """What differs for a tf-keras (Keras 2) model."""
+
+    flavor = tf_keras_support.TF_KERAS
+    loss_scale_collector = TfKerasLossScaleCollector
+    loss_health_collector = TfKerasLossHealthCollector
+    numerics_collector = TfKerasNumericsCollector
+    # tf-keras's train step hands the loss to `minimize`, which scales it and
+    # applies the gradients: which optimizers a step used is not watched.
+    apply_method = None
+    scale_loss_method = None
+
+    def is_loss_scale_optimizer(self, optimizer) -> bool:
+        return tf_keras_support.is_loss_scale_optimizer(optimizer)
+
+    def candidate_optimizers(self, model) -> list[tuple[str, object]]:
+        return [("optimizer", model.optimizer)] if model.optimizer is not None else []
+
+
+def keras_api_for(model) -> KerasApi:
+    """The `KerasApi` of the Keras `model` belongs to."""
+    return TfKerasApi() if tf_keras_support.is_tf_keras(model) else KerasApi()

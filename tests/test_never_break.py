@@ -1,0 +1,340 @@
+"""mpprof never breaks the user's training: real fits that used to crash,
+mpprof's own failures injected collector by collector, bad arguments, a full
+disk, and the user's own errors passing through unchanged."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import mpprof
+from mpprof import reader, schema
+from mpprof.collectors.loss_scale import LossScaleCollector
+from mpprof.collectors.loss_scales import LossScales
+from mpprof.collectors.numerics import NumericsCollector
+from mpprof.collectors.numerics_samples import NumericsSamples
+from mpprof.collectors.precision import PrecisionCollector
+from mpprof.collectors.run_health import RunHealth
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+class TwoOptimizerGan(keras.Model):
+    """A GAN whose train_step uses its own optimizers; `model.optimizer` (what
+    compile got) is never used."""
+
+    def __init__(self, loss_scaled: bool):
+        super().__init__()
+        self.generator = keras.Sequential([
+            keras.layers.Input((8,)), keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(4, dtype="float32"),
+        ], name="generator")
+        self.discriminator = keras.Sequential([
+            keras.layers.Input((4,)), keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(1, dtype="float32"),
+        ], name="discriminator")
+
+        def optimizer():
+            adam = keras.optimizers.Adam(1e-3)
+            return keras.optimizers.LossScaleOptimizer(adam) if loss_scaled else adam
+
+        self.g_opt = optimizer()
+        self.d_opt = optimizer()
+        self.bce = keras.losses.BinaryCrossentropy(from_logits=True)
+
+    def call(self, inputs):
+        return self.discriminator(self.generator(inputs))
+
+    def _step(self, optimizer, variables, loss_fn):
+        with tf.GradientTape() as tape:
+            loss = loss_fn()
+            scaled = optimizer.scale_loss(loss)
+        optimizer.apply(tape.gradient(scaled, variables), variables)
+        return loss
+
+    def train_step(self, real):
+        noise = tf.random.stateless_normal((tf.shape(real)[0], 8), seed=(1, 2))
+        ones = tf.ones_like(real[:, :1])
+
+        def d_loss():
+            fake = self.generator(noise)
+            return (self.bce(ones, self.discriminator(real))
+                    + self.bce(tf.zeros_like(ones), self.discriminator(fake)))
+
+        def g_loss():
+            return self.bce(ones, self.discriminator(self.generator(noise)))
+
+        d = self._step(self.d_opt, self.discriminator.trainable_variables, d_loss)
+        g = self._step(self.g_opt, self.generator.trainable_variables, g_loss)
+        return {"d_loss": d, "g_loss": g}
+
+
+def _gan(loss_scaled: bool) -> TwoOptimizerGan:
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = TwoOptimizerGan(loss_scaled)
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.RMSprop()))
+    return model
+
+
+def test_gan_with_its_own_loss_scale_optimizers(tmp_path):
+    model = _gan(loss_scaled=True)
+    x = np.random.default_rng(0).random((64, 4), dtype=np.float32)
+    model.fit(x, batch_size=16, epochs=2, verbose=0,
+              callbacks=[mpprof.MixedPrecisionProfiler(str(tmp_path), numerics_every=2)])
+    run = reader.read_run(str(tmp_path), "train")
+    used = {o["name"]: o for o in run.context["optimizers"]}
+    # The compiled RMSprop was never used: not reported as the run's optimizer.
+    assert set(used) == {"d_opt", "g_opt"}
+    assert all(o["loss_scale"] and o["apply_called"] and o["scale_loss_called"]
+               for o in used.values())
+    assert run.context["optimizer"] == "LossScaleOptimizer"
+    loss_scale = run.context["collectors"]["loss_scale"]
+    assert loss_scale["state"] == "ok" and set(loss_scale["series"]) == {"d_opt", "g_opt"}
+    # The primary series (the first optimizer the step applied) agrees with
+    # that optimizer's own state.
+    primary = getattr(model, loss_scale["primary"])
+    assert loss_scale["primary"] == "d_opt"
+    skipped = run.loss_scale.skipped_steps
+    assert run.loss_scale.steps_run == int(primary.iterations.numpy()) + skipped
+    assert run.loss_scale.final_scale == float(primary.dynamic_scale.numpy())
+    assert run.numerics is not None and len(run.numerics.steps) >= 2
+    assert run.health["loss_watched"] is True
+    assert "train_function" not in vars(model) or not _is_profiler_function(model)
+
+
+def test_gan_with_plain_optimizers_reports_no_loss_scaling(tmp_path):
+    model = _gan(loss_scaled=False)
+    x = np.random.default_rng(0).random((32, 4), dtype=np.float32)
+    model.fit(x, batch_size=16, epochs=1, verbose=0,
+              callbacks=[mpprof.MixedPrecisionProfiler(str(tmp_path), numerics_every=1)])
+    run = reader.read_run(str(tmp_path), "train")
+    assert [(o["name"], o["class"], o["loss_scale"]) for o in run.context["optimizers"]] == [
+        ("d_opt", "Adam", False), ("g_opt", "Adam", False)]
+    assert run.context["optimizer"] == "Adam"
+    assert run.context["collectors"]["loss_scale"]["state"] == "absent"
+    assert "d_opt (Adam)" in run.context["collectors"]["loss_scale"]["reason"]
+
+
+def test_custom_train_step_without_scale_loss_is_not_watched(tmp_path):
+    class NoScaleLoss(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean((self(x, training=True) - y) ** 2)
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(grads, self.trainable_variables)
+            return {"loss": loss}
+
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(1, dtype="float32")(keras.layers.Dense(8)(inputs))
+    model = NoScaleLoss(inputs, outputs)
+    model.compile(optimizer="adam")
+    x = np.random.default_rng(0).random((32, 4), dtype=np.float32)
+    model.fit(x, x[:, :1], batch_size=8, verbose=0,
+              callbacks=[mpprof.MixedPrecisionProfiler(str(tmp_path), numerics_every=1)])
+    run = reader.read_run(str(tmp_path), "train")
+    [optimizer] = run.context["optimizers"]
+    assert optimizer["apply_called"] is True and optimizer["scale_loss_called"] is False
+    # No loss was watched: nothing is recorded as if it had been.
+    assert run.health["loss_watched"] is False
+    assert run.health["nonfinite_loss_steps"] is None
+    assert np.isnan(run.numerics.loss).all()
+
+
+def test_model_without_trainable_weights_counts_steps_from_calls(tmp_path):
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2)])
+    model.trainable = False
+    model.compile(optimizer="adam", loss="mse")
+    x = np.ones((40, 4), np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Keras: "no trainable weights"
+        model.fit(x, np.ones((40, 2), np.float32), batch_size=8, verbose=0,
+                  callbacks=[mpprof.MixedPrecisionProfiler(str(tmp_path), numerics_every=1)])
+    run = reader.read_run(str(tmp_path), "train")
+    assert run.context["optimizers"] == []
+    assert run.health["checked_step"] == 5
+    assert run.context["collectors"]["loss_scale"]["state"] == "absent"
+
+
+def test_keras_backend_other_than_tensorflow_is_refused_at_construction(tmp_path):
+    script = "import mpprof; mpprof.MixedPrecisionProfiler('logs')"
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode != 0
+    assert ("mpprof.MixedPrecisionProfiler needs Keras' TensorFlow backend "
+            "(KERAS_BACKEND is 'jax')") in result.stderr
+    assert not os.path.exists(tmp_path / "logs")
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"flush_every_steps": 10**7}, "flush_every_steps must be at most 100,000"),
+    ({"flush_every_steps": 10**30}, "flush_every_steps must be at most 100,000"),
+    ({"flush_every_seconds": 0}, "flush_every_seconds"),
+    ({"flush_every_seconds": float("nan")}, "flush_every_seconds"),
+    ({"forensic_spacing": 0}, "forensic_spacing"),
+    ({"log_dir": "logs\x00/x"}, "NUL"),
+])
+def test_bad_arguments_fail_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        mpprof.MixedPrecisionProfiler(**{"log_dir": "logs", **kwargs})
+
+
+def test_numpy_scalars_are_accepted_by_every_numeric_argument(tmp_path):
+    profiler = mpprof.MixedPrecisionProfiler(
+        str(tmp_path), numerics_every=np.int64(3), forensic_budget=np.int32(2),
+        forensic_spacing=np.int64(5), flush_every_steps=np.int64(10),
+        flush_every_seconds=np.float32(2.5), gpu_interval=np.float32(0.5),
+        profile_steps=(np.int64(1), np.int64(2)),
+    )
+    assert (profiler.numerics_every, profiler.flush_every_seconds, profiler.gpu_interval,
+            profiler.profile_steps) == (3, 2.5, 0.5, (1, 2))
+
+
+def test_two_profilers_in_one_fit_are_refused(tmp_path):
+    model = _small_model()
+    x, y = _small_data()
+    first = mpprof.MixedPrecisionProfiler(str(tmp_path / "a"))
+    second = mpprof.MixedPrecisionProfiler(str(tmp_path / "b"))
+    with pytest.raises(ValueError, match="Two mpprof.MixedPrecisionProfiler callbacks"):
+        model.fit(x, y, verbose=0, callbacks=[first, second])
+    # The first one's patches are gone with its fit: plain training works.
+    model.fit(x, y, verbose=0)
+    assert not _is_profiler_function(model)
+
+
+def test_after_another_callback_raised_the_next_profiled_fit_is_clean(tmp_path):
+    class Boom(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            raise RuntimeError("boom")
+
+    model = _small_model()
+    x, y = _small_data()
+    with pytest.raises(RuntimeError, match="boom"):
+        model.fit(x, y, verbose=0, callbacks=[
+            mpprof.MixedPrecisionProfiler(str(tmp_path / "dead")), Boom()])
+    model.fit(x, y, epochs=2, verbose=0,
+              callbacks=[mpprof.MixedPrecisionProfiler(str(tmp_path / "fresh"))])
+    dead = reader.read_run(str(tmp_path / "dead"), "train")
+    fresh = reader.read_run(str(tmp_path / "fresh"), "train")
+    assert dead.context["fit_state"] == schema.FIT_FAILED
+    assert fresh.context["fit_state"] == schema.FIT_ENDED
+    assert fresh.loss_scale.steps_run == int(model.optimizer.iterations.numpy()) + (
+        fresh.loss_scale.skipped_steps + dead.loss_scale.skipped_steps)
+    assert not _is_profiler_function(model)
+
+
+def test_users_own_error_passes_through_unchanged(tmp_path):
+    def failing_loss(y_true, y_pred):
+        raise ValueError("the user's loss is broken")
+
+    errors = []
+    for callbacks in ([], [mpprof.MixedPrecisionProfiler(str(tmp_path))]):
+        model = _small_model(loss=failing_loss)
+        x, y = _small_data()
+        with pytest.raises(ValueError) as caught:
+            model.fit(x, y, verbose=0, callbacks=callbacks)
+        errors.append((type(caught.value), str(caught.value)))
+        assert not _is_profiler_function(model)
+    assert errors[0] == errors[1]
+
+
+# Each collector's own method made to fail: (collector named in the run
+# context, class, method). The first four run on the host, the last three
+# while the train step is traced.
+INJECTIONS = [
+    ("loss_scale", LossScales, "write"),
+    ("numerics", NumericsSamples, "take"),
+    ("loss_health", RunHealth, "record"),
+    ("precision", PrecisionCollector, "inventory"),
+    ("numerics", NumericsCollector, "on_call"),
+    ("loss_scale", LossScaleCollector, "_append"),
+    ("precision", PrecisionCollector, "on_call"),
+]
+
+
+@pytest.mark.parametrize(("collector", "owner", "method"), INJECTIONS,
+                         ids=[f"{o.__name__}.{m}" for _, o, m in INJECTIONS])
+def test_a_failing_collector_is_switched_off_and_training_goes_on(
+        tmp_path, monkeypatch, collector, owner, method):
+    x, y = _small_data()
+    baseline = _small_model()
+    profiled = _small_model()
+    profiled.set_weights(baseline.get_weights())
+    baseline.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(f"injected into {method}")
+
+    monkeypatch.setattr(owner, method, broken)
+    profiler = mpprof.MixedPrecisionProfiler(str(tmp_path), numerics_every=2)
+    with pytest.warns(RuntimeWarning, match=f"stopped recording {collector}"):
+        profiled.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False,
+                     callbacks=[profiler])
+    for expected, got in zip(baseline.get_weights(), profiled.get_weights(), strict=True):
+        np.testing.assert_array_equal(expected, got)
+    context = reader.read_run(str(tmp_path), "train").context
+    state = context["collectors"][collector]
+    assert state["state"] == "failed" and f"injected into {method}" in state["reason"]
+    assert not _is_profiler_function(profiled)
+
+
+def test_a_full_disk_stops_recording_not_training(tmp_path):
+    """The profiler's writes fail (the process may not grow a file past 20 kB:
+    the kernel answers EFBIG as it answers ENOSPC on a full disk)."""
+    script = textwrap.dedent(f"""
+        import resource, signal, sys, warnings
+        sys.path.insert(0, {TESTS!r})
+        import keras, numpy as np, mpprof
+        from conftest import overflow_model, overflow_data
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        model = overflow_model(growth_steps=4)
+        x, y = overflow_data(512)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[
+                mpprof.MixedPrecisionProfiler({str(tmp_path)!r}, numerics_every=2,
+                                              flush_every_steps=1)])
+        mine = [str(w.message) for w in caught if "mpprof" in str(w.message)]
+        assert len(mine) == 1, mine
+        print(mine[0])
+        assert "train_function" not in vars(model) or "Profiler" not in repr(model.train_function)
+        print("FIT COMPLETED", int(model.optimizer.iterations.numpy()))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300, cwd=TESTS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "stopped recording recording" in result.stdout
+    assert "File too large" in result.stdout or "No space" in result.stdout
+    assert "FIT COMPLETED" in result.stdout
+    # What reached the disk before the failure still reads.
+    assert reader.read_run(str(tmp_path), "train").context is not None
+
+
+def _small_model(loss="mse") -> keras.Model:
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([
+        keras.layers.Input((4,)), keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(1, dtype="float32"),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
+    return model
+
+
+def _small_data():
+    rng = np.random.default_rng(0)
+    return rng.random((32, 4), dtype=np.float32), rng.random((32, 1), dtype=np.float32)
+
+
+def _is_profiler_function(model) -> bool:
+    function = vars(model).get("train_function")
+    return isinstance(getattr(function, "__self__", None), mpprof.MixedPrecisionProfiler)
