@@ -3,36 +3,34 @@
 from __future__ import annotations
 
 import atexit
-import math
 import os
 import posixpath
 import weakref
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from mpprof import arguments, schema, tf_keras_support
 from mpprof.collectors import gpu as gpu_collector
 from mpprof.collectors import kernels as kernel_collector
-from mpprof.collectors.layer_calls import LayerCallPatch
+from mpprof.collectors.base import Collector
+from mpprof.collectors.host import HostRecorder
+from mpprof.collectors.inventory import Inventory
 from mpprof.collectors.loss_scales import LossScales
 from mpprof.collectors.numerics_samples import NumericsSamples
 from mpprof.collectors.optimizers import OptimizerUsage
-from mpprof.collectors.precision import PrecisionCollector
 from mpprof.collectors.run_health import RunHealth
 from mpprof.context import run_context
 from mpprof.distributed import (
     DiscardingWriter,
     WorkerRole,
     announce_keras_3_multi_worker,
-    keras_3_skip_decided_by,
     warn_if_keras_3_multi_worker,
     worker_role,
 )
-from mpprof.guard import Guard, GuardedHook, GuardedWriter, describe_error
+from mpprof.fit_state import FitState
+from mpprof.guard import Guard, GuardedWriter, describe_error
 from mpprof.hard_stop import FlushClock, SigtermFlush
-from mpprof.hardware import hardware_facts
 from mpprof.keras_api import check_backend, keras_api_for
 from mpprof.patching import Patches
 from mpprof.sampling import SampleSchedule
@@ -46,12 +44,6 @@ _SKIPPED_LOG = "_mpprof_skipped_steps"
 # The loss-scale ring holds 2x the steps between two reads: more than this
 # many steps between reads would make it large for nothing.
 MAX_FLUSH_EVERY_STEPS = 100_000
-
-_POLICY_MAX = {
-    "float16": schema.FLOAT16_MAX,
-    "bfloat16": schema.BFLOAT16_MAX,
-    "float32": float(np.finfo(np.float32).max),
-}
 
 # The profiler running a fit on each model, to refuse a second one in the
 # same fit and to finish one whose fit was ended by another's exception.
@@ -233,12 +225,10 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             GuardedWriter(worker_writer, self._guard) if worker_writer is not None else None
         )
         self._patches = Patches()
-        self._begun = False
         self._fit_state = schema.FIT_RUNNING
         self._fit_count += 1
-        self._layer_patch = None
-        self._numerics: NumericsSamples | None = None
-        self._gpu: gpu_collector.GpuSampler | None = None
+        self._fit: FitState | None = None
+        self._collectors: list[Collector] = []
         self._sigterm = SigtermFlush(self._flush)
         atexit.register(self._finish_unended)
         try:
@@ -250,39 +240,43 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
     def _begin(self, model) -> None:
         api = keras_api_for(model)
         strategy = model.distribute_strategy
-        self._usage = OptimizerUsage(api, model)
-        self._precision = PrecisionCollector(model)
-        self._layer_patch = LayerCallPatch(
-            model, [GuardedHook("precision", self._precision, self._guard)]
-        )
-        capacity = 2 * (self.flush_every_steps + self._steps_per_execution())
-        self._loss_scales = LossScales(
-            api, self._usage, strategy, capacity, self._earlier_loss_scales
-        )
-        self._health = RunHealth(
-            api, self._usage, strategy, self._graph_step_of, self._earlier_health
-        )
-        for collector in self._loss_scales.by_name.values():
-            collector.traced.on_error = self._failure_of("loss_scale")
-        for watcher in self._health.watchers.values():
-            watcher.traced.on_error = self._failure_of("loss_health")
-        self._numerics_collector_class = api.numerics_collector
-        self._step = self._start_step()
-        self._fit_start_step = self._step
-        self._steps_since_flush = 0
-        self._calls = 0
+        usage = OptimizerUsage(api, model)
         self._schedule.start_fit()
+        fit = FitState(
+            model=model, guard=self._guard, writer=self._writer,
+            host_writer=self._worker_writer or self._writer, usage=usage,
+            schedule=self._schedule,
+        )
+        capacity = 2 * (self.flush_every_steps + _steps_per_execution(model))
+        self._inventory = Inventory(model, self._guard)
+        self._loss_scales = LossScales(api, usage, strategy, capacity, self._earlier_loss_scales)
+        self._health = RunHealth(api, usage, strategy,
+                                 lambda name: self._graph_step_of(usage, name),
+                                 self._earlier_health)
+        self._numerics = NumericsSamples(
+            api.numerics_collector, self._inventory, self._loss_scales, self._health,
+            {"every": self.numerics_every, "forensic_budget": self.forensic_budget,
+             "forensic_spacing": self.forensic_spacing},
+        )
+        if self._profile_window is not None and self._role.worker_run is not None:
+            # Each worker traces its own host, into its own run.
+            self._profile_window.run_dir = posixpath.join(self.run_dir, self._role.worker_run)
+        self._host = HostRecorder(self.gpu_interval, self._profile_window, self)
+        self._collectors = [
+            self._inventory, self._loss_scales, self._health, self._numerics, self._host,
+        ]
+        fit.step = self._start_step(usage)
+        self._fit_start_step = fit.step
+        self._steps_since_flush = 0
         self._flush_clock = FlushClock(self.flush_every_seconds)
-        self._inventory_written = False
-        self._overflows_seen = self._loss_scales.skipped_steps()
         self._batch_pending = False
         self._functions_run: set[int] = set()
 
         # fit made its train function just before this hook; keep it to put
         # back, and make our own two so the patches are in their graphs.
         original = model.train_function
-        self._usage.install(self._patches)
-        self._report_skips_in_logs()
+        usage.install(self._patches)
+        self._report_skips_in_logs(fit)
         model.make_train_function(force=True)
         self._plain_function = model.train_function
         self._instrumented_function = None
@@ -291,15 +285,12 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             self._instrumented_function = model.train_function
         model.train_function = original
         self._patches.set(model, "train_function", self._run_train_function)
-
-        self._layer_patch.install()
-        self._loss_scales.install(self._patches)
-        self._health.install(self._patches)
-        self._begun = True
-        self._guard.run("gpu", self._start_gpu)
+        self._fit = fit
+        for collector in self._collectors:
+            self._guard.run(collector.name, collector.install, fit, self._patches)
         self._sigterm.install()
         self._write_context()
-        self._guard.run("loss_scale", self._loss_scales.write, self._writer)
+        self._guard.run(self._loss_scales.name, self._loss_scales.flush, fit)
 
     # No on_train_batch_end: overriding it makes Keras wait for every step's
     # logs. The work after a step is done in _run_train_function instead.
@@ -307,9 +298,9 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._batch_pending = True
 
     def on_epoch_end(self, epoch, logs=None):
-        if self._writer is None:
+        if self._fit is None:
             return
-        self._guard.run("loss_health", self._health.check_weights, self.model)
+        self._guard.run(self._health.name, self._health.check_weights, self.model)
         self._flush()
 
     def on_train_end(self, logs=None):
@@ -319,26 +310,29 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
     # The train function fit calls while this profiler runs.
 
     def _run_train_function(self, iterator):
-        if not self._batch_pending or self._writer is None:
+        fit = self._fit
+        if not self._batch_pending or fit is None:
             # Called outside a profiled batch: a later fit or train_on_batch
             # after this fit was stopped by someone else's exception.
             self._fit_state = schema.FIT_FAILED
             self._finish()
             return self.model.train_function(iterator)
         self._batch_pending = False
+        numerics = self._numerics
         sampling = (self._instrumented_function is not None
-                    and self._schedule.due(self._calls)
-                    and bool(self._guard.run("numerics", self._prepare_numerics)))
-        forensic = self._schedule.sampled() if sampling else False
-        sample_step = self._measured_step() if sampling else None
+                    and self._schedule.due(fit.calls)
+                    and bool(self._guard.run(numerics.name, numerics.prepare, fit)))
+        fit.forensic = self._schedule.sampled() if sampling else False
+        fit.sample_step = self._measured_step() if sampling else None
         function = self._instrumented_function if sampling else self._plain_function
-        logs = self._call(function, iterator)
-        skipped = logs.pop(_SKIPPED_LOG, None) if isinstance(logs, dict) else None
-        self._guard.run("profiler", self._after_call, sample_step, forensic, skipped)
+        numerics.instrument(sampling)
+        try:
+            logs = self._call(function, iterator)
+        finally:
+            numerics.instrument(False)
+        fit.reported_skips = logs.pop(_SKIPPED_LOG, None) if isinstance(logs, dict) else None
+        self._guard.run("profiler", self._after_call, fit)
         return logs
-
-    def _failure_of(self, collector: str):
-        return lambda error: self._guard.fail(collector, error)
 
     def _call(self, function, iterator):
         """Runs one train function; if the instrumented one fails on its first
@@ -347,9 +341,6 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         mpprof's hooks inside the step catch their own errors (`GuardedHook`,
         `TracedGuard`); what the plain step raises is the user's own error.
         """
-        collector = self._numerics.collector if self._numerics is not None else None
-        if collector is not None:
-            collector.instrumenting = function is self._instrumented_function
         try:
             logs = function(iterator)
         except (StopIteration, tf.errors.OutOfRangeError):
@@ -359,24 +350,23 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
                 self._abort()
                 raise
             self._instrumented_function = None
+            self._numerics.instrument(False)
             self._guard.fail(
-                "numerics", f"the instrumented train step failed: {describe_error(error)}"
+                self._numerics.name,
+                f"the instrumented train step failed: {describe_error(error)}",
             )
             return self._call(self._plain_function, iterator)
         except BaseException:
             self._abort()
             raise
-        finally:
-            if collector is not None:
-                collector.instrumenting = False
         self._functions_run.add(id(function))
         return logs
 
-    def _report_skips_in_logs(self) -> None:
+    def _report_skips_in_logs(self, fit) -> None:
         """Makes the train step return the skipped-step count in its logs
         (Keras 3, while forensic samples can still be taken)."""
         skipped = self._loss_scales.skipped_total
-        if (self._usage.watched is False or not self._loss_scales.by_name
+        if (not fit.usage.watched or not self._loss_scales.by_name
                 or not self._schedule.watching_overflows):
             return
         train_step = self.model.train_step
@@ -389,81 +379,41 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
 
         self._patches.set(self.model, "train_step", train_step_reporting_skips)
 
-    def _after_call(self, sample_step: int | None, forensic: bool, skipped) -> None:
+    def _after_call(self, fit: FitState) -> None:
         """Bookkeeping after each call; reads the device only when it must."""
-        first_call = self._calls == 0
-        self._calls += 1
-        steps = self._steps_per_execution()  # exact but for an epoch's last call
-        self._step += steps
+        first_call = fit.calls == 0
+        fit.calls += 1
+        steps = _steps_per_execution(self.model)  # exact but for an epoch's last call
+        fit.step += steps
         self._steps_since_flush += steps
         self._schedule.after_call(steps)
         if first_call:
             # Tracing showed which optimizers the step uses: say so at once.
-            self._usage.mark_traced()
-            self._step = self._measured_step()
+            fit.usage.mark_traced()
+            fit.step = self._measured_step()
             self._write_context()
-        self._guard.run("gpu", self._after_step_gpu)
-        if not self._inventory_written and self._guard.ok("precision") and self._precision.traced:
-            self._guard.run("precision", self._write_inventory)
-        if sample_step is not None:
-            self._step = self._measured_step()
-            self._guard.run("numerics", self._take_sample, sample_step, forensic)
-        if self._guard.ok("loss_scale") and self._loss_scales:
-            self._guard.run("loss_scale", self._loss_scales.poll_if_host_mode)
-            self._guard.run("loss_scale", self._watch_for_overflows, skipped)
+        elif fit.sample_step is not None:
+            fit.step = self._measured_step()
+        for collector in self._collectors:
+            self._guard.run(collector.name, collector.after_call, fit)
         if self._steps_since_flush >= self.flush_every_steps or self._flush_clock.due():
             self._flush()
 
-    # Numerics sampling.
-
-    def _prepare_numerics(self) -> bool:
-        if self._numerics is None:
-            model = self.model
-            collector = self._numerics_collector_class(model, model.distribute_strategy)
-            primary = self._usage.primary()
-            if primary is not None:
-                collector.wrap_optimizer(primary.optimizer, self._loss_scales.scale_tensor)
-            self._layer_patch.add_hook(GuardedHook("numerics", collector, self._guard))
-            self._numerics = NumericsSamples(collector, self._policy_max())
-        return True
-
-    def _take_sample(self, step: int, forensic: bool) -> None:
-        scale = float(self._loss_scales.scale_tensor().numpy()) if self._loss_scales else 1.0
-        self._numerics.take(
-            self._writer, step=step, steps=self._step - step,
-            loss=self._health.last_loss() if self._guard.ok("loss_health") else math.nan,
-            scale=scale, forensic=forensic,
-        )
-
-    def _watch_for_overflows(self, reported) -> None:
-        """Arms a forensic sample after a new overflow.
-
-        `reported`: the count the step returned in its logs, if it did.
-        """
-        if not self._schedule.watching_overflows:
-            return
-        skipped = int(reported) if reported is not None else self._loss_scales.skipped_steps()
-        if skipped > self._overflows_seen:
-            self._schedule.overflowed()
-        self._overflows_seen = skipped
-
-    def _policy_max(self) -> float:
-        return _POLICY_MAX.get(self.model.dtype_policy.compute_dtype, _POLICY_MAX["float32"])
-
     # Steps.
 
-    def _start_step(self) -> int:
+    def _start_step(self, usage) -> int:
         if self._last_step is not None:
             return self._last_step
-        return self._step_of(self._usage.uses[0]) if self._usage.uses else 0
+        return self._step_of(usage.uses[0]) if usage.uses else 0
 
     def _measured_step(self) -> int:
         """Steps run so far: the primary optimizer's (iterations, plus skipped
         steps under loss scaling) or, when the step applies no optimizer,
         the host's count of steps run."""
-        primary = self._usage.primary() if self._usage.traced else None
+        fit = self._fit
+        primary = fit.usage.primary() if fit.usage.traced else None
         if primary is None or (primary.loss_scale and not self._guard.ok("loss_scale")):
-            return self._step
+            return fit.step
         return self._step_of(primary)
 
     def _step_of(self, use) -> int:
@@ -472,43 +422,30 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             return collector.current_step()
         return int(use.optimizer.iterations.numpy())
 
-    def _graph_step_of(self, name: str):
+    def _graph_step_of(self, usage: OptimizerUsage, name: str):
         """For an optimizer's name, a function giving its step in-graph."""
         collector = self._loss_scales.by_name.get(name)
         if collector is not None:
             return collector.graph_step
-        optimizer = next(u.optimizer for u in self._usage.uses if u.name == name)
+        optimizer = next(u.optimizer for u in usage.uses if u.name == name)
         return lambda: tf.convert_to_tensor(optimizer.iterations)
-
-    def _steps_per_execution(self) -> int:
-        return tf_keras_support.steps_per_execution(self.model)
 
     # Writing.
 
     def _flush(self) -> None:
         """Reads the in-graph counters and writes every pending record."""
-        if self._writer is None:
+        fit = self._fit
+        if fit is None or self._writer is None:
             return
-        self._step = self._guard.run("profiler", self._measured_step) or self._step
-        if self._guard.ok("loss_scale") and self._loss_scales:
-            self._guard.run("loss_scale", self._loss_scales.write, self._writer)
-        if self._numerics is not None:
-            self._guard.run("numerics", self._numerics.write, self._writer)
-        self._guard.run("gpu", self._write_gpu_samples)
-        self._guard.run("loss_health", self._write_health)
+        fit.step = self._guard.run("profiler", self._measured_step) or fit.step
+        for collector in self._collectors:
+            self._guard.run(collector.name, collector.flush, fit)
         self._write_context()
         self._writer.flush()
         if self._worker_writer is not None:
             self._worker_writer.flush()
         self._steps_since_flush = 0
         self._flush_clock.reset()
-
-    def _write_inventory(self) -> None:
-        self._writer.write_json(schema.INVENTORY, self._precision.inventory(), self._step)
-        self._inventory_written = True
-
-    def _write_health(self) -> None:
-        self._writer.write_json(schema.HEALTH, self._health.record(self._step), self._step)
 
     # Ending a fit.
 
@@ -527,12 +464,13 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             return
         atexit.unregister(self._finish_unended)
         self._sigterm.remove()
+        fit = self._fit
         try:
-            if self._begun:
-                self._guard.run("gpu", self._finish_gpu)
-                self._guard.run("loss_health", self._health.check_weights, self.model)
+            if fit is not None:
+                for collector in self._collectors:
+                    self._guard.run(collector.name, collector.end, fit)
                 self._flush()
-                self._last_step = self._step
+                self._last_step = fit.step
                 self._earlier_loss_scales = {
                     id(c.optimizer): c for c in self._loss_scales.by_name.values()
                 }
@@ -540,9 +478,14 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             else:
                 self._write_context()
         finally:
-            self._release_gpu()
-            self._remove_patches()
+            if fit is not None:
+                self._host.release()
+                self._inventory.remove()
+                self._numerics.remove()
+            for failure in self._patches.restore():
+                print(f"mpprof: could not undo a patch ({failure})")
             self._plain_function = self._instrumented_function = None
+            self._fit = None
             self._writer.close()
             self._writer = None
             if self._worker_writer is not None:
@@ -550,14 +493,6 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
                 self._worker_writer = None
             if _ACTIVE.get(self.model) is self:
                 del _ACTIVE[self.model]
-
-    def _remove_patches(self) -> None:
-        if self._layer_patch is not None:
-            self._layer_patch.remove()
-        if self._numerics is not None:
-            self._numerics.collector.remove()
-        for failure in self._patches.restore():
-            print(f"mpprof: could not undo a patch ({failure})")
 
     def _take_over(self, model) -> None:
         """Refuses a second profiler in the same fit; finishes one left behind
@@ -579,42 +514,28 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
     # The run context.
 
     def _context(self) -> dict:
-        model = self.model
-        guard = self._guard
-        if self.numerics_every is None:
-            numerics = {"state": "off", "reason": "numerics_every=None"}
-        else:
-            numerics = {
-                "state": "ok",
-                "every": self.numerics_every,
-                "forensic_budget": self.forensic_budget,
-                "forensic_spacing": self.forensic_spacing,
-                "forensic_used": self._schedule.forensic_used,
-            }
-        collectors = {"numerics": guard.context("numerics", numerics)}
-        if self._begun:
-            replicas = int(model.distribute_strategy.num_replicas_in_sync)
-            collectors["precision"] = guard.context(
-                "precision", {"state": "ok", "traced": self._precision.traced}
+        fit = self._fit
+        collectors = {c.name: self._guard.context(c.name, c.context()) for c in self._collectors}
+        if fit is not None:
+            collectors[self._numerics.name].setdefault(
+                "forensic_used", self._schedule.forensic_used
             )
-            collectors["loss_scale"] = guard.context(
-                "loss_scale", self._loss_scales.context(keras_3_skip_decided_by(replicas))
-            )
-            collectors["loss_health"] = guard.context(
-                "loss_health", {"state": "ok" if self._health.watched() else "absent"}
-            )
-        collectors.update(self._gpu_context())
+            kernels = self._host.kernels_context()
+            if kernels is not None:
+                collectors["kernels"] = self._guard.context(self._host.name, kernels)
         for name in ("recording", "profiler", "run_context"):
-            if not guard.ok(name):
-                collectors[name] = guard.context(name, {})
+            if not self._guard.ok(name):
+                collectors[name] = self._guard.context(name, {})
+        step = fit.step if fit is not None else self._last_step or 0
         context = run_context(
-            model, collectors=collectors, hardware=getattr(self, "_hardware", None),
-            step=self._fit_start_step if self._begun else self._step_or_start(),
+            self.model, collectors=collectors,
+            hardware=self._host.hardware if fit is not None else None,
+            step=self._fit_start_step if fit is not None else step,
             fit_count=self._fit_count,
         )
-        if self._begun:
-            context["optimizers"] = self._usage.describe()
-            primary = self._usage.primary() if self._usage.traced else None
+        if fit is not None:
+            context["optimizers"] = fit.usage.describe()
+            primary = fit.usage.primary() if fit.usage.traced else None
             if primary is not None:
                 context["optimizer"] = type(primary.optimizer).__name__
         context["fit_state"] = self._fit_state
@@ -633,23 +554,24 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
 
     def _write_contexts(self) -> None:
         context = self._context()
-        gpu = context["collectors"]["gpu"]
-        if self._worker_writer is not None:
-            # GPU samples belong to hosts: point the model run at every worker's.
-            gpu["samples_in_runs"] = context["distributed"]["worker_runs"]
-        self._writer.write_json(schema.RUN_CONTEXT, context, self._step_or_start())
-        if self._worker_writer is not None and self._begun:
-            gpu["samples_in_runs"] = [context["distributed"]["worker_run"]]
-            context["run_role"] = "worker"
+        fit = self._fit
+        step = fit.step if fit is not None else self._last_step or 0
+        if self._worker_writer is None:
+            self._writer.write_json(schema.RUN_CONTEXT, context, step)
+            return
+        # GPU samples belong to hosts: point the model run at every worker's.
+        gpu = context["collectors"].setdefault("gpu", {})
+        gpu["samples_in_runs"] = context["distributed"]["worker_runs"]
+        self._writer.write_json(schema.RUN_CONTEXT, context, step)
+        gpu["samples_in_runs"] = [context["distributed"]["worker_run"]]
+        context["run_role"] = "worker"
+        if fit is not None:
             context["worker_evidence"] = {
-                "steps_run": self._step_or_start(),
+                "steps_run": step,
                 "skipped_steps": self._loss_scales.skipped_steps(),
-                **self._health.record(self._step_or_start()),
+                **self._health.record(step),
             }
-            self._worker_writer.write_json(schema.RUN_CONTEXT, context, self._step_or_start())
-
-    def _step_or_start(self) -> int:
-        return self._step if self._begun else self._last_step or 0
+        self._worker_writer.write_json(schema.RUN_CONTEXT, context, step)
 
     # Distribution: which process writes what (mpprof.distributed).
 
@@ -673,71 +595,9 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             model_writer.close()
             raise
 
-    @property
-    def _host_writer(self):
-        """Where this host's own records (GPU samples, kernel share) go."""
-        return self._worker_writer if self._worker_writer is not None else self._writer
 
-    # GPU sampler and XProf window (mpprof.collectors.gpu / .kernels). The
-    # sampler thread only queues rows: this thread writes them.
-
-    def _start_gpu(self) -> None:
-        if self.gpu_interval is not None:
-            self._gpu = gpu_collector.GpuSampler(self.gpu_interval)
-            self._gpu.step = self._step
-            self._gpu.start()
-        self._hardware = hardware_facts(self._gpu)
-        if self._profile_window is not None:
-            if self._role.worker_run is not None:
-                # Each worker traces its own host, into its own run.
-                self._profile_window.run_dir = posixpath.join(self.run_dir, self._role.worker_run)
-            siblings = kernel_collector.sibling_callbacks(self)
-            self._profile_window.begin(self._step, siblings)
-
-    def _after_step_gpu(self) -> None:
-        if self._gpu is not None:
-            self._gpu.step = self._step
-            # Write before the ring buffer would overwrite unwritten rows.
-            if self._gpu.pending_rows >= self._gpu.capacity_rows // 2:
-                self._write_gpu_samples()
-        if self._profile_window is not None:
-            self._write_kernel_stats(self._profile_window.after_steps(self._step))
-
-    def _write_gpu_samples(self) -> None:
-        if self._gpu is None:
-            return
-        rows = self._gpu.drain()
-        if len(rows):
-            self._host_writer.write_array(schema.GPU_SAMPLES, rows, int(rows[-1, 1]))
-
-    def _write_kernel_stats(self, result: dict | None) -> None:
-        if result is not None:
-            self._host_writer.write_json(schema.KERNEL_STATS, result, self._step)
-
-    def _finish_gpu(self) -> None:
-        if self._gpu is not None:
-            self._gpu.stop()
-            self._write_gpu_samples()
-        if self._profile_window is not None:
-            self._write_kernel_stats(self._profile_window.finish())
-
-    def _release_gpu(self) -> None:
-        if self._gpu is not None:
-            self._gpu.stop()  # idempotent: the thread never outlives fit
-
-    def _gpu_context(self) -> dict:
-        if self._gpu is not None:
-            collectors = {"gpu": self._gpu.context()}
-        else:
-            collectors = {"gpu": {
-                "state": "unavailable", "mode": gpu_collector.MODE_UNAVAILABLE,
-                "reason": "the GPU sampler is off (gpu_interval=None)",
-                "interval_s": None,
-            }}
-        collectors["gpu"] = self._guard.context("gpu", collectors["gpu"])
-        if self._profile_window is not None:
-            collectors["kernels"] = self._guard.context("gpu", self._profile_window.context())
-        return collectors
+def _steps_per_execution(model) -> int:
+    return tf_keras_support.steps_per_execution(model)
 
 
 def _open_writer(run_dir: str) -> RecordWriter:

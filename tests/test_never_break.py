@@ -15,6 +15,9 @@ import tensorflow as tf
 
 import mpprof
 from mpprof import reader, schema
+from mpprof.collectors.health import LossHealthCollector
+from mpprof.collectors.host import HostRecorder
+from mpprof.collectors.inventory import Inventory
 from mpprof.collectors.loss_scale import LossScaleCollector
 from mpprof.collectors.loss_scales import LossScales
 from mpprof.collectors.numerics import NumericsCollector
@@ -248,15 +251,19 @@ def test_users_own_error_passes_through_unchanged(tmp_path):
 
 
 # Each collector's own method made to fail: (collector named in the run
-# context, class, method). The first four run on the host, the last three
+# context, class, method). The first seven run on the host, the last four
 # while the train step is traced.
 INJECTIONS = [
-    ("loss_scale", LossScales, "write"),
-    ("numerics", NumericsSamples, "take"),
+    ("loss_scale", LossScales, "flush"),
+    ("loss_scale", LossScales, "after_call"),
+    ("numerics", NumericsSamples, "after_call"),
     ("loss_health", RunHealth, "record"),
+    ("precision", Inventory, "after_call"),
     ("precision", PrecisionCollector, "inventory"),
+    ("gpu", HostRecorder, "after_call"),
     ("numerics", NumericsCollector, "on_call"),
     ("loss_scale", LossScaleCollector, "_append"),
+    ("loss_health", LossHealthCollector, "_watch"),
     ("precision", PrecisionCollector, "on_call"),
 ]
 
@@ -338,3 +345,83 @@ def _small_data():
 def _is_profiler_function(model) -> bool:
     function = vars(model).get("train_function")
     return isinstance(getattr(function, "__self__", None), mpprof.MixedPrecisionProfiler)
+
+
+def _start_hard_stop_fit(tmp_path, *extra):
+    progress = tmp_path / "progress.txt"
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(TESTS, "hard_stop_fit.py"), str(tmp_path / "logs"),
+         str(progress), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    return process, progress
+
+
+def _steps_done_by(progress, when: float) -> int:
+    """Steps the subprocess had finished at time `when`."""
+    done = 0
+    for line in progress.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 2 and float(parts[1]) <= when:
+            done = int(parts[0])
+    return done
+
+
+def _wait_for_steps(process, progress, steps: int, timeout: float = 120) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"the fit ended early: {process.stderr.read()[-3000:]}")
+        if progress.exists() and len(progress.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.1)
+    process.kill()
+    raise AssertionError("the fit did not reach the steps in time")
+
+
+def test_sigkill_loses_at_most_the_flush_interval(tmp_path):
+    import signal
+    import time
+
+    from hard_stop_fit import FLUSH_EVERY_SECONDS
+
+    process, progress = _start_hard_stop_fit(tmp_path)
+    _wait_for_steps(process, progress, 50)
+    time.sleep(3 * FLUSH_EVERY_SECONDS)
+    killed_at = time.time()
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    # Every step is an overflow; each one that ended more than the interval
+    # (plus one step and a margin for the check after it) before the kill is
+    # on disk.
+    bound = FLUSH_EVERY_SECONDS + 0.5
+    must_have = _steps_done_by(progress, killed_at - bound)
+    assert must_have >= 50
+    run = reader.read_run(str(tmp_path / "logs"), "train")
+    overflow_steps = set(run.loss_scale.overflow_steps.astype(int).tolist())
+    assert set(range(must_have)) <= overflow_steps
+    # The run says it never ended.
+    assert run.context["fit_state"] == schema.FIT_RUNNING
+
+
+@pytest.mark.parametrize("own_handler", [False, True], ids=["default", "user_handler"])
+def test_sigterm_saves_the_records_and_passes_the_signal_on(tmp_path, own_handler):
+    import signal
+    import time
+
+    marker = tmp_path / "user_handler_ran"
+    extra = ("--own-sigterm-handler", str(marker)) if own_handler else ()
+    process, progress = _start_hard_stop_fit(tmp_path, *extra)
+    _wait_for_steps(process, progress, 50)
+    signalled_at = time.time()
+    process.send_signal(signal.SIGTERM)
+    returncode = process.wait(timeout=60)
+    if own_handler:
+        assert returncode == 0 and marker.read_text() == "handled"
+    else:
+        assert returncode == -signal.SIGTERM
+    run = reader.read_run(str(tmp_path / "logs"), "train")
+    overflow_steps = set(run.loss_scale.overflow_steps.astype(int).tolist())
+    assert set(range(_steps_done_by(progress, signalled_at))) <= overflow_steps

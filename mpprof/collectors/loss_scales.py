@@ -14,11 +14,13 @@ from __future__ import annotations
 import tensorflow as tf
 
 from mpprof import schema
+from mpprof.collectors.base import Collector
 from mpprof.collectors.optimizers import OptimizerUsage
+from mpprof.distributed import keras_3_skip_decided_by
 from mpprof.patching import Patches
 
 
-class LossScales:
+class LossScales(Collector):
     """One loss-scale collector per LossScaleOptimizer the step may use.
 
     Args:
@@ -30,9 +32,13 @@ class LossScales:
             counting skipped steps across fits.
     """
 
+    name = "loss_scale"
+
     def __init__(self, keras_api, usage: OptimizerUsage, strategy, capacity: int,
                  reuse: dict[int, object]):
         self._usage = usage
+        self._replicas = int(strategy.num_replicas_in_sync)
+        self._overflows_seen: int | None = None
         self.by_name = {}
         for use in usage.uses:
             if not use.loss_scale:
@@ -45,9 +51,39 @@ class LossScales:
     def __bool__(self) -> bool:
         return bool(self.active())
 
-    def install(self, patches: Patches) -> None:
+    def install(self, fit, patches: Patches) -> None:
         for collector in self.by_name.values():
+            collector.traced.on_error = lambda error: fit.guard.fail(self.name, error)
             collector.install(patches)
+        self._overflows_seen = self.skipped_steps()
+
+    def after_call(self, fit) -> None:
+        """Polls in host mode; arms a forensic sample after a new overflow."""
+        if not self:
+            return
+        for collector in self.active().values():
+            collector.poll_if_host_mode()
+        if not fit.schedule.watching_overflows:
+            return
+        # The count the step returned in its logs, when it did: no extra read.
+        reported = fit.reported_skips
+        skipped = int(reported) if reported is not None else self.skipped_steps()
+        if skipped > self._overflows_seen:
+            fit.schedule.overflowed()
+        self._overflows_seen = skipped
+
+    def flush(self, fit) -> None:
+        """Reads every used series and writes its new events and progress."""
+        if not self:
+            return
+        primary = self.primary()
+        for name, collector in self.active().items():
+            events, progress = collector.read()
+            series = None if collector is primary else name
+            step = int(progress[0])
+            if len(events):
+                fit.writer.write_array(schema.LOSS_SCALE_EVENTS, events, step, series=series)
+            fit.writer.write_array(schema.LOSS_SCALE_PROGRESS, progress, step, series=series)
 
     def active(self) -> dict[str, object]:
         """The series of optimizers the step uses (all of them until traced)."""
@@ -69,21 +105,6 @@ class LossScales:
         """Skipped steps of every used series so far (a host read)."""
         return sum(c.skipped_steps() for c in self.active().values())
 
-    def poll_if_host_mode(self) -> None:
-        for collector in self.active().values():
-            collector.poll_if_host_mode()
-
-    def write(self, writer) -> None:
-        """Reads every used series and writes its new events and progress."""
-        primary = self.primary()
-        for name, collector in self.active().items():
-            events, progress = collector.read()
-            series = None if collector is primary else name
-            step = int(progress[0])
-            if len(events):
-                writer.write_array(schema.LOSS_SCALE_EVENTS, events, step, series=series)
-            writer.write_array(schema.LOSS_SCALE_PROGRESS, progress, step, series=series)
-
     def scale_tensor(self) -> tf.Tensor:
         """The primary optimizer's loss scale inside the graph (1 without one,
         or before its variables exist)."""
@@ -92,7 +113,7 @@ class LossScales:
             return tf.constant(1.0)
         return primary.scale_tensor()
 
-    def context(self, replicas_note) -> dict:
+    def context(self) -> dict:
         """The run context's "loss_scale" collector state."""
         active = self.active()
         if not active:
@@ -111,7 +132,7 @@ class LossScales:
         series = {}
         for name, collector in active.items():
             settings = collector.settings()
-            settings.setdefault("skip_decided_by", replicas_note)
+            settings.setdefault("skip_decided_by", keras_3_skip_decided_by(self._replicas))
             if collector is primary or primary is None and not series:
                 context.update(settings, primary=name)
             series[name] = settings

@@ -1,54 +1,107 @@
-"""Numerics samples: taken by `NumericsCollector`, batched here for writing.
+"""Numerics samples: taken by `NumericsCollector` on the steps the schedule
+picks, batched here for writing.
 
-The collector's tables are read once per sampled call; the rows wait on the
-host and are written as one [samples, ...] array per record at flush points
-(one write per record instead of one per sample).
+The collector is made at the first sample (its statistics tables need the
+built model). Its tables are read once per sampled call; the rows wait on
+the host and are written as one [samples, ...] array per record at flush
+points (one write per record instead of one per sample).
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from mpprof import schema
+from mpprof.collectors.base import Collector
 
 # Samples waiting for the next flush, at most.
 MAX_PENDING_SAMPLES = 64
 
+_POLICY_MAX = {
+    "float16": schema.FLOAT16_MAX,
+    "bfloat16": schema.BFLOAT16_MAX,
+    "float32": float(np.finfo(np.float32).max),
+}
 
-class NumericsSamples:
+
+class NumericsSamples(Collector):
     """Turns the collector's readings into NUMERICS_* records.
 
     Args:
-        collector: the model's `NumericsCollector`.
-        policy_max: the largest finite value of the model's compute dtype.
+        collector_class: the Keras flavour's `NumericsCollector` class.
+        inventory: the `Inventory` whose layer wrappers the collector hooks.
+        loss_scales: the `LossScales` (the primary scale unscales gradients).
+        health: the `RunHealth` (the sampled step's loss).
+        settings: the profiler's numerics settings, for the run context.
     """
 
-    def __init__(self, collector, policy_max: float):
-        self.collector = collector
-        self._policy_max = policy_max
+    name = "numerics"
+
+    def __init__(self, collector_class, inventory, loss_scales, health, settings: dict):
+        self._collector_class = collector_class
+        self._inventory = inventory
+        self._loss_scales = loss_scales
+        self._health = health
+        self._settings = settings
+        self.collector = None
         self._pending: list[dict[str, np.ndarray]] = []
         self._layout_written = None
+        self._forensic_used = 0
 
-    def take(self, writer, *, step: int, steps: int, loss: float, scale: float,
-             forensic: bool) -> None:
-        """Reads the sample the last call recorded (`steps` steps from `step`)."""
+    def prepare(self, fit) -> bool:
+        """Makes the collector before the first sampled call."""
+        if self.collector is None:
+            model = fit.model
+            collector = self._collector_class(model, model.distribute_strategy)
+            primary = fit.usage.primary()
+            if primary is not None:
+                collector.wrap_optimizer(primary.optimizer, self._loss_scales.scale_tensor)
+            self._inventory.add_hook(self.name, collector)
+            self.collector = collector
+        return True
+
+    def instrument(self, on: bool) -> None:
+        if self.collector is not None:
+            self.collector.instrumenting = on
+
+    def after_call(self, fit) -> None:
+        """Reads the sample the last call recorded, if it was sampled."""
+        if fit.sample_step is None:
+            return
+        self._forensic_used = fit.schedule.forensic_used
         sample = self.collector.read()
         sample.pop("loss", None)  # the loss comes from the health watchers
-        layout = self.collector.layout(self._policy_max)
+        max_value = _POLICY_MAX.get(fit.model.dtype_policy.compute_dtype, _POLICY_MAX["float32"])
+        layout = self.collector.layout(max_value)
         if layout != self._layout_written:
-            self.write(writer)  # samples of the old layout go first
-            writer.write_json(schema.NUMERICS_LAYOUT, layout, step)
+            self.flush(fit)  # samples of the old layout go first
+            fit.writer.write_json(schema.NUMERICS_LAYOUT, layout, fit.sample_step)
             self._layout_written = layout
-        sample[schema.NUMERICS_STEP] = np.array([step, loss, scale, float(forensic), steps])
+        loss = self._health.last_loss() if fit.guard.ok(self._health.name) else math.nan
+        scale = float(self._loss_scales.scale_tensor().numpy())
+        sample[schema.NUMERICS_STEP] = np.array([
+            fit.sample_step, loss, scale, float(fit.forensic), fit.step - fit.sample_step,
+        ])
         self._pending.append(sample)
         if len(self._pending) >= MAX_PENDING_SAMPLES:
-            self.write(writer)
+            self.flush(fit)
 
-    def write(self, writer) -> None:
+    def flush(self, fit) -> None:
         """Writes the pending samples, each record as one [samples, ...] array."""
         if not self._pending:
             return
         samples, self._pending = self._pending, []
         step = int(samples[0][schema.NUMERICS_STEP][0])
         for record in samples[0]:
-            writer.write_array(record, np.stack([s[record] for s in samples]), step)
+            fit.writer.write_array(record, np.stack([s[record] for s in samples]), step)
+
+    def remove(self) -> None:
+        if self.collector is not None:
+            self.collector.remove()
+
+    def context(self) -> dict:
+        if self._settings.get("every") is None:
+            return {"state": "off", "reason": "numerics_every=None"}
+        return {"state": "ok", **self._settings, "forensic_used": self._forensic_used}

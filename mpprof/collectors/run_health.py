@@ -13,12 +13,13 @@ import math
 
 import tensorflow as tf
 
-from mpprof import tf_keras_support
+from mpprof import schema, tf_keras_support
+from mpprof.collectors.base import Collector
 from mpprof.collectors.optimizers import OptimizerUsage
 from mpprof.patching import Patches
 
 
-class RunHealth:
+class RunHealth(Collector):
     """Loss watchers for the step's optimizers, and the weight check.
 
     Args:
@@ -29,6 +30,8 @@ class RunHealth:
         reuse: watchers of an earlier fit, by optimizer id (they keep the
             first non-finite step across fits).
     """
+
+    name = "loss_health"
 
     def __init__(self, keras_api, usage: OptimizerUsage, strategy, step_of, reuse: dict):
         self._usage = usage
@@ -42,9 +45,21 @@ class RunHealth:
             self.watchers[use.name] = watcher
         self.nonfinite_weights: list[str] = []
 
-    def install(self, patches: Patches) -> None:
+    def install(self, fit, patches: Patches) -> None:
         for watcher in self.watchers.values():
+            watcher.traced.on_error = lambda error: fit.guard.fail(self.name, error)
             watcher.install(patches)
+
+    def flush(self, fit) -> None:
+        fit.writer.write_json(schema.HEALTH, self.record(fit.step), fit.step)
+
+    def end(self, fit) -> None:
+        self.check_weights(fit.model)
+
+    def context(self) -> dict:
+        if self.watched() is not None:
+            return {"state": "ok"}
+        return {"state": "absent", "reason": "no loss passed through a watched optimizer"}
 
     def watched(self):
         """The watcher of the loss the record reports (the primary optimizer's

@@ -1,0 +1,49 @@
+"""The lifecycle every collector of a profiled fit implements.
+
+A collector owns one concern (the inventory, the loss scale, the health
+checks, the numerics samples, the host's GPU) from its patches to its
+records. The profiler calls each step of the lifecycle through its `Guard`:
+whatever a collector raises switches that collector off for the rest of the
+fit, with the reason in the run context, and training goes on.
+
+    install(fit, patches)   at train begin, before the first step is traced:
+                            patches (through `patches`, so that they are all
+                            undone when the fit ends) and device state
+    after_call(fit)         after each train-function call: host bookkeeping,
+                            no device read unless one is due
+    flush(fit)              at flush points (every N steps or seconds, epoch
+                            ends, the end of fit, SIGTERM): read the device
+                            state and write the records
+    end(fit)                when the fit ends or raises, before the last flush
+    context()               its state for the run context
+
+Collectors never judge (`mpprof.diagnosis` does) and write only through
+`fit.writer` / `fit.host_writer`.
+"""
+
+from __future__ import annotations
+
+from mpprof.patching import Patches
+
+
+class Collector:
+    """Base class: every step of the lifecycle does nothing by default."""
+
+    # The collector's key in the run context's "collectors".
+    name = ""
+
+    def install(self, fit, patches: Patches) -> None:
+        """Called once at train begin, before the first step is traced."""
+
+    def after_call(self, fit) -> None:
+        """Called after each train-function call."""
+
+    def flush(self, fit) -> None:
+        """Reads what the device holds and writes the pending records."""
+
+    def end(self, fit) -> None:
+        """The fit ends (or raised); the last `flush` follows."""
+
+    def context(self) -> dict:
+        """This collector's state for the run context."""
+        return {"state": "ok"}

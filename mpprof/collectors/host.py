@@ -1,0 +1,90 @@
+"""This host's records: NVML samples of its GPUs and the XProf window's
+Tensor Core kernel share (`mpprof.collectors.gpu`, `.kernels`).
+
+The sampler thread only queues rows; the training thread writes them, into
+this host's run (`fit.host_writer`: the worker's own run under
+MultiWorkerMirroredStrategy, else the model run).
+"""
+
+from __future__ import annotations
+
+from mpprof import schema
+from mpprof.collectors import gpu as gpu_collector
+from mpprof.collectors import kernels as kernel_collector
+from mpprof.collectors.base import Collector
+from mpprof.hardware import hardware_facts
+from mpprof.patching import Patches
+
+
+class HostRecorder(Collector):
+    """Starts the GPU sampler and the XProf window, writes what they saw.
+
+    Args:
+        interval_s: seconds between NVML samples, or None for no sampler.
+        profile_window: the `kernels.ProfileWindow` of `profile_steps`, or None.
+        profiler: the profiling callback (its siblings may own the profiler).
+    """
+
+    name = "gpu"
+
+    def __init__(self, interval_s: float | None, profile_window, profiler):
+        self._interval_s = interval_s
+        self._window = profile_window
+        self._profiler = profiler
+        self._sampler: gpu_collector.GpuSampler | None = None
+        self.hardware: dict | None = None
+
+    def install(self, fit, patches: Patches) -> None:
+        if self._interval_s is not None:
+            self._sampler = gpu_collector.GpuSampler(self._interval_s)
+            self._sampler.step = fit.step
+            self._sampler.start()
+        self.hardware = hardware_facts(self._sampler)
+        if self._window is not None:
+            self._window.begin(fit.step, kernel_collector.sibling_callbacks(self._profiler))
+
+    def after_call(self, fit) -> None:
+        if self._sampler is not None:
+            self._sampler.step = fit.step
+            # Write before the ring buffer would overwrite unwritten rows.
+            if self._sampler.pending_rows >= self._sampler.capacity_rows // 2:
+                self._write_samples(fit)
+        if self._window is not None:
+            self._write_kernel_stats(fit, self._window.after_steps(fit.step))
+
+    def flush(self, fit) -> None:
+        self._write_samples(fit)
+
+    def end(self, fit) -> None:
+        if self._sampler is not None:
+            self._sampler.stop()
+        if self._window is not None:
+            self._write_kernel_stats(fit, self._window.finish())
+
+    def release(self) -> None:
+        """Stops the sampler thread whatever happened (idempotent)."""
+        if self._sampler is not None:
+            self._sampler.stop()
+
+    def _write_samples(self, fit) -> None:
+        if self._sampler is None:
+            return
+        rows = self._sampler.drain()
+        if len(rows):
+            fit.host_writer.write_array(schema.GPU_SAMPLES, rows, int(rows[-1, 1]))
+
+    def _write_kernel_stats(self, fit, result: dict | None) -> None:
+        if result is not None:
+            fit.host_writer.write_json(schema.KERNEL_STATS, result, fit.step)
+
+    def context(self) -> dict:
+        if self._sampler is not None:
+            return self._sampler.context()
+        return {
+            "state": "unavailable", "mode": gpu_collector.MODE_UNAVAILABLE,
+            "reason": "the GPU sampler is off (gpu_interval=None)",
+            "interval_s": None,
+        }
+
+    def kernels_context(self) -> dict | None:
+        return self._window.context() if self._window is not None else None

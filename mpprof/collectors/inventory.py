@@ -1,0 +1,49 @@
+"""The INVENTORY record: every layer's precision, as the first step traced it."""
+
+from __future__ import annotations
+
+from mpprof import schema
+from mpprof.collectors.base import Collector
+from mpprof.collectors.layer_calls import LayerCallPatch
+from mpprof.collectors.precision import PrecisionCollector
+from mpprof.guard import GuardedHook
+from mpprof.patching import Patches
+
+
+class Inventory(Collector):
+    """Wraps every layer's `call` (`LayerCallPatch`) for the precision
+    collector, and writes its inventory once the step was traced.
+
+    The same layer wrappers serve the numerics collector (`add_hook`).
+
+    Args:
+        model: the model.
+        guard: the profiler's `Guard` (a failing hook switches its own
+            collector off).
+    """
+
+    name = "precision"
+
+    def __init__(self, model, guard):
+        self.precision = PrecisionCollector(model)
+        self._guard = guard
+        self.layer_patch = LayerCallPatch(model, [GuardedHook(self.name, self.precision, guard)])
+        self._written = False
+
+    def install(self, fit, patches: Patches) -> None:
+        self.layer_patch.install()
+
+    def add_hook(self, collector: str, hook) -> None:
+        """Lets `hook` see every layer call too, guarded as `collector`."""
+        self.layer_patch.add_hook(GuardedHook(collector, hook, self._guard))
+
+    def after_call(self, fit) -> None:
+        if not self._written and self.precision.traced:
+            self._written = True
+            fit.writer.write_json(schema.INVENTORY, self.precision.inventory(), fit.step)
+
+    def remove(self) -> None:
+        self.layer_patch.remove()
+
+    def context(self) -> dict:
+        return {"state": "ok", "traced": self.precision.traced}
