@@ -68,15 +68,23 @@ def cnn_model() -> keras.Model:
     ])
 
 
+# name: (builder, input shape, samples, initial loss scale or None for the
+# default). "seed_overflowing" starts at a loss scale of 2**40: its first ~25
+# steps overflow, as a run whose scale must probe down does, which arms
+# forensic numerics samples.
 MODELS = {
-    "seed": (seed_model, (784,), 32768),
-    "cnn": (cnn_model, (28, 28, 1), 2048),
+    "seed": (seed_model, (784,), 32768, None),
+    "cnn": (cnn_model, (28, 28, 1), 2048, None),
+    "seed_overflowing": (seed_model, (784,), 32768, 2.0**40),
 }
 
 
 def _callbacks(config: str, logdir: str) -> list:
     if config == "mpprof_defaults":
         return [mpprof.MixedPrecisionProfiler(logdir)]
+    if config == "mpprof_forensic_unspaced":
+        # Forensic samples on every overflowing step (before forensic_spacing).
+        return [mpprof.MixedPrecisionProfiler(logdir, forensic_spacing=1)]
     if config == "mpprof_numerics_every_step":
         return [mpprof.MixedPrecisionProfiler(logdir, numerics_every=1)]
     if config == "tensorboard_histograms":
@@ -86,7 +94,7 @@ def _callbacks(config: str, logdir: str) -> list:
 
 def run_once(model_name: str, config: str, epochs: int, policy: str) -> tuple[list, float]:
     """(timed epoch seconds, total fit seconds) of one fresh fit."""
-    build, shape, samples = MODELS[model_name]
+    build, shape, samples, initial_scale = MODELS[model_name]
     keras.mixed_precision.set_dtype_policy(policy)
     rng = np.random.default_rng(0)
     x = rng.random((samples, *shape), dtype=np.float32)
@@ -100,7 +108,10 @@ def run_once(model_name: str, config: str, epochs: int, policy: str) -> tuple[li
             )
         try:
             model = build()
-            model.compile(optimizer="adam",
+            optimizer = "adam" if initial_scale is None else (
+                keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(),
+                                                    initial_scale=initial_scale))
+            model.compile(optimizer=optimizer,
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
             timer = _EpochTimer()
             start = time.perf_counter()
@@ -116,6 +127,7 @@ def run_once(model_name: str, config: str, epochs: int, policy: str) -> tuple[li
 CONFIGS = (
     "plain",
     "mpprof_defaults",
+    "mpprof_forensic_unspaced",
     "mpprof_numerics_every_step",
     "tensorboard_histograms",
     "debugger_no_tensor",
@@ -127,7 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=["seed", "cnn"], choices=list(MODELS))
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
     parser.add_argument("--policy", default="mixed_float16")
     args = parser.parse_args()

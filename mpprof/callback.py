@@ -215,9 +215,13 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         model = self.model
-        self._take_over(model)
+        api = keras_api_for(model)
+        self._take_over(model, api)
         self._role = worker_role(model.distribute_strategy)
-        self._distribution_note = self._check_distribution()
+        self._distribution_note = (
+            announce_keras_3_multi_worker()
+            if self._role.multi_worker and not api.fits_across_workers else None
+        )
         self._guard = Guard()
         writer, worker_writer = self._open_writers(self._role)
         self._writer = GuardedWriter(writer, self._guard)
@@ -232,13 +236,12 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._sigterm = SigtermFlush(self._flush)
         atexit.register(self._finish_unended)
         try:
-            self._begin(model)
+            self._begin(model, api)
         except Exception as e:  # noqa: BLE001 - mpprof's failure must not stop fit
             self._guard.fail("profiler", e)
             self._finish()
 
-    def _begin(self, model) -> None:
-        api = keras_api_for(model)
+    def _begin(self, model, api) -> None:
         strategy = model.distribute_strategy
         usage = OptimizerUsage(api, model)
         self._schedule.start_fit()
@@ -261,7 +264,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         if self._profile_window is not None and self._role.worker_run is not None:
             # Each worker traces its own host, into its own run.
             self._profile_window.run_dir = posixpath.join(self.run_dir, self._role.worker_run)
-        self._host = HostRecorder(self.gpu_interval, self._profile_window, self)
+        self._host = HostRecorder(self.gpu_interval, self._profile_window, self, api)
         self._collectors = [
             self._inventory, self._loss_scales, self._health, self._numerics, self._host,
         ]
@@ -494,12 +497,13 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             if _ACTIVE.get(self.model) is self:
                 del _ACTIVE[self.model]
 
-    def _take_over(self, model) -> None:
+    def _take_over(self, model, keras_api) -> None:
         """Refuses a second profiler in the same fit; finishes one left behind
         by a fit that another callback's exception ended."""
         other = _ACTIVE.get(model)
         if other is not None and other is not self:
-            if any(c is other for c in kernel_collector.sibling_callbacks(self)):
+            siblings = kernel_collector.sibling_callbacks(self, keras_api.callback_list_class)
+            if any(c is other for c in siblings):
                 raise ValueError(
                     "Two mpprof.MixedPrecisionProfiler callbacks in one fit: they would "
                     "patch the same train step. Pass one (it records everything)."
@@ -574,13 +578,6 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._worker_writer.write_json(schema.RUN_CONTEXT, context, step)
 
     # Distribution: which process writes what (mpprof.distributed).
-
-    def _check_distribution(self) -> str | None:
-        """Says once, at train begin, what cannot work under this strategy."""
-        # One local worker is fine; Keras 3's fit fails across worker processes.
-        if tf_keras_support.is_tf_keras(self.model) or not self._role.multi_worker:
-            return None
-        return announce_keras_3_multi_worker()
 
     def _open_writers(
         self, role: WorkerRole

@@ -61,6 +61,22 @@ class KerasApi:
     def is_loss_scale_optimizer(self, optimizer) -> bool:
         return is_loss_scale_optimizer(optimizer)
 
+    @property
+    def callback_list_class(self) -> type:
+        import keras
+
+        return keras.callbacks.CallbackList
+
+    @property
+    def tensorboard_class(self) -> type:
+        import keras
+
+        return keras.callbacks.TensorBoard
+
+    # Whether this flavour's fit runs across worker processes
+    # (MultiWorkerMirroredStrategy); Keras 3's fails upstream.
+    fits_across_workers = False
+
     def candidate_optimizers(self, model) -> list[tuple[str, object]]:
         """The optimizers a train step may use, each with the name it is known by.
 
@@ -93,8 +109,18 @@ class TfKerasApi(KerasApi):
     apply_method = None
     scale_loss_method = None
 
+    fits_across_workers = True
+
     def is_loss_scale_optimizer(self, optimizer) -> bool:
         return tf_keras_support.is_loss_scale_optimizer(optimizer)
+
+    @property
+    def callback_list_class(self) -> type:
+        return tf_keras_support.tf_keras_module().callbacks.CallbackList
+
+    @property
+    def tensorboard_class(self) -> type:
+        return tf_keras_support.tf_keras_module().callbacks.TensorBoard
 
     def candidate_optimizers(self, model) -> list[tuple[str, object]]:
         return [("optimizer", model.optimizer)] if model.optimizer is not None else []

@@ -23,14 +23,16 @@ class HostRecorder(Collector):
         interval_s: seconds between NVML samples, or None for no sampler.
         profile_window: the `kernels.ProfileWindow` of `profile_steps`, or None.
         profiler: the profiling callback (its siblings may own the profiler).
+        keras_api: the model's `mpprof.keras_api.KerasApi`.
     """
 
     name = "gpu"
 
-    def __init__(self, interval_s: float | None, profile_window, profiler):
+    def __init__(self, interval_s: float | None, profile_window, profiler, keras_api):
         self._interval_s = interval_s
         self._window = profile_window
         self._profiler = profiler
+        self._api = keras_api
         self._sampler: gpu_collector.GpuSampler | None = None
         self.hardware: dict | None = None
 
@@ -41,7 +43,10 @@ class HostRecorder(Collector):
             self._sampler.start()
         self.hardware = hardware_facts(self._sampler)
         if self._window is not None:
-            self._window.begin(fit.step, kernel_collector.sibling_callbacks(self._profiler))
+            siblings = kernel_collector.sibling_callbacks(
+                self._profiler, self._api.callback_list_class
+            )
+            self._window.begin(fit.step, siblings, self._api.tensorboard_class)
 
     def after_call(self, fit) -> None:
         if self._sampler is not None:

@@ -218,10 +218,11 @@ class ProfileWindow:
         self._fit_started = 0.0
         self._traced_from = start
 
-    def begin(self, step: int, callbacks=()) -> None:
-        """At on_train_begin: notices a profiling TensorBoard callback."""
+    def begin(self, step: int, callbacks=(), tensorboard_class: type | None = None) -> None:
+        """At on_train_begin: notices a profiling TensorBoard callback (an
+        instance of the model's Keras' `tensorboard_class`) among `callbacks`."""
         self._fit_started = time.time()
-        tensorboard = _profiling_tensorboard(callbacks)
+        tensorboard = _profiling_tensorboard(callbacks, tensorboard_class)
         if tensorboard is not None and self.state in ("waiting", "reusing"):
             self._tensorboard = tensorboard
             self.state = "reusing"
@@ -338,18 +339,17 @@ def validate_profile_steps(profile_steps) -> tuple[int, int] | None:
     return int(profile_steps[0]), int(profile_steps[1])
 
 
-def sibling_callbacks(callback) -> list:
+def sibling_callbacks(callback, callback_list_class: type) -> list:
     """The other callbacks of the fit `callback` runs in, found on the call stack.
 
     A Keras callback does not know its siblings; `fit` holds them in a
-    CallbackList local. Returns [] when none is found.
+    local of the model's Keras' `callback_list_class`. Returns [] when none
+    is found.
     """
-    import keras
-
     frame = sys._getframe(1)
     while frame is not None:
         for value in list(frame.f_locals.values()):
-            if isinstance(value, keras.callbacks.CallbackList) and any(
+            if isinstance(value, callback_list_class) and any(
                 c is callback for c in value.callbacks
             ):
                 return [c for c in value.callbacks if c is not callback]
@@ -357,11 +357,11 @@ def sibling_callbacks(callback) -> list:
     return []
 
 
-def _profiling_tensorboard(callbacks):
-    import keras
-
+def _profiling_tensorboard(callbacks, tensorboard_class: type | None):
+    if tensorboard_class is None:
+        return None
     for callback in callbacks:
-        if isinstance(callback, keras.callbacks.TensorBoard) and getattr(
+        if isinstance(callback, tensorboard_class) and getattr(
             callback, "_should_trace", False
         ):
             return callback
