@@ -19,13 +19,13 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import posixpath
 from collections.abc import Callable
 
 import numpy as np
-from tensorboard.compat.proto import event_pb2
-from tensorboard.util import tensor_util
+from tensorboard.compat.proto import event_pb2, types_pb2
 
 from mpprof import filesystem, schema, tfrecord, validation
 
@@ -613,21 +613,47 @@ def _metadata_problem(content: bytes) -> tuple[str, str] | None:
     return None
 
 
+# Numeric tensor dtypes a record may hold, and their little-endian layout.
+_NUMERIC_DTYPES = {
+    types_pb2.DT_DOUBLE: ("<f8", "double_val"),
+    types_pb2.DT_FLOAT: ("<f4", "float_val"),
+    types_pb2.DT_INT64: ("<i8", "int64_val"),
+    types_pb2.DT_INT32: ("<i4", "int_val"),
+}
+
+
 def _value(value):
     """A summary value's tensor: a parsed JSON document or a numeric array.
+
+    Decoded here rather than by `tensorboard.util.tensor_util`, which pulls in
+    TensorBoard's TensorFlow stub and its file systems at import (a tenth of
+    `mpprof diagnose`'s run time) and copies every array.
 
     Raises:
         ValueError: the tensor or its JSON text cannot be decoded.
     """
-    try:
-        array = tensor_util.make_ndarray(value.tensor)
-    except Exception as e:  # noqa: BLE001 - a malformed TensorProto raises anything
-        raise ValueError(f"not a tensor: {e}") from e
-    if array.dtype != object:
-        return array
-    if array.shape != ():
-        raise ValueError(f"a string tensor of shape {list(array.shape)}, not one JSON text")
-    try:
-        return json.loads(array.item())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"not JSON: {e}") from e
+    tensor = value.tensor
+    shape = tuple(dim.size for dim in tensor.tensor_shape.dim)
+    if tensor.dtype == types_pb2.DT_STRING:
+        if shape != () or len(tensor.string_val) != 1:
+            raise ValueError(f"a string tensor of shape {list(shape)}, not one JSON text")
+        try:
+            return json.loads(tensor.string_val[0])
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"not JSON: {e}") from e
+    if tensor.dtype not in _NUMERIC_DTYPES:
+        raise ValueError(f"a tensor of {types_pb2.DataType.Name(tensor.dtype)}, not numbers")
+    if any(size < 0 for size in shape):
+        raise ValueError(f"a tensor of shape {list(shape)}")
+    layout, field = _NUMERIC_DTYPES[tensor.dtype]
+    count = math.prod(shape)
+    if tensor.tensor_content:
+        if len(tensor.tensor_content) != count * np.dtype(layout).itemsize:
+            raise ValueError(f"{len(tensor.tensor_content)} bytes for shape {list(shape)}")
+        return np.frombuffer(tensor.tensor_content, layout).reshape(shape)
+    values = np.asarray(getattr(tensor, field), dtype=layout)
+    if len(values) == 1 and count > 1:
+        values = np.repeat(values, count)  # a proto may give one value for all
+    if len(values) != count:
+        raise ValueError(f"{len(values)} values for shape {list(shape)}")
+    return values.reshape(shape)
