@@ -262,7 +262,8 @@ _JSON_RECORDS: dict[str, Check] = {
 
 
 def _steps(column: np.ndarray, name: str) -> str | None:
-    bad = ~(np.isfinite(column) & (column >= 0) & (column < MAX_STEP) & (column % 1 == 0))
+    with np.errstate(invalid="ignore"):  # inf % 1 is NaN: not a step either
+        bad = ~(np.isfinite(column) & (column >= 0) & (column < MAX_STEP) & (column % 1 == 0))
     if bad.any():
         return f"has {name} {column[bad][0]!r}"
     return None
