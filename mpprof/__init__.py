@@ -4,8 +4,19 @@ Add `mpprof.MixedPrecisionProfiler(log_dir)` to `model.fit`, then look at the
 "mpprof" tab of `tensorboard --logdir LOG_DIR`, or run `mpprof diagnose LOG_DIR`.
 """
 
+from __future__ import annotations
+
 __version__ = "0.1.0"
 
-from mpprof.callback import MixedPrecisionProfiler  # noqa: E402
-
 __all__ = ["MixedPrecisionProfiler", "__version__"]
+
+
+def __getattr__(name: str):
+    # The callback imports Keras and TensorFlow (seconds): only code that
+    # records a run pays for them, not `mpprof diagnose` or the TensorBoard
+    # plugin, which read logdirs through `mpprof.reader`.
+    if name == "MixedPrecisionProfiler":
+        from mpprof.callback import MixedPrecisionProfiler
+
+        return MixedPrecisionProfiler
+    raise AttributeError(f"module 'mpprof' has no attribute {name!r}")

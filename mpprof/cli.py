@@ -1,71 +1,177 @@
-"""The `mpprof` command line."""
+"""The `mpprof` command line.
+
+Everything printed that comes from a logdir (run names, layer names,
+recorded text, warnings quoting file names) goes through
+`mpprof.terminal.printable`, so a hostile name cannot drive the terminal.
+Reading a local logdir imports neither TensorFlow nor Keras.
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
+from collections.abc import Iterable
 
-from mpprof import diagnosis, reader
+from mpprof import diagnosis, filesystem, reader
+from mpprof.terminal import printable
+
+# Exit statuses, a public interface (CI gates read them): see `EXIT_STATUSES`.
+EXIT_OK = 0
+EXIT_FINDINGS = 1  # diagnose --fail-on: a finding at least that severe
+EXIT_USAGE = 2  # bad arguments, missing logdir, no mpprof run there
+EXIT_UNREADABLE = 3  # a run whose records could not be read at all
+
+EXIT_STATUSES = f"""\
+exit status:
+  {EXIT_OK}  success
+  {EXIT_FINDINGS}  diagnose --fail-on: a finding at least that severe
+  {EXIT_USAGE}  bad arguments, no such logdir or run, or no mpprof records in it
+  {EXIT_UNREADABLE}  nothing readable: a run none of whose records could be read
+     (corrupt files, or written by a newer mpprof); the warnings say why"""
+
+# Above this many bytes of event files, diagnose and summary say on stderr
+# what they are reading (a 10M-step run is ~230 MB and takes seconds).
+PROGRESS_BYTES = 32 * 2**20
 
 
 def summarize_run(run: reader.Run) -> str:
-    """A few lines saying what was recorded in `run`."""
-    context = run.context
+    """A few lines saying what was recorded in `run`, safe for a terminal."""
     lines = [f"run {run.name}:"]
+    context = run.context
     if context:
         lines.append(
-            f"  policy {context['model_policy']} (global {context['global_policy']}), "
-            f"optimizer {context['optimizer']}, strategy "
-            f"{context['distribution_strategy']} x{context['num_replicas']}"
+            f"  policy {context.get('model_policy')} (global {context.get('global_policy')}), "
+            f"optimizer {context.get('optimizer')}, strategy "
+            f"{context.get('distribution_strategy')} x{context.get('num_replicas')}"
         )
+    stopped = _cut_short_text(run)
+    if stopped:
+        lines.append(f"  {stopped}")
     inventory = run.inventory
     if inventory:
-        layers = [layer for layer in inventory["layers"] if layer["is_leaf"]]
-        islands = [layer["name"] for layer in layers if layer["float32_island"]]
+        layers = [layer for layer in inventory.get("layers", []) if layer.get("is_leaf")]
+        islands = [layer["name"] for layer in layers if layer.get("float32_island")]
         lines.append(
-            f"  {len(layers)} leaf layers, model output {inventory['model']['output_dtypes']}, "
-            f"{len(inventory['casts'])} casts, float32 islands: {islands or 'none'}"
+            f"  {len(layers)} leaf layers, model output "
+            f"{inventory.get('model', {}).get('output_dtypes')}, "
+            f"{len(inventory.get('casts', []))} casts, float32 islands: "
+            f"{', '.join(islands) or 'none'}"
         )
     loss_scale = run.loss_scale
-    if loss_scale is None:
+    if loss_scale is None and run.readable:
         lines.append("  no dynamic loss scale (not a LossScaleOptimizer)")
-    else:
-        lines.append(
+    elif loss_scale is not None:
+        line = (
             f"  loss scale {loss_scale.initial_scale:g} -> {loss_scale.final_scale:g} over "
             f"{loss_scale.steps_run - loss_scale.first_step} steps: "
             f"{loss_scale.skipped_steps} overflows (skipped steps), "
             f"{len(loss_scale.growths)} growths"
         )
+        if run.cut_short and run.cut_short["step"] > loss_scale.steps_run:
+            line += (
+                f" (read up to step {loss_scale.steps_run}; later records reach "
+                f"step {run.cut_short['step']})"
+            )
+        lines.append(line)
+    if not run.readable:
+        lines.append(f"  {_NOTHING_READABLE}")
     lines.extend(f"  warning: {w}" for w in run.warnings)
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
+
+
+_NOTHING_READABLE = "nothing readable: no record of this run could be read (see its warnings)"
+
+
+def _cut_short_text(run: reader.Run) -> str | None:
+    """The line saying a run's fit stopped without recording its end."""
+    stopped = run.cut_short
+    if stopped is None:
+        return None
+    when = datetime.datetime.fromtimestamp(stopped["wall_time"], datetime.timezone.utc)
+    last = f"last record {when:%Y-%m-%d %H:%M:%S} UTC"
+    if stopped["fit_state"] == "failed":
+        return f"fit failed at step {stopped['step']}: model.fit raised ({last})"
+    return (
+        f"cut short at step {stopped['step']}: the fit never recorded its end "
+        f"(killed, or still training; {last})"
+    )
+
+
+def _say(lines: Iterable[str], stream=None) -> None:
+    """Prints `lines` of untrusted text, control characters escaped."""
+    for line in lines:
+        print(printable(line), file=stream or sys.stdout)
+
+
+def _warn(text: str) -> None:
+    _say([f"mpprof: warning: {text}"], sys.stderr)
+
+
+def _read(logdir: str, run: str | None) -> tuple[dict[str, reader.Run], bool]:
+    """The selected runs of `logdir`, and whether they are big enough to say
+    on stderr what is being done (said here for the reading)."""
+    names = reader.list_runs(logdir, on_warning=_warn)
+    if run is not None:
+        if run not in names:
+            raise reader.NoMpprofDataError(
+                f"No mpprof run {run!r} in {logdir}; its runs: "
+                f"{', '.join(names) or 'none'}"
+            )
+        names = [run]
+    if not names:
+        reader.read_logdir(logdir)  # raises NoMpprofDataError with its advice
+    sizes = {name: _bytes(logdir, name) for name in names}
+    chatty = sum(sizes.values()) > PROGRESS_BYTES
+    runs = {}
+    for index, name in enumerate(names):
+        if chatty:
+            _say(
+                [f"mpprof: reading run {name} ({index + 1}/{len(names)}, "
+                 f"{sizes[name] / 1e6:.0f} MB)"],
+                sys.stderr,
+            )
+        try:
+            runs[name] = reader.read_run(logdir, name)
+        except OSError as e:
+            _warn(f"run {name}: cannot be read ({e.strerror or e}); skipped")
+    return runs, chatty
+
+
+def _bytes(logdir: str, run: str) -> int:
+    try:
+        return sum(filesystem.size_and_mtime(p)[0] for p in reader.event_files(logdir, run))
+    except (OSError, reader.NoMpprofDataError):
+        return 0  # reading it will say what is wrong
+
+
+def _unreadable_status(runs: dict[str, reader.Run]) -> int | None:
+    unreadable = [name for name, run in runs.items() if not run.readable]
+    for name in unreadable:
+        _warn(f"run {name}: {_NOTHING_READABLE}")
+    return EXIT_UNREADABLE if unreadable or not runs else None
 
 
 def _summary(args) -> int:
-    for run in reader.read_logdir(args.logdir).values():
+    runs, _ = _read(args.logdir, None)
+    for run in runs.values():
         print(summarize_run(run))
-    return 0
-
-
-def _selected_runs(logdir: str, run: str | None) -> dict[str, reader.Run]:
-    if run is None:
-        return reader.read_logdir(logdir)
-    available = reader.list_runs(logdir)
-    if run not in available:
-        raise reader.NoMpprofDataError(
-            f"No mpprof run {run!r} in {logdir}; its runs: "
-            f"{', '.join(available) or 'none'}"
-        )
-    return {run: reader.read_run(logdir, run)}
+    return _unreadable_status(runs) or EXIT_OK
 
 
 def _diagnose(args) -> int:
-    runs = _selected_runs(args.logdir, args.run)
-    results = {name: diagnosis.evaluate(run) for name, run in runs.items()}
+    runs, chatty = _read(args.logdir, args.run)
+    results = {}
+    for name, run in runs.items():
+        if run.readable:
+            if chatty:
+                _say([f"mpprof: diagnosing run {name}"], sys.stderr)
+            results[name] = diagnosis.evaluate(run)
     for name, run in runs.items():
         for warning in run.warnings:
-            print(f"mpprof: warning: run {name}: {warning}", file=sys.stderr)
+            _warn(f"run {name}: {warning}")
     if args.format == "json":
         rows = [
             {"run": name, **finding.to_dict()}
@@ -73,15 +179,32 @@ def _diagnose(args) -> int:
             for finding in result.findings
         ]
         rows.sort(key=lambda row: diagnosis.SEVERITIES.index(row["severity"]))
+        # json.dumps escapes control characters (ensure_ascii).
         print(json.dumps(rows, indent=2))
     else:
         color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
-        print("\n\n".join(
-            diagnosis.format_text(runs[name], result, color=color)
-            for name, result in results.items()
-        ))
+        print("\n\n".join(_diagnosis_text(run, results.get(name), color)
+                          for name, run in runs.items()))
+    status = _unreadable_status(runs)
+    if status is not None:
+        return status
     findings = [f for result in results.values() for f in result.findings]
-    return 1 if diagnosis.exceeds(findings, args.fail_on) else 0
+    return EXIT_FINDINGS if diagnosis.exceeds(findings, args.fail_on) else EXIT_OK
+
+
+def _diagnosis_text(run: reader.Run, result, color: bool) -> str:
+    """One run's section of `mpprof diagnose`'s text output."""
+    if result is None:
+        lines = [f"== run {run.name} ==", *(f"  ! {w}" for w in run.warnings),
+                 f"  {_NOTHING_READABLE}"]
+        return "\n".join(printable(line) for line in lines)
+    # format_text escapes what it prints from the run itself (and adds ANSI
+    # colours of its own, so it is not escaped again here).
+    header, _, rest = diagnosis.format_text(run, result, color=color).partition("\n")
+    stopped = _cut_short_text(run)
+    if stopped:
+        header += "\n" + printable(f"  ! {stopped}")
+    return f"{header}\n{rest}" if rest else header
 
 
 def _report(args) -> int:
@@ -89,38 +212,42 @@ def _report(args) -> int:
 
     def progress(message: str) -> None:
         if not args.quiet:
-            print(f"mpprof: {message}", file=sys.stderr, flush=True)
+            _say([f"mpprof: {message}"], sys.stderr)
 
-    path = report.write_report(
-        args.logdir, args.output, run=args.run, progress=progress
-    )
+    path = report.write_report(args.logdir, args.output, run=args.run, progress=progress)
     size = os.path.getsize(path) / 1e6
-    print(f"mpprof: wrote {path} ({size:.1f} MB)", file=sys.stderr)
-    return 0
+    _say([f"mpprof: wrote {path} ({size:.1f} MB)"], sys.stderr)
+    return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mpprof", description="Inspect mixed-precision runs recorded by mpprof."
+        prog="mpprof",
+        description="Inspect mixed-precision runs recorded by mpprof.",
+        epilog=EXIT_STATUSES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    summary = commands.add_parser("summary", help="say what was recorded in LOGDIR")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return commands.add_parser(
+            name, help=help, description=help, epilog=EXIT_STATUSES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    summary = command("summary", "say what was recorded in LOGDIR")
     summary.add_argument("logdir")
     summary.set_defaults(handler=_summary)
-    diagnose = commands.add_parser(
-        "diagnose", help="list what is wrong in LOGDIR's runs and what to change"
-    )
+    diagnose = command("diagnose", "list what is wrong in LOGDIR's runs and what to change")
     diagnose.add_argument("logdir")
     diagnose.add_argument("--run", help="only this run (as `mpprof summary` names it)")
     diagnose.add_argument("--format", choices=("text", "json"), default="text")
     diagnose.add_argument(
         "--fail-on", choices=("critical", "warning"), default=None,
-        help="exit with status 1 if a finding is at least this severe (for CI)",
+        help=f"exit with status {EXIT_FINDINGS} if a finding is at least this severe (for CI)",
     )
     diagnose.set_defaults(handler=_diagnose)
-    report = commands.add_parser(
-        "report", help="write one self-contained HTML report of LOGDIR's runs"
-    )
+    report = command("report", "write one self-contained HTML report of LOGDIR's runs")
     report.add_argument("logdir")
     report.add_argument("-o", "--output", default="mpprof-report.html")
     report.add_argument("--run", help="only this run")
@@ -134,13 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except (reader.LogdirNotFoundError, reader.NoMpprofDataError) as e:
-        print(f"mpprof: {e}", file=sys.stderr)
-        return 2
+        _say([f"mpprof: {e}"], sys.stderr)
+        return EXIT_USAGE
     except BrokenPipeError:
         # The reader of our output went away (`mpprof diagnose ... | head`):
         # stop quietly, and keep Python from complaining when it flushes.
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives until exit
-        return 0
+        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -3,6 +3,14 @@
 Every front end (CLI, HTML report, TensorBoard plugin) reads through here.
 Only mpprof's own event files are read (the writer marks them with
 `EVENT_FILE_SUFFIX`), so a logdir full of histograms stays cheap to read.
+
+Reading never trusts the files: each record's checksums are verified
+(`mpprof.tfrecord`) and its content checked against the schema
+(`mpprof.validation`); a record that fails is skipped with a warning in
+`Run.warnings`, one line per kind of problem however often it occurs. A
+directory that cannot be listed is skipped with a warning, and symlink loops
+are not followed. Local logdirs are read without importing TensorFlow
+(`mpprof.filesystem`).
 """
 
 from __future__ import annotations
@@ -10,16 +18,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
+import math
 import os
 import posixpath
-import struct
+from collections.abc import Callable
 
 import numpy as np
-import tensorflow as tf
-from tensorboard.compat.proto import event_pb2
-from tensorboard.util import tensor_util
+from tensorboard.compat.proto import event_pb2, types_pb2
 
-from mpprof import schema
+from mpprof import filesystem, schema, tfrecord, validation
+
+logger = logging.getLogger(__name__)
+
+# Called with each warning about the logdir as a whole (a directory that
+# cannot be listed, a file that is not a regular file).
+OnWarning = Callable[[str], None]
 
 
 class LogdirNotFoundError(FileNotFoundError):
@@ -228,6 +242,39 @@ class Run:
         return found[-1].value if found else None
 
     @property
+    def readable(self) -> bool:
+        """Whether any record of the run could be read."""
+        return any(self.records.values())
+
+    @functools.cached_property
+    def last_record(self) -> tuple[int, float] | None:
+        """(largest step, latest wall time) over the run's records, or None."""
+        found = [r for records in self.records.values() for r in records]
+        if not found:
+            return None
+        return max(r.step for r in found), max(r.wall_time for r in found)
+
+    @property
+    def cut_short(self) -> dict | None:
+        """How a fit that never recorded its end stopped, or None.
+
+        The callback's run context says "fit_state": "running" from train
+        begin (rewritten at each flush), then "ended" when fit returned or
+        "failed" when it raised. A run whose latest context still says
+        "running" was killed (or is still training); logs older than that key
+        say nothing, and give None like a run that ended.
+
+        Returns:
+            None, or `{"fit_state": "running"|"failed", "step": the largest
+            step of any record, "wall_time": the latest record's time}`.
+        """
+        state = self.context.get("fit_state")
+        if state in (None, "ended") or self.last_record is None:
+            return None
+        step, wall_time = self.last_record
+        return {"fit_state": state, "step": step, "wall_time": wall_time}
+
+    @property
     def context(self) -> dict:
         return self.latest(schema.RUN_CONTEXT) or {}
 
@@ -358,64 +405,104 @@ def _unique_rows(rows: np.ndarray) -> np.ndarray:
     return np.unique(rows, axis=0)
 
 
-def list_runs(logdir: str | os.PathLike) -> list[str]:
+def list_runs(logdir: str | os.PathLike, on_warning: OnWarning | None = None) -> list[str]:
     """Names of the runs under `logdir` that hold mpprof records, sorted.
 
     A run's name is its directory relative to `logdir` ("." for logdir
-    itself), as TensorBoard names runs.
+    itself), as TensorBoard names runs. Directories that cannot be listed and
+    mpprof-named entries that are not regular files (a FIFO, a dangling
+    symlink) are skipped, each with a warning; symlinks back into the logdir
+    are not followed.
+
+    Args:
+        logdir: a local path or a remote one (`gs://...`).
+        on_warning: receives each warning; by default they are logged.
     """
     logdir = _existing_logdir(logdir)
+    warn = on_warning or logger.warning
     runs = set()
-    for directory, _, files in tf.io.gfile.walk(logdir):
-        if any(_is_mpprof_event_file(name) for name in files):
-            relative = os.path.relpath(directory, logdir) if "://" not in logdir else (
-                posixpath.relpath(directory, logdir)
-            )
-            runs.add(relative.replace(os.sep, "/"))
+
+    def unlisted(directory: str, error: OSError) -> None:
+        warn(f"{directory}: cannot be listed ({_reason(error)}); skipped")
+
+    for directory, entries in filesystem.walk(logdir, on_error=unlisted):
+        files, others = _event_file_entries(entries)
+        for name in others:
+            warn(f"{filesystem.join(directory, name)}: {filesystem.Kind.OTHER.value}; skipped")
+        if files:
+            runs.add(filesystem.relative(directory, logdir))
     return sorted(runs)
 
 
 def event_files(logdir: str | os.PathLike, run: str) -> list[str]:
     """Paths of the mpprof event files of `run` (a name from `list_runs`), sorted.
 
-    Raises NoMpprofDataError for a name that is not a run under `logdir`
-    (absolute paths and ".." included) or a run without mpprof records.
+    Only regular files are listed. Raises NoMpprofDataError for a name that
+    is not a run under `logdir` (absolute paths and ".." included) or a run
+    without mpprof records, and OSError if its directory cannot be listed.
     """
     logdir = _existing_logdir(logdir)
     parts = run.split("/")
     if run.startswith("/") or "\\" in run or ".." in parts or "" in parts:
         raise NoMpprofDataError(f"No run {run!r} in {logdir}")
-    path = logdir if run == "." else posixpath.join(logdir, run)
-    if not tf.io.gfile.isdir(path):
+    path = logdir if run == "." else filesystem.join(logdir, run)
+    if not filesystem.isdir(path):
         raise NoMpprofDataError(f"No run {run!r} in {logdir}")
-    files = sorted(f for f in tf.io.gfile.listdir(path) if _is_mpprof_event_file(f))
+    files, _ = _event_file_entries(filesystem.scan(path))
     if not files:
         raise NoMpprofDataError(f"Run {run!r} in {logdir} holds no mpprof records")
-    return [posixpath.join(path, name) for name in files]
+    return [filesystem.join(path, name) for name in sorted(files)]
 
 
 def read_run(logdir: str | os.PathLike, run: str) -> Run:
-    """Reads one run; raises NoMpprofDataError if it holds no mpprof records."""
+    """Reads one run; raises NoMpprofDataError if it holds no mpprof records.
+
+    Raises:
+        NoMpprofDataError: `run` is not a run of `logdir`.
+        OSError: the run's directory cannot be listed.
+    """
     files = event_files(logdir, run)
     records: dict[str, list[Record]] = {}
-    warnings: list[str] = []
+    warnings = _Warnings()
     for path in files:
         _read_event_file(path, records, warnings)
     for found in records.values():
         found.sort(key=lambda r: (r.wall_time, r.step))
-    return Run(name=run, path=posixpath.dirname(files[0]), records=records, warnings=warnings)
+    return Run(
+        name=run, path=filesystem.dirname(files[0]), records=records, warnings=warnings.lines()
+    )
 
 
-def read_logdir(logdir: str | os.PathLike) -> dict[str, Run]:
-    """Reads every mpprof run under `logdir`, keyed by run name."""
-    runs = list_runs(logdir)
+def read_logdir(logdir: str | os.PathLike, on_warning: OnWarning | None = None) -> dict[str, Run]:
+    """Reads every mpprof run under `logdir`, keyed by run name.
+
+    A run whose directory became unreadable since it was listed is skipped
+    with a warning, like any directory that cannot be listed.
+    """
+    warn = on_warning or logger.warning
+    runs = list_runs(logdir, warn)
     if not runs:
         raise NoMpprofDataError(
             f"{os.fspath(logdir)} holds no mpprof records. Record a run with "
             "model.fit(..., callbacks=[mpprof.MixedPrecisionProfiler(log_dir=...)]) "
             "and point mpprof at that log_dir."
         )
-    return {run: read_run(logdir, run) for run in runs}
+    read = {}
+    for name in runs:
+        try:
+            read[name] = read_run(logdir, name)
+        except OSError as e:
+            warn(f"run {name}: cannot be read ({_reason(e)}); skipped")
+    return read
+
+
+def _event_file_entries(entries: list[filesystem.Entry]) -> tuple[list[str], list[str]]:
+    """Names of the mpprof event files among `entries`: (regular files, others)."""
+    files, others = [], []
+    for entry in entries:
+        if _is_mpprof_event_file(entry.name) and entry.kind is not filesystem.Kind.DIRECTORY:
+            (files if entry.kind is filesystem.Kind.FILE else others).append(entry.name)
+    return files, others
 
 
 def _is_mpprof_event_file(name: str) -> bool:
@@ -424,7 +511,11 @@ def _is_mpprof_event_file(name: str) -> bool:
 
 def _existing_logdir(logdir: str | os.PathLike) -> str:
     logdir = os.fspath(logdir)
-    if not tf.io.gfile.isdir(logdir):
+    try:
+        found = filesystem.isdir(logdir)
+    except OSError:
+        found = False
+    if not found:
         raise LogdirNotFoundError(
             f"Logdir {logdir!r} does not exist: pass the log_dir given to "
             "mpprof.MixedPrecisionProfiler."
@@ -432,51 +523,137 @@ def _existing_logdir(logdir: str | os.PathLike) -> str:
     return logdir
 
 
-def _read_event_file(path: str, records: dict, warnings: list[str]) -> None:
-    """Reads one event file record by record (TFRecord framing: length (8
-    bytes), its CRC (4), payload, payload CRC (4)); CRCs are not checked, a
-    payload that does not parse is reported and skipped."""
+def _reason(error: OSError) -> str:
+    return error.strerror or str(error)
+
+
+class _Warnings:
+    """The warnings of one run's read: one line per kind of problem.
+
+    A logdir written by a newer mpprof, or a file of garbage, fails on every
+    record: the user needs to hear it once, with how often and where first.
+    """
+
+    def __init__(self):
+        self._kinds: dict[str, list] = {}  # kind -> [count, first full text]
+
+    def add(self, kind: str, text: str) -> None:
+        entry = self._kinds.setdefault(kind, [0, text])
+        entry[0] += 1
+
+    def lines(self) -> list[str]:
+        return [
+            text if count == 1 else f"{text} (and {count - 1:,} more records like it)"
+            for count, text in self._kinds.values()
+        ]
+
+
+def _read_event_file(path: str, records: dict, warnings: _Warnings) -> None:
+    """Reads one event file record by record (see `mpprof.tfrecord`)."""
+    # TensorBoard semantics: a tag's metadata (here: the schema version) may
+    # come with its first value only and holds for the whole series.
+    tag_problems: dict[str, tuple[str, str] | None] = {}
     try:
-        size = tf.io.gfile.stat(path).length
-        with tf.io.gfile.GFile(path, "rb") as f:
-            offset = 0
-            while header := f.read(12):
-                (length,) = struct.unpack_from("<Q", header) if len(header) == 12 else (-1,)
-                fits = 0 <= length <= size - offset - 16
-                body = f.read(length + 4) if fits else b""
-                if not fits or len(body) < length + 4:
-                    warnings.append(
-                        f"{path}: ends in an incomplete record at byte {offset} (still "
-                        "being written, or truncated); read what came before it"
-                    )
-                    return
-                _parse_event(body[:length], path, offset, records, warnings)
-                offset += 12 + length + 4
-    except (OSError, tf.errors.OpError) as e:
-        warnings.append(f"{path}: cannot be read ({e}); skipped")
+        with filesystem.open_file(path) as stream:
+            for frame in tfrecord.read_frames(stream):
+                if frame.problem is not None:
+                    skipped = "" if frame.fatal else "; skipped"
+                    warnings.add(f"{path}\0frame", f"{path}: {frame.problem}{skipped}")
+                else:
+                    _parse_event(frame, path, records, warnings, tag_problems)
+    except OSError as e:
+        warnings.add(f"{path}\0unreadable", f"{path}: cannot be read ({_reason(e)}); skipped")
 
 
-def _parse_event(payload: bytes, path: str, offset: int, records: dict,
-                 warnings: list[str]) -> None:
+def _parse_event(frame: tfrecord.Frame, path: str, records: dict, warnings: _Warnings,
+                 tag_problems: dict) -> None:
     try:
-        event = event_pb2.Event.FromString(payload)
-        for value in event.summary.value:
-            _collect(value, event, records)
-    except Exception as e:  # noqa: BLE001 - corrupt bytes raise anything
-        warnings.append(f"{path}: corrupt record at byte {offset} ({e}); skipped")
-
-
-def _collect(value, event, records: dict) -> None:
-    record = schema.record_for_tag(value.tag)
-    if record is None:
+        event = event_pb2.Event.FromString(frame.payload)
+    except Exception as e:  # noqa: BLE001 - bytes that pass their CRC but are no Event
+        warnings.add(
+            f"{path}\0event",
+            f"{path}: record at byte {frame.offset} is not an event ({e}); skipped",
+        )
         return
-    if value.metadata.plugin_data.plugin_name:
-        schema.parse_plugin_content(value.metadata.plugin_data.content)
-    array = tensor_util.make_ndarray(value.tensor)
-    if array.dtype == object:
-        parsed = json.loads(array.item().decode())
-    else:
-        parsed = array
-    records.setdefault(record, []).append(
-        Record(step=event.step, wall_time=event.wall_time, value=parsed)
-    )
+    for value in event.summary.value:
+        record = schema.record_for_tag(value.tag)
+        if record is None:
+            continue
+        where = f"{value.tag} at step {event.step} ({path})"
+        if value.metadata.plugin_data.plugin_name:
+            tag_problems[value.tag] = _metadata_problem(value.metadata.plugin_data.content)
+        found = tag_problems.get(value.tag)
+        if found is None:
+            try:
+                parsed = _value(value)
+            except ValueError as e:
+                found = (f"{value.tag}\0value", f"unreadable value ({e})")
+            else:
+                reason = validation.step_problem(event.step, event.wall_time) or (
+                    validation.problem(record, parsed)
+                )
+                if reason is None:
+                    records.setdefault(record, []).append(
+                        Record(step=event.step, wall_time=event.wall_time, value=parsed)
+                    )
+                    continue
+                found = (f"{value.tag}\0malformed", f"malformed record: {reason}")
+        kind, reason = found
+        warnings.add(kind, f"{where}: {reason}; skipped")
+
+
+def _metadata_problem(content: bytes) -> tuple[str, str] | None:
+    """(kind, reason) if a tag's plugin content makes its records unreadable."""
+    try:
+        schema.parse_plugin_content(content)
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, TypeError) as e:
+        return "metadata", f"unreadable plugin metadata ({e})"
+    except ValueError as e:  # the one ValueError it raises itself: a newer schema
+        return "newer schema", str(e).rstrip(".")
+    return None
+
+
+# Numeric tensor dtypes a record may hold, and their little-endian layout.
+_NUMERIC_DTYPES = {
+    types_pb2.DT_DOUBLE: ("<f8", "double_val"),
+    types_pb2.DT_FLOAT: ("<f4", "float_val"),
+    types_pb2.DT_INT64: ("<i8", "int64_val"),
+    types_pb2.DT_INT32: ("<i4", "int_val"),
+}
+
+
+def _value(value):
+    """A summary value's tensor: a parsed JSON document or a numeric array.
+
+    Decoded here rather than by `tensorboard.util.tensor_util`, which pulls in
+    TensorBoard's TensorFlow stub and its file systems at import (a tenth of
+    `mpprof diagnose`'s run time) and copies every array.
+
+    Raises:
+        ValueError: the tensor or its JSON text cannot be decoded.
+    """
+    tensor = value.tensor
+    shape = tuple(dim.size for dim in tensor.tensor_shape.dim)
+    if tensor.dtype == types_pb2.DT_STRING:
+        if shape != () or len(tensor.string_val) != 1:
+            raise ValueError(f"a string tensor of shape {list(shape)}, not one JSON text")
+        try:
+            return json.loads(tensor.string_val[0])
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"not JSON: {e}") from e
+    if tensor.dtype not in _NUMERIC_DTYPES:
+        raise ValueError(f"a tensor of {types_pb2.DataType.Name(tensor.dtype)}, not numbers")
+    if any(size < 0 for size in shape):
+        raise ValueError(f"a tensor of shape {list(shape)}")
+    layout, field = _NUMERIC_DTYPES[tensor.dtype]
+    count = math.prod(shape)
+    if tensor.tensor_content:
+        if len(tensor.tensor_content) != count * np.dtype(layout).itemsize:
+            raise ValueError(f"{len(tensor.tensor_content)} bytes for shape {list(shape)}")
+        return np.frombuffer(tensor.tensor_content, layout).reshape(shape)
+    values = np.asarray(getattr(tensor, field), dtype=layout)
+    if len(values) == 1 and count > 1:
+        values = np.repeat(values, count)  # a proto may give one value for all
+    if len(values) != count:
+        raise ValueError(f"{len(values)} values for shape {list(shape)}")
+    return values.reshape(shape)

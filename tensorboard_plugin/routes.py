@@ -86,7 +86,7 @@ class MpprofPlugin(base_plugin.TBPlugin):
             try:
                 summaries.append(self._runs.get(name).derive("summary", payloads.run_summary))
             except errors.NotFoundError:
-                continue  # removed since it was listed
+                continue  # removed, or unreadable, since it was listed
         return {"runs": summaries}
 
     # Each run route parses its parameters (400 on a bad one) and returns a

@@ -10,14 +10,16 @@ cached with it and dropped with it.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable, Hashable
 
-import tensorflow as tf
 from tensorboard import errors
 
-from mpprof import reader
+from mpprof import filesystem, reader
+
+logger = logging.getLogger(__name__)
 
 # Listing runs walks the whole logdir; every route validates its run name
 # against the listing, so it is reused for this long.
@@ -57,16 +59,24 @@ class RunCache:
         self._run_locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self._lock = threading.Lock()
         self._listing: tuple[float, list[str]] = (float("-inf"), [])
+        self._warned: set[str] = set()
 
     def list_runs(self) -> list[str]:
         listed_at, runs = self._listing
         if time.monotonic() - listed_at > _RUN_LIST_TTL_S:
             try:
-                runs = reader.list_runs(self.logdir) if self.logdir else []
+                runs = reader.list_runs(self.logdir, self._warn_once) if self.logdir else []
             except reader.LogdirNotFoundError:
                 runs = []
             self._listing = (time.monotonic(), runs)
         return runs
+
+    def _warn_once(self, warning: str) -> None:
+        """Logs a listing warning (an unreadable directory) once, not at
+        every listing."""
+        if warning not in self._warned:
+            self._warned.add(warning)
+            logger.warning("mpprof: %s", warning)
 
     def get(self, run: str | None) -> CachedRun:
         """The run named `run`; NotFoundError unless the logdir lists it.
@@ -84,11 +94,11 @@ class RunCache:
                 cached = self._runs.get(run)
             if cached is None or cached.signature != signature:
                 try:
-                    cached = CachedRun(
-                        reader.read_run(self.logdir, run), signature
-                    )
+                    cached = CachedRun(reader.read_run(self.logdir, run), signature)
                 except reader.NoMpprofDataError as e:
                     raise errors.NotFoundError(str(e)) from e
+                except OSError as e:
+                    raise _unreadable(run, e) from e
             with self._lock:
                 self._runs[run] = cached
                 self._runs.move_to_end(run)
@@ -100,10 +110,15 @@ class RunCache:
         """Name, size and mtime of each of the run's mpprof event files."""
         try:
             paths = reader.event_files(self.logdir, run)
+            return tuple((path, *filesystem.size_and_mtime(path)) for path in paths)
         except reader.NoMpprofDataError as e:
             raise errors.NotFoundError(str(e)) from e
-        signature = []
-        for path in paths:
-            stat = tf.io.gfile.stat(path)
-            signature.append((path, stat.length, stat.mtime_nsec))
-        return tuple(signature)
+        except OSError as e:
+            raise _unreadable(run, e) from e
+
+
+def _unreadable(run: str, error: OSError) -> errors.NotFoundError:
+    """A run that was listed but cannot be read now (permissions changed, or
+    it was removed): a 404 saying why, and a line in TensorBoard's log."""
+    logger.warning("mpprof: run %r cannot be read: %s", run, error)
+    return errors.NotFoundError(f"mpprof run {run!r} cannot be read ({error.strerror or error})")

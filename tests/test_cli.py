@@ -2,14 +2,28 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
+from broken_logdirs import (
+    BAD_STEP,
+    MALFORMED,
+    copy_run,
+    event_file,
+    flip_loss_scale_step_bit,
+    malformed_logdir,
+    newer_schema_run,
+    without_root_privileges,
+    write_malformed,
+    write_record,
+    zeros_run,
+)
 from diagnosis_runs import HOSTILE_NAME, HOSTILE_RUN, logdir
 
-from mpprof import cli, diagnosis
+from mpprof import cli, diagnosis, reader, schema
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +169,201 @@ def test_console_script_end_to_end(two_runs):
     assert result.returncode == 1, result.stderr
     assert "== run storm/train" in result.stdout
     assert "MP002" in result.stdout
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def summary(capsys, *args) -> tuple[int, str, str]:
+    code = cli.main(["summary", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def mpprof(*args, timeout=120, privileged=True) -> subprocess.CompletedProcess:
+    """`mpprof ARGS` in a fresh process (killed after `timeout` seconds: a
+    hang fails the test instead of stopping the suite)."""
+    command = [sys.executable, "-m", "mpprof.cli", *map(str, args)]
+    if not privileged:
+        command = without_root_privileges(command)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "NO_COLOR": "1"})
+
+
+@pytest.fixture(scope="module")
+def malformed(tmp_path_factory):
+    return malformed_logdir(tmp_path_factory.mktemp("malformed"))
+
+
+def test_malformed_records_never_stop_diagnose(malformed, capsys):
+    code, out, err = diagnose(capsys, malformed, "--format", "json")
+    assert code == 0
+    # Only what the healthy run shows: a policy_max of 0 did not make every
+    # layer "overflow" (MP003), a NaN step did not become a step count.
+    assert {(f["run"], f["code"]) for f in json.loads(out)} == {
+        (f"{name}/train", "MP011") for name in MALFORMED
+    }
+    warnings = err.splitlines()
+    assert len(warnings) == len(MALFORMED)
+    for name, (record, _) in MALFORMED.items():
+        (line,) = [w for w in warnings if f"run {name}/train:" in w]
+        assert f"{schema.tag_for(record)} at step {BAD_STEP}" in line, line
+    code, out, _ = diagnose(capsys, malformed)
+    assert code == 0 and out.count("MP011") == len(MALFORMED)
+
+
+def test_malformed_records_never_stop_summary_or_report(malformed, capsys, tmp_path):
+    code, out, _ = summary(capsys, malformed)
+    assert code == 0
+    assert out.count("policy mixed_float16") == len(MALFORMED)
+    assert out.count(f"at step {BAD_STEP}") == len(MALFORMED)
+    assert cli.main(["report", str(malformed), "-o", str(tmp_path / "r.html"), "-q"]) == 0
+    assert (tmp_path / "r.html").read_text().count("MP011") >= len(MALFORMED)
+
+
+def test_a_flipped_bit_neither_invents_steps_nor_stops_report(tmp_path, capsys):
+    flip_loss_scale_step_bit(event_file(copy_run("storm", tmp_path)))
+    code, out, _ = summary(capsys, tmp_path)
+    assert code == 0 and "corrupt record at byte" in out
+    steps = int(re.search(r"over (\d+) steps", out).group(1))
+    assert steps <= 24  # the storm ran 24 steps
+    assert cli.main(["report", str(tmp_path), "-o", str(tmp_path / "r.html"), "-q"]) == 0
+
+
+def test_an_unreadable_directory_is_skipped(tmp_path):
+    """As a user without permission on `lost+found` (real permissions: root's
+    override is dropped for the child)."""
+    copy_run("storm", tmp_path / "storm")
+    locked = tmp_path / "lost+found"
+    locked.mkdir()
+    locked.chmod(0)
+    try:
+        result = mpprof("summary", tmp_path, privileged=False)
+        assert result.returncode == 0, result.stderr
+        assert "run storm/train:" in result.stdout
+        assert f"{locked}: cannot be listed (Permission denied); skipped" in result.stderr
+        result = mpprof("diagnose", tmp_path, "--format", "json", privileged=False)
+        assert result.returncode == 0, result.stderr
+        assert "MP002" in {f["code"] for f in json.loads(result.stdout)}
+    finally:
+        locked.chmod(0o755)
+
+
+def test_an_unreadable_event_file_leaves_nothing_readable(tmp_path):
+    (event_file(copy_run("storm", tmp_path / "storm"))).chmod(0)
+    copy_run("healthy_mixed", tmp_path / "healthy")
+    result = mpprof("diagnose", tmp_path, privileged=False)
+    assert result.returncode == cli.EXIT_UNREADABLE
+    assert "cannot be read (Permission denied)" in result.stderr
+    assert "== run healthy/train" in result.stdout  # the readable run is still judged
+
+
+def test_symlink_loops_neither_hang_nor_repeat_runs(tmp_path):
+    copy_run("storm", tmp_path / "storm")
+    (tmp_path / "self").symlink_to(".")
+    (tmp_path / "storm" / "up").symlink_to("..")
+    result = mpprof("summary", tmp_path, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("run ") == 1 and "run storm/train:" in result.stdout
+
+
+def test_a_fifo_named_like_an_event_file_does_not_hang(tmp_path):
+    run_dir = copy_run("storm", tmp_path)
+    fifo = run_dir / ("events.out.tfevents.9.host" + schema.EVENT_FILE_SUFFIX)
+    os.mkfifo(fifo)
+    result = mpprof("diagnose", tmp_path, "--format", "json", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"{fifo}: neither a regular file nor a directory; skipped" in result.stderr
+    assert "MP002" in {f["code"] for f in json.loads(result.stdout)}
+
+
+@pytest.mark.parametrize("output", ["text", "json"])
+def test_a_newer_schema_is_one_warning_and_nothing_readable(tmp_path, monkeypatch, capsys,
+                                                            output):
+    newer_schema_run(tmp_path / "train", monkeypatch, records=200)
+    code, out, err = diagnose(capsys, tmp_path, "--format", output, "--fail-on", "warning")
+    assert code == cli.EXIT_UNREADABLE
+    lines = err.splitlines()
+    assert len(lines) == 2, err  # the summarised warning, and "nothing readable"
+    assert "upgrade mpprof" in lines[0] and "199 more records" in lines[0]
+    assert "run train: nothing readable" in lines[1]
+    if output == "json":
+        assert json.loads(out) == []
+    else:
+        assert "No findings" not in out and "nothing readable" in out
+
+
+def test_a_file_of_zeros_is_nothing_readable(tmp_path, capsys):
+    zeros_run(tmp_path / "zeros" / "train")
+    copy_run("healthy_mixed", tmp_path / "healthy")
+    code, out, err = diagnose(capsys, tmp_path)
+    assert code == cli.EXIT_UNREADABLE
+    assert "corrupt record at byte 0" in err and "run zeros/train: nothing readable" in err
+    healthy, zeros = out.split("\n\n")
+    assert "MP011" in healthy and "No findings" not in zeros
+    code, out, _ = summary(capsys, tmp_path)
+    assert code == cli.EXIT_UNREADABLE and "nothing readable" in out
+
+
+def test_help_documents_the_exit_statuses():
+    result = mpprof("diagnose", "--help")
+    assert "exit status:" in result.stdout
+    assert "3  nothing readable" in result.stdout and "1  diagnose --fail-on" in result.stdout
+
+
+def test_terminal_escapes_in_names_and_records_are_escaped(tmp_path, capsys):
+    name = "\x1b[2J\x1b]0;owned\x07\nrun"
+    run_dir = copy_run("healthy_mixed", tmp_path / name)
+    context = reader.read_run(tmp_path, f"{name}/train").context
+    write_record(run_dir, schema.RUN_CONTEXT, {**context, "optimizer": "Adam\x1b[31m"}, 16)
+    write_malformed(run_dir, "health_not_a_dict")  # a warning quoting the path
+    escaped = "\\x1b[2J\\x1b]0;owned\\x07\\nrun"
+    control = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # all but tab and newline
+    code, out, err = summary(capsys, tmp_path)  # its warnings go to stdout
+    assert code == 0 and not control.search(out + err)
+    assert out.count(escaped) == 2  # the run's line, and the warning's path
+    assert "optimizer Adam\\x1b[31m" in out
+    code, out, err = diagnose(capsys, tmp_path)
+    assert code == 0 and not control.search(out + err)
+    assert escaped in out and escaped in err
+
+
+def test_a_cut_short_run_says_where_it_stopped(tmp_path, capsys):
+    run_dir = copy_run("healthy_mixed", tmp_path)
+    good = reader.read_run(tmp_path, "train")
+    last_step, _ = good.last_record
+    write_record(run_dir, schema.RUN_CONTEXT, {**good.context, "fit_state": "running"}, 0)
+    # A numerics sample after the last flush: the fit went on past it.
+    write_record(run_dir, schema.NUMERICS_STEP, [last_step + 30, 1.0, 2.0**15, 0.0, 1.0],
+                 last_step + 30)
+    code, out, _ = summary(capsys, tmp_path)
+    assert code == 0
+    assert f"cut short at step {last_step + 30}" in out
+    assert f"read up to step {good.loss_scale.steps_run}; later records reach step " \
+           f"{last_step + 30}" in out
+    code, out, _ = diagnose(capsys, tmp_path)
+    assert code == 0 and f"! cut short at step {last_step + 30}" in out.splitlines()[1]
+
+
+def test_reading_a_local_logdir_imports_neither_tensorflow_nor_keras(two_runs, tmp_path):
+    """diagnose, summary, report and the plugin's routes, in a fresh process."""
+    script = f"""
+import json, sys
+from werkzeug import test
+from tensorboard.plugins import base_plugin
+from mpprof import cli
+from tensorboard_plugin_mpprof import routes
+logdir = {str(two_runs)!r}
+codes = [cli.main(["diagnose", logdir]), cli.main(["summary", logdir]),
+         cli.main(["report", logdir, "-o", {str(tmp_path / "r.html")!r}, "-q"])]
+apps = routes.MpprofPlugin(base_plugin.TBContext(logdir=logdir)).get_plugin_apps()
+statuses = [test.Client(apps[route]).get(route, query_string={{"run": "storm/train"}}).status_code
+            for route in ("/runs", "/findings", "/loss_scale")]
+print(json.dumps({{"codes": codes, "statuses": statuses,
+                  "loaded": sorted({{"tensorflow", "keras"}} & set(sys.modules))}}))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout.splitlines()[-1])
+    assert found == {"codes": [0, 0, 0], "statuses": [200, 200, 200], "loaded": []}

@@ -13,12 +13,20 @@ import json
 import logging
 import pathlib
 import shutil
+import subprocess
 import sys
 
 import numpy as np
 import plotly as plotly_package
 import pytest
 import tensorflow as tf
+from broken_logdirs import (
+    BAD_STEP,
+    MALFORMED,
+    copy_run,
+    malformed_logdir,
+    without_root_privileges,
+)
 from dashboard_logdirs import (
     BFLOAT16_RUN,
     FIRST_LAYER,
@@ -344,3 +352,77 @@ def test_routes_see_new_data_written_while_training_runs(logdir, tmp_path):
     after = get_json(client, "loss_scale", run=FLOAT16_RUN)
     assert after["overflows"]["total"] == before["overflows"]["total"] + 1
     assert after["overflows"]["step"][-1] == last + 10
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_malformed_records_leave_every_run_listed(tmp_path):
+    client = tensorboard_client(malformed_logdir(tmp_path))
+    listed = {r["run"]: r for r in get_json(client, "runs")["runs"]}
+    assert sorted(listed) == sorted(f"{name}/train" for name in MALFORMED)
+    for name, (record, _) in MALFORMED.items():
+        run = f"{name}/train"
+        assert listed[run]["model_policy"] == "mixed_float16" and listed[run]["warnings"] == 1
+        (warning,) = get_json(client, "context", run=run)["warnings"]
+        assert f"{schema.tag_for(record)} at step {BAD_STEP}" in warning
+        codes = [f["code"] for f in get_json(client, "findings", run=run)["findings"]]
+        assert codes == ["MP011"]  # policy_max=0 made no layer "overflow"
+
+
+def test_a_symlink_loop_lists_a_run_once(tmp_path):
+    copy_run("storm", tmp_path / "storm")
+    (tmp_path / "self").symlink_to(".")
+    listed = [r["run"] for r in get_json(tensorboard_client(tmp_path), "runs")["runs"]]
+    assert listed == ["storm/train"]
+
+
+_UNREADABLE_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from test_plugin_routes import ROUTE, tensorboard_client
+logdir = sys.argv[2]
+client = tensorboard_client(logdir)
+# Locked once TensorBoard's own multiplexer has loaded (it stops at an
+# unreadable directory by itself); mpprof's routes list the logdir on demand.
+os.chmod(os.path.join(logdir, "lost+found"), 0)
+def get(route, **params):
+    response = client.get(ROUTE + route, query_string=params)
+    return response.status_code, response.get_data(as_text=True)
+answers = {"runs": get("runs"), "context": get("context", run="storm/train"),
+           "locked": get("context", run="lost+found")}
+os.chmod(os.path.join(logdir, "later", "train"), 0)  # listed, then unreadable
+answers["later"] = get("context", run="later/train")
+answers["runs_after"] = get("runs")
+print(json.dumps(answers))
+"""
+
+
+def test_an_unreadable_directory_does_not_break_the_routes(tmp_path):
+    """Real permissions: the server runs without root's override."""
+    copy_run("storm", tmp_path / "storm")
+    copy_run("storm", tmp_path / "later")
+    locked = tmp_path / "lost+found"
+    locked.mkdir()
+    tests = pathlib.Path(__file__).parent
+    try:
+        result = subprocess.run(
+            without_root_privileges(
+                [sys.executable, "-c", _UNREADABLE_SCRIPT, str(tests), str(tmp_path)]
+            ),
+            capture_output=True, text=True, timeout=300,
+        )
+    finally:
+        locked.chmod(0o755)
+        (tmp_path / "later" / "train").chmod(0o755)
+    assert result.returncode == 0, result.stderr[-3000:]
+    answers = json.loads(result.stdout.splitlines()[-1])
+    status, body = answers["runs"]
+    assert status == 200
+    assert [r["run"] for r in json.loads(body)["runs"]] == ["later/train", "storm/train"]
+    assert answers["context"][0] == 200
+    assert answers["locked"][0] == 404
+    status, body = answers["later"]
+    assert status == 404 and "cannot be read (Permission denied)" in body
+    status, body = answers["runs_after"]
+    assert status == 200 and [r["run"] for r in json.loads(body)["runs"]] == ["storm/train"]

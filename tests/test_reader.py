@@ -1,9 +1,22 @@
 """The reader on its own: run names, versions, live and broken files."""
 
+import os
 import shutil
 
 import numpy as np
 import pytest
+from broken_logdirs import (
+    BAD_STEP,
+    MALFORMED,
+    copy_run,
+    event_file,
+    flip_loss_scale_step_bit,
+    newer_schema_run,
+    write_malformed,
+    write_record,
+    zeros_run,
+)
+from diagnosis_runs import logdir
 
 from mpprof import reader, schema
 from mpprof import writer as writer_module
@@ -75,3 +88,138 @@ def test_loss_scale_series_is_a_step_function(overflow_logdir):
     assert loss_scale.steps_since_last_overflow == (
         loss_scale.steps_run - 1 - loss_scale.overflow_steps[-1]
     )
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_a_malformed_record_is_skipped_with_a_warning_naming_tag_and_step(tmp_path, name):
+    run_dir = copy_run("healthy_mixed", tmp_path)
+    good = reader.read_run(tmp_path, "train")
+    write_malformed(run_dir, name)
+    read = reader.read_run(tmp_path, "train")
+    record, _ = MALFORMED[name]
+    (warning,) = read.warnings
+    assert f"{schema.tag_for(record)} at step {BAD_STEP}" in warning
+    assert "malformed record" in warning and warning.endswith("skipped")
+    # What the run said before the bad record is what it says now.
+    assert read.context == good.context and read.health == good.health
+    np.testing.assert_array_equal(read.loss_scale.events, good.loss_scale.events)
+    np.testing.assert_array_equal(read.loss_scale.progress, good.loss_scale.progress)
+    assert read.numerics.policy_max == good.numerics.policy_max == schema.FLOAT16_MAX
+    assert read.numerics.variables == good.numerics.variables
+
+
+@pytest.mark.parametrize("name", ["healthy_mixed", "storm", "forward_overflow", "nan_weights"])
+def test_real_runs_pass_validation_untouched(name):
+    """Look-alikes of the malformed records (NaN losses, non-finite weights,
+    overflowing layers) are data, not damage: nothing is skipped."""
+    read = reader.read_run(logdir(name), "train")
+    assert read.warnings == []
+    assert read.readable and read.cut_short is None
+
+
+def test_a_flipped_bit_fails_its_checksum(tmp_path):
+    run_dir = copy_run("storm", tmp_path)
+    good = reader.read_run(tmp_path, "train").loss_scale
+    flipped = flip_loss_scale_step_bit(event_file(run_dir))
+    assert flipped > 1e20  # what the reader would have believed
+    read = reader.read_run(tmp_path, "train")
+    (warning,) = read.warnings
+    assert "corrupt record at byte" in warning and "checksum" in warning
+    # Only the damaged record is lost; no step beyond what really ran.
+    assert read.loss_scale.steps_run <= good.steps_run
+    assert not (read.loss_scale.events[:, 0] >= good.steps_run).any()
+    assert read.inventory is not None and read.context == reader.read_run(
+        logdir("storm"), "train").context
+
+
+def test_a_logdir_of_a_newer_mpprof_says_so_once(tmp_path, monkeypatch):
+    newer_schema_run(tmp_path / "train", monkeypatch, records=50)
+    run = reader.read_run(tmp_path, "train")
+    assert not run.readable
+    (warning,) = run.warnings
+    assert "upgrade mpprof" in warning and "49 more records" in warning
+
+
+def test_a_file_of_zeros_is_corrupt_not_empty(tmp_path):
+    zeros_run(tmp_path / "train")
+    run = reader.read_run(tmp_path, "train")
+    assert not run.readable
+    (warning,) = run.warnings
+    assert "corrupt record at byte 0" in warning
+
+
+def test_entries_that_are_not_regular_files_are_skipped(tmp_path):
+    copy_run("healthy_mixed", tmp_path)
+    suffix = "events.out.tfevents.9.host" + schema.EVENT_FILE_SUFFIX
+    os.mkfifo(tmp_path / "train" / suffix)  # opening it would wait for a writer
+    (tmp_path / "gone").mkdir()
+    (tmp_path / "gone" / suffix).symlink_to(tmp_path / "nowhere")
+    warnings = []
+    assert reader.list_runs(tmp_path, warnings.append) == ["train"]
+    assert sorted(w.split(": ")[1] for w in warnings) == [
+        "neither a regular file nor a directory; skipped"
+    ] * 2
+    assert reader.read_run(tmp_path, "train").warnings == []
+
+
+def test_symlinks_into_the_logdir_are_not_followed(tmp_path):
+    copy_run("healthy_mixed", tmp_path / "a")
+    (tmp_path / "self").symlink_to(".")
+    (tmp_path / "a" / "up").symlink_to("..")
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    copy_run("healthy_mixed", outside)
+    (outside / "loop").symlink_to(outside)
+    (tmp_path / "linked").symlink_to(outside)
+    # A run outside the logdir, linked into it, is read once; loops are not.
+    assert reader.list_runs(tmp_path) == ["a/train", "linked/train"]
+    assert reader.read_run(tmp_path, "linked/train").readable
+
+
+def test_a_remote_logdir_is_read_through_tensorflow_file_systems():
+    """`scheme://` paths go through tf.io.gfile (here its in-memory ram://)."""
+    source = reader.read_run(logdir("storm"), "train")
+    writer = RecordWriter("ram://mpprof-remote/run/train")
+    for record, found in source.records.items():
+        for item in found:
+            if isinstance(item.value, dict):
+                writer.write_json(record, item.value, item.step)
+            else:
+                writer.write_array(record, item.value, item.step)
+    writer.close()
+    assert reader.list_runs("ram://mpprof-remote") == ["run/train"]
+    remote = reader.read_run("ram://mpprof-remote", "run/train")
+    assert remote.warnings == [] and remote.context == source.context
+    np.testing.assert_array_equal(remote.loss_scale.events, source.loss_scale.events)
+
+
+# ---------------------------------------------------------------- cut short
+
+
+def test_a_run_without_fit_state_or_ended_is_not_cut_short(tmp_path):
+    run_dir = copy_run("healthy_mixed", tmp_path)
+    assert reader.read_run(tmp_path, "train").cut_short is None  # logs before fit_state
+    context = reader.read_run(tmp_path, "train").context
+    write_record(run_dir, schema.RUN_CONTEXT, {**context, "fit_state": "ended"}, 16)
+    assert reader.read_run(tmp_path, "train").cut_short is None
+
+
+@pytest.mark.parametrize("state", ["running", "failed"])
+def test_a_run_that_never_ended_is_cut_short_at_its_last_record(tmp_path, state):
+    """The callback rewrites the context with fit_state "running" at each
+    flush; a killed fit leaves it so, with records of later steps."""
+    run_dir = copy_run("healthy_mixed", tmp_path)
+    good = reader.read_run(tmp_path, "train")
+    last_step, _ = good.last_record
+    write_record(run_dir, schema.RUN_CONTEXT, {**good.context, "fit_state": state}, last_step)
+    scale = good.loss_scale.final_scale
+    write_record(run_dir, schema.LOSS_SCALE_PROGRESS, [last_step + 40, scale, 0.0],
+                 last_step + 40)
+    run = reader.read_run(tmp_path, "train")
+    stopped = run.cut_short
+    assert stopped["fit_state"] == state and stopped["step"] == last_step + 40
+    newest = max(r.wall_time for records in run.records.values() for r in records)
+    assert stopped["wall_time"] == newest
+    assert run.loss_scale.steps_run == last_step + 40  # from the latest records
