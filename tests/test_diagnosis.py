@@ -47,7 +47,9 @@ def test_finding_to_dict_is_json_with_every_field():
         "step",
         "evidence",
         "fix",
+        "view",
     }
+    assert as_dict["view"] == "numerics"  # MP003's evidence is in the numerics view
     # Strict JSON: no Infinity/NaN tokens, numpy scalars made plain.
     assert json.loads(json.dumps(as_dict, allow_nan=False))["evidence"] == {
         "abs_max": "inf",
@@ -56,7 +58,8 @@ def test_finding_to_dict_is_json_with_every_field():
 
 
 def test_catalogue_covers_every_rule_and_severity():
-    assert list(diagnosis.CATALOGUE) == [f"MP{i:03d}" for i in range(1, 14)]
+    # MP015-MP017 are reserved (float8).
+    assert list(diagnosis.CATALOGUE) == [f"MP{i:03d}" for i in (*range(1, 15), 18, 19)]
     assert {rule.severity for rule in diagnosis.CATALOGUE.values()} == set(diagnosis.SEVERITIES)
 
 
@@ -206,7 +209,11 @@ def test_rules_without_their_data_say_not_measured():
     run = read("storm")  # numerics_every=None
     result = diagnosis.evaluate(run)
     unmeasured = {c.code: c.reason for c in result.not_measured}
-    assert set(unmeasured) == {"MP003", "MP004", "MP005"}
+    # MP018 needs the optimizers' calls, which runs before they were recorded lack.
+    recorded_calls = isinstance(run.context.get("optimizers"), list)
+    assert set(unmeasured) == {"MP003", "MP004", "MP005", "MP019"} | (
+        set() if recorded_calls else {"MP018"}
+    )
     assert "numerics_every" in unmeasured["MP003"]
 
 
