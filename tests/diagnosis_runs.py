@@ -242,6 +242,60 @@ def nan_weights(log_dir):
     _fit(log_dir, _classifier("float32", optimizer=keras.optimizers.SGD(0.1)), x, y)
 
 
+def _probability_model(policy, head, loss, *, classes=8):
+    """Dense(32) then `head` (a list of layers) compiled with `loss`."""
+    keras.mixed_precision.set_dtype_policy(policy)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.layers.Input((32,)), keras.layers.Dense(32, activation="relu"), *head]
+    )
+    model.compile(optimizer="adam", loss=loss)
+    return model
+
+
+def logits_into_sparse_ce(log_dir):
+    """MP014: float32 logits (no softmax) into the string loss
+    "sparse_categorical_crossentropy", whose from_logits is False."""
+    x, y = _classes()
+    model = _probability_model(
+        "mixed_float16", [keras.layers.Dense(8, dtype="float32", name="scores")],
+        "sparse_categorical_crossentropy",
+    )
+    _fit(log_dir, model, x, y, numerics_every=2)
+
+
+def logits_into_binary_ce_bf16(log_dir):
+    """MP014 under mixed_bfloat16: a linear Dense(1) into BinaryCrossentropy()."""
+    x, y = _classes()
+    model = _probability_model(
+        "mixed_bfloat16", [keras.layers.Dense(1, name="score")],
+        keras.losses.BinaryCrossentropy(), classes=1,
+    )
+    _fit(log_dir, model, x, (y % 2).astype(np.float32)[:, None], numerics_every=2)
+
+
+def float32_softmax_activation(log_dir):
+    """No MP014: the last layer is Activation("softmax", dtype="float32")."""
+    x, y = _classes()
+    model = _probability_model(
+        "mixed_float16",
+        [keras.layers.Dense(8), keras.layers.Activation("softmax", dtype="float32")],
+        keras.losses.SparseCategoricalCrossentropy(),
+    )
+    _fit(log_dir, model, x, y)
+
+
+def sigmoid_into_binary_ce(log_dir):
+    """No MP014: Dense(1, activation="sigmoid", float32) into "binary_crossentropy"."""
+    x, y = _classes()
+    model = _probability_model(
+        "mixed_float16",
+        [keras.layers.Dense(1, activation="sigmoid", dtype="float32")],
+        "binary_crossentropy",
+    )
+    _fit(log_dir, model, x, (y % 2).astype(np.float32)[:, None])
+
+
 def hostile(log_dir):
     """The forward_overflow run with a layer and the run named like HTML.
 
@@ -286,6 +340,10 @@ BUILDERS = {
         no_loss_scaling,
         policy_after_build,
         nan_weights,
+        logits_into_sparse_ce,
+        logits_into_binary_ce_bf16,
+        float32_softmax_activation,
+        sigmoid_into_binary_ce,
         hostile,
     )
 }

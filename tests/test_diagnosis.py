@@ -308,3 +308,35 @@ def test_mp012_nonfinite_loss_not_caught_by_the_loss_scale(tmp_path):
 def test_hostile_layer_name_is_kept_verbatim_in_findings():
     finding = only(read("hostile"), "MP003")
     assert finding.layer == HOSTILE_NAME
+
+
+# --- MP014: a probability loss on raw outputs.
+
+
+def test_mp014_logits_into_a_probability_loss():
+    run = read("logits_into_sparse_ce")
+    finding = only(run, "MP014")
+    assert finding.severity == "critical" and finding.layer == "scores"
+    assert finding.evidence["loss"] == "sparse_categorical_crossentropy"
+    assert finding.evidence["from_logits"] is False
+    assert finding.evidence["final_op"] not in ("Softmax", "Sigmoid")
+    # Confirmed by the recorded loss: far above chance (log 8 = 2.08).
+    assert finding.evidence["loss_above_chance"] is True
+    assert "SparseCategoricalCrossentropy(from_logits=True)" in finding.fix
+    assert 'Activation("softmax", dtype="float32")' in finding.fix
+
+
+def test_mp014_under_bfloat16_with_a_loss_object():
+    finding = only(read("logits_into_binary_ce_bf16"), "MP014")
+    assert finding.evidence["loss"] == "BinaryCrossentropy"
+    assert "BinaryCrossentropy(from_logits=True)" in finding.fix
+
+
+@pytest.mark.parametrize(
+    "name", ["healthy_mixed", "healthy_bfloat16", "healthy_float32",
+             "float32_softmax_activation", "sigmoid_into_binary_ce"],
+)
+def test_mp014_does_not_fire_on_logits_losses_or_probability_heads(name):
+    run = read(name)
+    assert "MP014" not in codes(run)
+    assert check_status(run, "MP014") == "checked"
