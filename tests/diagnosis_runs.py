@@ -242,6 +242,84 @@ def nan_weights(log_dir):
     _fit(log_dir, _classifier("float32", optimizer=keras.optimizers.SGD(0.1)), x, y)
 
 
+def _tiny_loss_model(policy, scale):
+    """tanh -> relu (half precision) -> float32 readout, the loss times `scale`."""
+
+    def shrunk_mse(y_true, y_pred):
+        return scale * keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+
+    keras.mixed_precision.set_dtype_policy(policy)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.layers.Input((16,)),
+        keras.layers.Dense(24, activation="tanh", name="encoder"),
+        keras.layers.Dense(16, activation="relu", name="features"),
+        keras.layers.Dense(2, dtype="float32", name="readout"),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=shrunk_mse)
+    return model
+
+
+def _tiny_loss_data():
+    rng = np.random.default_rng(1)
+    return rng.normal(size=(40, 16)).astype(np.float32), rng.normal(size=(40, 2)).astype(
+        np.float32
+    )
+
+
+def flushed_gradients(log_dir):
+    """MP005: the loss times 1e-13 at the default scale 2**15: the gradient
+    reaching the float32 readout is ~1e-9, and cast to float16 on its way into
+    "features" it flushes to zero (float16's smallest subnormal is 6e-8)."""
+    _fit(log_dir, _tiny_loss_model("mixed_float16", 1e-13), *_tiny_loss_data(),
+         batch_size=8, numerics_every=1)
+
+
+def unshrunk_gradients(log_dir):
+    """No MP005: the same model with the loss as it is."""
+    _fit(log_dir, _tiny_loss_model("mixed_float16", 1.0), *_tiny_loss_data(),
+         batch_size=8, numerics_every=1)
+
+
+def flushed_gradients_bf16(log_dir):
+    """No MP005: the same tiny loss in bfloat16, which has float32's range."""
+    _fit(log_dir, _tiny_loss_model("mixed_bfloat16", 1e-13), *_tiny_loss_data(),
+         batch_size=8, numerics_every=1)
+
+
+def flushed_gradients_two_samples(log_dir):
+    """MP005 not measured: the tiny loss, but only 2 ordinary samples."""
+    x, y = _tiny_loss_data()
+    _fit(log_dir, _tiny_loss_model("mixed_float16", 1e-13), x[:24], y[:24],
+         batch_size=8, numerics_every=1)
+
+
+def conv_bias_before_batch_norm(log_dir):
+    """No MP005: a conv's bias feeding BatchNormalization has a gradient that
+    is zero by construction. With the loss times 1e-4 its rounding noise sits
+    below float16's normal range (~90% of its values) while every other
+    gradient stays normal, as on ResNet50."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.layers.Input((8, 8, 3)),
+        keras.layers.Conv2D(8, 3, name="conv"),
+        keras.layers.BatchNormalization(name="norm"),
+        keras.layers.ReLU(),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(8, dtype="float32", name="logits"),
+    ])
+    crossentropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def shrunk_crossentropy(y_true, y_pred):
+        return 1e-4 * crossentropy(y_true, y_pred)
+
+    model.compile(optimizer="adam", loss=shrunk_crossentropy)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((40, 8, 8, 3), dtype=np.float32), rng.integers(0, 8, 40)
+    _fit(log_dir, model, x, y, batch_size=8, numerics_every=1)
+
+
 def _probability_model(policy, head, loss, *, classes=8):
     """Dense(32) then `head` (a list of layers) compiled with `loss`."""
     keras.mixed_precision.set_dtype_policy(policy)
@@ -340,6 +418,11 @@ BUILDERS = {
         no_loss_scaling,
         policy_after_build,
         nan_weights,
+        flushed_gradients,
+        unshrunk_gradients,
+        flushed_gradients_bf16,
+        flushed_gradients_two_samples,
+        conv_bias_before_batch_norm,
         logits_into_sparse_ce,
         logits_into_binary_ce_bf16,
         float32_softmax_activation,

@@ -340,3 +340,46 @@ def test_mp014_does_not_fire_on_logits_losses_or_probability_heads(name):
     run = read(name)
     assert "MP014" not in codes(run)
     assert check_status(run, "MP014") == "checked"
+
+
+# --- MP005: judged by the dtype each gradient was computed in.
+
+
+def test_mp005_names_the_float16_layer_whose_gradient_flushed_to_zero():
+    run = read("flushed_gradients")
+    finding = only(run, "MP005")
+    # The float32 readout's gradients never were float16: not blamed.
+    assert finding.layer == "features"
+    assert finding.evidence["how"] == "flushed to zero"
+    assert finding.evidence["median_underflow_frac"] >= diagnosis.FLUSH_SHARE
+    assert not any("readout" in key for key in finding.evidence["underflowing"])
+    assert "all values" in finding.evidence["share_of"]
+
+
+def test_mp005_quiet_on_the_same_model_with_a_normal_loss():
+    run = read("unshrunk_gradients")
+    assert "MP005" not in codes(run)
+    assert check_status(run, "MP005") == "checked"
+
+
+def test_mp005_not_applicable_in_bfloat16():
+    assert check_status(read("flushed_gradients_bf16"), "MP005") == "not applicable"
+
+
+def test_mp005_needs_enough_ordinary_samples():
+    run = read("flushed_gradients_two_samples")
+    assert len(run.numerics.steps) == 2
+    result = diagnosis.evaluate(run)
+    reason = {c.code: c.reason for c in result.not_measured}["MP005"]
+    assert f"at least {diagnosis.MIN_UNDERFLOW_SAMPLES}" in reason
+
+
+def test_mp005_leaves_out_a_bias_whose_gradient_is_zero_by_construction():
+    run = read("conv_bias_before_batch_norm")
+    grads = run.numerics.variable_grads
+    bias = next(i for i, name in enumerate(run.numerics.variables) if name.endswith("conv/bias"))
+    # The raw data would have blamed it: mostly subnormal, or zero in every sample.
+    assert (np.median(grads["underflow_frac"][:, bias]) >= diagnosis.UNDERFLOW_SHARE
+            or (grads["zero_frac"][:, bias] >= 1).all())
+    assert run.inventory["layers"][1]["inputs_from"] == ["conv"]  # norm is fed by conv
+    assert "MP005" not in codes(run)

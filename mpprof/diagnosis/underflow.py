@@ -51,7 +51,9 @@ def gradient_underflow(view: RunView) -> list:
     )
     if not candidates:
         return []
-    candidates.sort(key=lambda c: -c["share"])
+    # Most affected first; among flushed layers, the one nearest the loss:
+    # the layers before it only inherit its zeros.
+    candidates.sort(key=lambda c: (-c["share"], -c.get("position", 0)))
     worst = candidates[0]
     scale = _median_scale(numerics, usable)
     evidence = {
@@ -147,7 +149,8 @@ def _layer_candidates(view, numerics, usable) -> list[dict]:
             first = samples[int(np.argmax(zero[:, j] >= FLUSH_SHARE))]
             found.append({"share": float(zero_m[j]), "kind": "layer", "name": name,
                           "layer": name, "how": "flushed to zero",
-                          "activation_zero": float(act_m[j]), "first_sample": int(first)})
+                          "activation_zero": float(act_m[j]), "first_sample": int(first),
+                          "position": j})
         elif below_m[j] >= UNDERFLOW_SHARE:
             first = samples[int(np.argmax(below[:, j] >= UNDERFLOW_SHARE))]
             found.append({"share": float(below_m[j]), "kind": "layer", "name": name,
