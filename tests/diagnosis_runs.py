@@ -320,6 +320,44 @@ def conv_bias_before_batch_norm(log_dir):
     _fit(log_dir, model, x, y, batch_size=8, numerics_every=1)
 
 
+def _confident_softmax(softmax_dtype):
+    """Logits 12.5 above the true class: its probability is ~5e-7, and the
+    crossentropy's gradient -1/(p * batch) = -2.5e5 overflows float16 unless
+    the scale drops below ~0.26. Frozen weights (learning rate 0): the same every step."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    bias = np.full(8, 12.5, np.float32)
+    bias[0] = 0.0
+    model = keras.Sequential([
+        keras.layers.Input((4,)),
+        keras.layers.Dense(8, kernel_initializer="zeros",
+                           bias_initializer=keras.initializers.Constant(bias), name="scores"),
+        keras.layers.Activation("softmax", dtype=softmax_dtype, name="probs"),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="sparse_categorical_crossentropy")
+    return model
+
+
+def half_softmax_gradient_overflow(log_dir):
+    """MP001 + MP019 (+ MP006): a float16 softmax head; the gradient overflows
+    as it enters "probs", on every step until the scale falls below 1."""
+    x, y = np.ones((8 * 20, 4), np.float32), np.zeros(8 * 20, np.int64)
+    _fit(log_dir, _confident_softmax(None), x, y, numerics_every=1)
+
+
+def float32_softmax_confident(log_dir):
+    """No MP001/MP019: the same confident model with a float32 softmax."""
+    x, y = np.ones((8 * 20, 4), np.float32), np.zeros(8 * 20, np.int64)
+    _fit(log_dir, _confident_softmax("float32"), x, y, numerics_every=1)
+
+
+def overflow_every_step(log_dir):
+    """MP001/MP002/MP003: kernels of 300 overflow "second" on every step, so
+    every step is skipped and the scale (from 4) halves far below 1."""
+    x, y = _ones(8 * 12, 0.0)
+    model = _regression(keras.initializers.Constant(300.0), initial_scale=4.0)
+    _fit(log_dir, model, x, y, numerics_every=1)
+
+
 def _probability_model(policy, head, loss, *, classes=8):
     """Dense(32) then `head` (a list of layers) compiled with `loss`."""
     keras.mixed_precision.set_dtype_policy(policy)
@@ -419,6 +457,9 @@ BUILDERS = {
         policy_after_build,
         nan_weights,
         flushed_gradients,
+        half_softmax_gradient_overflow,
+        float32_softmax_confident,
+        overflow_every_step,
         unshrunk_gradients,
         flushed_gradients_bf16,
         flushed_gradients_two_samples,

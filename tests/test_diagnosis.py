@@ -383,3 +383,57 @@ def test_mp005_leaves_out_a_bias_whose_gradient_is_zero_by_construction():
             or (grads["zero_frac"][:, bias] >= 1).all())
     assert run.inventory["layers"][1]["inputs_from"] == ["conv"]  # norm is fed by conv
     assert "MP005" not in codes(run)
+
+
+# --- Where an overflow starts, and fix texts that hold together.
+
+
+def test_mp019_names_the_float16_head_where_the_gradient_overflows():
+    run = read("half_softmax_gradient_overflow")
+    finding = only(run, "MP019")
+    assert finding.layer == "probs" and finding.evidence["model_output_is_half"] is True
+    assert finding.step == int(run.numerics.steps[0])
+    assert "MP006" in finding.fix and 'Activation(..., dtype="float32")' in finding.fix
+    assert {"MP001", "MP002"} <= set(finding.evidence["because_of"])
+    for code in ("MP001", "MP002"):
+        fix = only(run, code).fix
+        assert "'probs'" in fix and "MP006" in fix and "MP019" in fix
+        assert only(run, code).evidence["gradient_overflow_starts_at"] == "probs"
+
+
+def test_mp019_quiet_with_a_float32_softmax():
+    run = read("float32_softmax_confident")
+    assert not codes(run) & {"MP001", "MP002", "MP019", "MP005"}
+    assert check_status(run, "MP019") == "checked"
+
+
+def test_mp019_quiet_when_the_loss_scale_copes():
+    # The growth probes overflow once per growth; no numerics there, and the
+    # healthy runs with numerics show no gradient overflow at all.
+    for name in ("healthy_mixed", "headroom"):
+        assert "MP019" not in codes(read(name))
+
+
+def test_scale_falling_below_one_defers_instead_of_suggesting_a_tiny_scale():
+    run = read("overflow_every_step")
+    assert run.loss_scale.final_scale < 1
+    mp002 = only(run, "MP002")
+    assert "initial_scale" not in mp002.fix and "MP001" in mp002.fix
+    # The forward pass overflows first: MP003 names it, MP019 does not blame
+    # the float32 head that only inherits the NaN.
+    assert "'second' (MP003" in mp002.fix and "'second' (MP003" in only(run, "MP001").fix
+    assert "MP019" not in codes(run)
+
+
+def test_mp003_evidence_of_an_all_nonfinite_output_and_its_step():
+    run = read("overflow_every_step")
+    finding = only(run, "MP003")
+    assert finding.evidence["nonfinite_frac"] == 1.0
+    assert finding.evidence["abs_max"] is None  # no finite value to report
+    assert finding.step == int(run.numerics.steps[0])
+    assert finding.evidence["forensic_sample"] is True
+    first = finding.evidence["first_overflow_step"]
+    assert first == int(run.loss_scale.overflow_steps[0]) == 0 < finding.step
+    assert f"on step {finding.step} (forensic sample; the first overflow was at step 0)" in (
+        finding.title
+    )

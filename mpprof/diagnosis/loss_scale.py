@@ -9,7 +9,7 @@ import numpy as np
 
 from mpprof.diagnosis.core import NotApplicable, NotMeasured, finding, rule
 from mpprof.diagnosis.numerics import gradient_overflow_origin
-from mpprof.diagnosis.view import RunView
+from mpprof.diagnosis.view import RunView, forward_overflow_mask
 
 # MP001: Keras 3's LossScaleOptimizer has no floor. A scale below 1 means the
 # gradients overflow float16 even UNSCALED, so no loss scale can help.
@@ -31,6 +31,15 @@ MIN_EXCESS_OVERFLOWS = 8
 
 def _origin_text(view: RunView) -> str:
     """Where the gradient overflow starts, for MP001/MP002's fix texts."""
+    forward = forward_overflow_mask(view.run, view)
+    if forward.size and forward.any():
+        sample = int(np.flatnonzero(forward.any(axis=1))[0])
+        layer = view.numerics.layers[int(np.argmax(forward[sample]))]
+        return (
+            f"The overflow starts in the forward pass: layer {layer!r} (MP003, step "
+            f"{int(view.numerics.steps[sample])}). Keep it in float32:\n"
+            f"    {view.api.layer(view.layer_class(layer))}\n"
+        )
     origin = gradient_overflow_origin(view)
     if origin is None:
         return (

@@ -82,14 +82,17 @@ def forward_overflow(view: RunView) -> list:
     later = [numerics.layers[j] for j in np.flatnonzero(bad[sample])[1:MAX_LAYER_FINDINGS]]
     if later:
         evidence["later_layers_also_overflowing"] = later
+    # The step is the first where the evidence was seen; the loss scale may
+    # have skipped earlier steps (a forensic sample follows an overflow).
     when = f"on sampled step {step}"
-    if evidence["forensic_sample"] and view.loss_scale is not None:
+    if view.loss_scale is not None:
         before = view.loss_scale.overflow_steps
         before = before[before <= step]
         if len(before):
-            evidence["overflow_step"] = int(before.max())
-            when = (f"on step {step} (forensic sample after the overflow at step "
-                    f"{int(before.max())})")
+            evidence["first_overflow_step"] = int(before.min())
+            kind = "forensic sample" if evidence["forensic_sample"] else "sampled step"
+            when = (f"on step {step} ({kind}; the first overflow was at step "
+                    f"{int(before.min())})")
     fix = (
         f"Layer {layer!r} is the first in call order whose output left "
         f"{dtype}'s range; the layers after it only inherit the inf/NaN. "
@@ -157,7 +160,8 @@ def headroom(view: RunView) -> list:
 def gradient_overflow_origin(view: RunView) -> dict | None:
     """Where a gradient overflow starts: the first layer from the loss
     backwards whose incoming gradient was non-finite (else the first variable
-    whose gradient was), on the first sample that shows one.
+    whose gradient was), on the first sample that shows one and whose
+    forward pass stayed finite.
 
     Returns None when no sample shows a non-finite gradient, else
     {"kind": "layer"|"variable", "name", "layer", "step", "samples",
@@ -176,6 +180,11 @@ def gradient_overflow_origin(view: RunView) -> dict | None:
         (layers.any(axis=1) if layers.size else np.zeros(len(numerics.steps), bool))
         | (variables.any(axis=1) if variables.size else False)
     )
+    # A gradient that is non-finite because the forward pass already was is
+    # MP003's to name, not a gradient overflow.
+    forward = forward_overflow_mask(view.run, view)
+    if forward.size:
+        hit_rows &= ~forward.any(axis=1)
     rows = np.flatnonzero(hit_rows)
     if not len(rows):
         return None
