@@ -16,6 +16,7 @@ import tempfile
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 import mpprof
 from mpprof import reader, schema
@@ -412,6 +413,147 @@ def sigmoid_into_binary_ce(log_dir):
     _fit(log_dir, model, x, (y % 2).astype(np.float32)[:, None])
 
 
+# Custom train steps. The records of what the train step called (the run
+# context's "optimizers", the health record's "loss_watched") are written by
+# the callback from mpprof 0.2; these real runs are rewritten with them, in
+# the shape the callback writes, the way a newer callback's logdir arrives.
+
+
+class _RawLossStep(keras.Model):
+    """keras.io's "customizing fit" step: gradients of the raw loss, then
+    `optimizer.apply`; with `scale=True` the loss goes through `scale_loss`."""
+
+    def __init__(self, *args, scale=False, **kwargs):
+        super().__init__(*args, name="custom_step", **kwargs)
+        self.scale = scale
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            taped = self.optimizer.scale_loss(loss) if self.scale else loss
+        grads = tape.gradient(taped, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+class _TwoOptimizerGan(keras.Model):
+    """A generator and a critic, each with its own optimizer."""
+
+    def __init__(self, make_optimizer):
+        super().__init__(name="gan")
+        self.generator = keras.layers.Dense(8, name="generator")
+        self.critic = keras.layers.Dense(1, dtype="float32", name="critic")
+        self.g_opt, self.d_opt = make_optimizer(), make_optimizer()
+
+    def call(self, x):
+        return self.critic(self.generator(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape(persistent=True) as tape:
+            loss = keras.ops.mean(keras.ops.square(self(x, training=True) - y))
+            scaled = {
+                opt: opt.scale_loss(loss) if hasattr(opt, "inner_optimizer") else loss
+                for opt in (self.g_opt, self.d_opt)
+            }
+        for opt, layer in ((self.d_opt, self.critic), (self.g_opt, self.generator)):
+            variables = layer.trainable_variables
+            opt.apply(tape.gradient(scaled[opt], variables), variables)
+        return {"loss": loss}
+
+
+def _regression_data():
+    rng = np.random.default_rng(2)
+    return rng.random((32, 8), dtype=np.float32), rng.random((32, 1), dtype=np.float32)
+
+
+def _custom_step_run(log_dir, model, optimizers, *, loss_watched):
+    """Trains `model` for real, then writes its records again into `log_dir`
+    with the context's "optimizers" and, when the loss was not watched, the
+    health and numerics "loss" as the callback records them."""
+    source = _ROOT / ("real_" + pathlib.Path(log_dir).name)
+    _fit(str(source), model, *_regression_data(), numerics_every=1)
+    rewrite_run(
+        pathlib.Path(log_dir), reader.read_run(source, "train"),
+        context={"optimizers": optimizers}, loss_watched=loss_watched,
+    )
+
+
+def _optimizer(name, cls, inner, loss_scale, scale_loss_called):
+    return {"name": name, "class": cls, "inner": inner, "loss_scale": loss_scale,
+            "apply_called": True, "scale_loss_called": scale_loss_called}
+
+
+def raw_loss_step(log_dir):
+    """MP018: a LossScaleOptimizer whose apply ran but scale_loss never did."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    outputs = keras.layers.Dense(1, dtype="float32")(keras.layers.Dense(8)(inputs))
+    model = _RawLossStep(inputs, outputs)
+    model.compile(optimizer="adam", loss="mse")
+    optimizers = [_optimizer("optimizer", "LossScaleOptimizer", "Adam", True, False)]
+    _custom_step_run(log_dir, model, optimizers, loss_watched=False)
+
+
+def scaled_loss_step(log_dir):
+    """No MP018: the same custom step, with the loss through scale_loss."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    outputs = keras.layers.Dense(1, dtype="float32")(keras.layers.Dense(8)(inputs))
+    model = _RawLossStep(inputs, outputs, scale=True)
+    model.compile(optimizer="adam", loss="mse")
+    optimizers = [_optimizer("optimizer", "LossScaleOptimizer", "Adam", True, True)]
+    _custom_step_run(log_dir, model, optimizers, loss_watched=True)
+
+
+def gan_plain_optimizers(log_dir):
+    """MP008: a GAN's two plain Adam optimizers under mixed_float16."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = _TwoOptimizerGan(lambda: keras.optimizers.Adam(1e-3))
+    model.compile(optimizer="rmsprop", loss="mse", auto_scale_loss=False)
+    optimizers = [_optimizer(n, "Adam", None, False, None) for n in ("d_opt", "g_opt")]
+    _custom_step_run(log_dir, model, optimizers, loss_watched=False)
+
+
+def gan_scaled_optimizers(log_dir):
+    """No MP008: the GAN's optimizers are LossScaleOptimizers; the compiled
+    (plain, never used) RMSprop is not judged."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = _TwoOptimizerGan(
+        lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    )
+    model.compile(optimizer="rmsprop", loss="mse", auto_scale_loss=False)
+    optimizers = [
+        _optimizer(n, "LossScaleOptimizer", "Adam", True, True) for n in ("d_opt", "g_opt")
+    ]
+    _custom_step_run(log_dir, model, optimizers, loss_watched=False)
+
+
+def rewrite_run(log_dir: pathlib.Path, source: reader.Run, *, context=None,
+                loss_watched=True, name="train") -> None:
+    """Writes `source`'s records into `log_dir/name` through the schema writer,
+    the context updated with `context`; `loss_watched=False` writes the health
+    record's loss fields as null and the numerics "loss" as NaN."""
+    writer = RecordWriter(log_dir / name)
+    for record, found in source.records.items():
+        for item in found:
+            value = copy.deepcopy(item.value)
+            if record == schema.RUN_CONTEXT:
+                value.update(context or {})
+            elif record == schema.HEALTH and not loss_watched:
+                value.update(loss_watched=False, first_nonfinite_loss_step=None,
+                             nonfinite_loss_steps=None)
+            elif record == schema.NUMERICS_STEP and not loss_watched:
+                value = np.array(value, dtype=np.float64)
+                value[..., schema.NUMERICS_STEP_COLUMNS.index("loss")] = np.nan
+            if isinstance(value, dict):
+                writer.write_json(record, value, item.step)
+            else:
+                writer.write_array(record, value, item.step)
+    writer.close()
+
+
 def hostile(log_dir):
     """The forward_overflow run with a layer and the run named like HTML.
 
@@ -465,6 +607,10 @@ BUILDERS = {
         flushed_gradients_two_samples,
         conv_bias_before_batch_norm,
         logits_into_sparse_ce,
+        raw_loss_step,
+        scaled_loss_step,
+        gan_plain_optimizers,
+        gan_scaled_optimizers,
         logits_into_binary_ce_bf16,
         float32_softmax_activation,
         sigmoid_into_binary_ce,

@@ -437,3 +437,44 @@ def test_mp003_evidence_of_an_all_nonfinite_output_and_its_step():
     assert f"on step {finding.step} (forensic sample; the first overflow was at step 0)" in (
         finding.title
     )
+
+
+# --- The optimizers the train step used, and what it did with the loss.
+
+
+def test_mp018_apply_without_scale_loss():
+    run = read("raw_loss_step")
+    finding = only(run, "MP018")
+    assert finding.severity == "critical"
+    assert finding.evidence["optimizers"][0]["scale_loss_called"] is False
+    assert "self.optimizer.scale_loss(loss)" in finding.fix
+    assert "MP008" not in codes(run)  # it is a LossScaleOptimizer
+
+
+def test_mp018_quiet_when_the_loss_is_scaled():
+    run = read("scaled_loss_step")
+    assert not codes(run) & {"MP018", "MP008"}
+    assert check_status(run, "MP018") == "checked"
+
+
+def test_an_unwatched_loss_is_not_measured_never_a_value():
+    run = read("raw_loss_step")
+    assert run.health["loss_watched"] is False
+    assert np.isnan(run.numerics.loss).all()  # as the callback records it
+    # MP012 must not read the NaN "loss" as a non-finite loss.
+    assert "MP012" not in codes(run)
+    assert check_status(run, "MP012") == "not measured"
+
+
+def test_mp008_judges_every_optimizer_the_train_step_used():
+    finding = only(read("gan_plain_optimizers"), "MP008")
+    assert finding.evidence["optimizers_without_loss_scaling"] == ["d_opt (Adam)", "g_opt (Adam)"]
+    assert "d_opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())" in finding.fix
+    assert "scale_loss" in finding.fix
+
+
+def test_mp008_ignores_the_compiled_optimizer_the_step_never_used():
+    run = read("gan_scaled_optimizers")
+    assert run.context["optimizer"] == "RMSprop"  # compiled, plain, unused
+    assert not codes(run) & {"MP008", "MP018"}
+    assert check_status(run, "MP008") == "checked"
