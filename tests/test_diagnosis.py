@@ -478,3 +478,33 @@ def test_mp008_ignores_the_compiled_optimizer_the_step_never_used():
     assert run.context["optimizer"] == "RMSprop"  # compiled, plain, unused
     assert not codes(run) & {"MP008", "MP018"}
     assert check_status(run, "MP008") == "checked"
+
+
+def _as_tf_keras(tmp_path, name):
+    from diagnosis_runs import rewrite_run
+
+    rewrite_run(tmp_path, read(name), context={"keras_flavor": "tf_keras"})
+    return reader.read_run(tmp_path, "train")
+
+
+def test_fix_texts_speak_tf_keras_for_a_tf_keras_model(tmp_path):
+    run = _as_tf_keras(tmp_path, "half_softmax_gradient_overflow")
+    fixes = {f.code: f.fix for f in diagnosis.diagnose(run)}
+    assert {"MP001", "MP002", "MP006", "MP019", "MP011"} <= set(fixes)
+    for fix in fixes.values():
+        assert "keras.mixed_precision.set_dtype_policy" not in fix
+        assert "keras.layers." not in fix.replace("tf_keras.layers.", "")
+    assert 'tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")' in fixes["MP001"]
+    assert 'tf_keras.layers.Activation(..., dtype="float32")' in fixes["MP019"]
+    # ...and the Keras 3 run of the same model speaks Keras 3.
+    keras3 = {f.code: f.fix for f in diagnosis.diagnose(read("half_softmax_gradient_overflow"))}
+    assert 'keras.mixed_precision.set_dtype_policy("mixed_bfloat16")' in keras3["MP001"]
+
+
+def test_tf_keras_loss_scale_fixes_use_its_optimizer_api(tmp_path):
+    storm = {f.code: f for f in diagnosis.diagnose(_as_tf_keras(tmp_path / "storm", "storm"))}
+    assert "tf_keras.mixed_precision.LossScaleOptimizer(optimizer, initial_scale=" in (
+        storm["MP002"].fix
+    )
+    raw = only(_as_tf_keras(tmp_path / "raw", "raw_loss_step"), "MP018")
+    assert "get_scaled_loss(loss)" in raw.fix and "scale_loss(loss)\n" not in raw.fix

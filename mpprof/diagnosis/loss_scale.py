@@ -304,6 +304,15 @@ def scale_loss_skipped(view: RunView) -> list:
     if view.loss_scale is not None:
         evidence["final_loss_scale"] = view.loss_scale.final_scale
     name = names[0] if names[0] != "optimizer" else "self.optimizer"
+    if view.api.module == "tf_keras":  # tf-keras' LossScaleOptimizer API
+        scale_call = f"        scaled_loss = {name}.get_scaled_loss(loss)\n"
+        apply_call = (
+            f"    grads = {name}.get_unscaled_gradients(grads)\n"
+            f"    {name}.apply_gradients(zip(grads, self.trainable_variables))"
+        )
+    else:
+        scale_call = f"        scaled_loss = {name}.scale_loss(loss)\n"
+        apply_call = f"    {name}.apply(grads, self.trainable_variables)   # unscales them"
     fix = (
         "The loss never went through optimizer.scale_loss: the LossScaleOptimizer "
         "divides the gradients by the loss scale without their having been "
@@ -311,9 +320,9 @@ def scale_loss_skipped(view: RunView) -> list:
         "custom train_step, scale the loss before taking gradients:\n"
         "    with tf.GradientTape() as tape:\n"
         "        loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))\n"
-        f"        scaled_loss = {name}.scale_loss(loss)\n"
-        "    grads = tape.gradient(scaled_loss, self.trainable_variables)\n"
-        f"    {name}.apply(grads, self.trainable_variables)   # unscales them"
+        + scale_call
+        + "    grads = tape.gradient(scaled_loss, self.trainable_variables)\n"
+        + apply_call
     )
     title = (
         f"The loss never went through {', '.join(names)}.scale_loss: gradients are "
