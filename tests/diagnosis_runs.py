@@ -195,6 +195,14 @@ def headroom(log_dir):
     _fit(log_dir, model, x, y, numerics_every=1)
 
 
+def float32_island_beyond_half_range(log_dir):
+    """No MP003: kernels of 8 take "second" to 8,192 (float16 fits) and the
+    float32 head, kernel 100, to ~13M: beyond 65504, but within float32."""
+    x, y = _ones(8 * 4, 0.0)
+    model = _regression(keras.initializers.Constant(8.0), head=keras.initializers.Constant(100.0))
+    _fit(log_dir, model, x, y, numerics_every=1)
+
+
 def underflow(log_dir):
     """MP005: the loss times 1e-6 at scale 1: gradients ~1e-7, subnormal."""
 
@@ -593,6 +601,7 @@ BUILDERS = {
         collapse,
         forward_overflow,
         headroom,
+        float32_island_beyond_half_range,
         underflow,
         half_output_misaligned,
         no_loss_scaling,

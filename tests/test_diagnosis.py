@@ -508,3 +508,39 @@ def test_tf_keras_loss_scale_fixes_use_its_optimizer_api(tmp_path):
     )
     raw = only(_as_tf_keras(tmp_path / "raw", "raw_loss_step"), "MP018")
     assert "get_scaled_loss(loss)" in raw.fix and "scale_loss(loss)\n" not in raw.fix
+
+
+# --- What the front ends list: each finding's view, and the notes.
+
+
+def test_findings_carry_their_view_and_notes_say_what_was_not_judged():
+    run = read("storm")  # no numerics recorded
+    result = diagnosis.evaluate(run)
+    assert {f.code: f.view for f in result.findings}["MP002"] == "loss_scale"
+    as_dict = json.loads(json.dumps(result.to_dict(), allow_nan=False))
+    notes = {note["code"]: note for note in as_dict["notes"]}
+    assert notes["MP003"]["status"] == "not measured"
+    assert "numerics_every" in notes["MP003"]["reason"]
+    assert notes["MP003"]["view"] == "numerics" and notes["MP003"]["title"]
+    # "not measured" first, then "not applicable"; checked rules are no note.
+    statuses = [note["status"] for note in as_dict["notes"]]
+    assert statuses == sorted(statuses, key=lambda s: s != "not measured")
+    assert notes["MP010"]["status"] == "not applicable"  # CPU only
+    checked = {c.code for c in result.checks if c.status == "checked"}
+    assert not checked & set(notes)
+    assert [f["code"] for f in as_dict["findings"]] == [f.code for f in result.findings]
+
+
+def test_one_overflow_answer_judged_by_each_layers_dtype():
+    run = read("forward_overflow")
+    mask = diagnosis.forward_overflow_mask(run)
+    layers = run.numerics.layers
+    # "second" (float16) overflowed; "head" is float32 and only inherits NaN.
+    assert mask[:, layers.index("second")].all()
+    assert diagnosis.first_forward_offender(run, 0) == layers.index("second")
+    # A float32 layer above 65504 but finite did not overflow float32.
+    island = read("float32_island_beyond_half_range")
+    head = island.numerics.layers.index("head")
+    assert (island.numerics.forward["abs_max"][:, head] > 65504).all()
+    assert not diagnosis.forward_overflow_mask(island)[:, head].any()
+    assert "MP003" not in codes(island) and "MP004" in codes(island)
