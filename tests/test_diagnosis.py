@@ -544,3 +544,14 @@ def test_one_overflow_answer_judged_by_each_layers_dtype():
     assert (island.numerics.forward["abs_max"][:, head] > 65504).all()
     assert not diagnosis.forward_overflow_mask(island)[:, head].any()
     assert "MP003" not in codes(island) and "MP004" in codes(island)
+
+
+def test_gradient_underflow_share_only_for_float16_gradients():
+    bf16 = read("flushed_gradients_bf16")
+    assert np.isnan(diagnosis.gradient_underflow_share(bf16)).all()
+    run = read("flushed_gradients")
+    share = diagnosis.gradient_underflow_share(run)
+    readout = run.numerics.layers.index("readout")  # float32
+    assert np.isnan(share[:, readout]).all()
+    assert (run.numerics.backward["underflow_frac"][:, readout] > 0.5).all()  # raw count
+    assert np.isfinite(share[:, run.numerics.layers.index("features")]).all()

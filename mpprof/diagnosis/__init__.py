@@ -59,6 +59,7 @@ from mpprof.diagnosis.view import (
     first_backward_offender,
     first_forward_offender,
     forward_overflow_mask,
+    gradient_underflow_share,
 )
 
 # The catalogue, in code order.
@@ -73,8 +74,8 @@ __all__ = [
     "VIEWS", "Check", "Diagnosis", "Finding", "Rule", "RunView",
     "backward_overflow_mask", "diagnose", "evaluate", "exceeds",
     "first_backward_offender", "first_forward_offender", "format_text",
-    "forward_overflow_mask", "hardware", "loss_scale", "nonfinite", "numerics",
-    "precision", "underflow",
+    "forward_overflow_mask", "gradient_underflow_share", "hardware", "loss_scale",
+    "nonfinite", "numerics", "precision", "underflow",
 ]
 
 

@@ -321,3 +321,18 @@ def first_backward_offender(run, sample: int, view: RunView | None = None) -> in
         return None
     hits = np.flatnonzero(mask[sample])
     return int(hits[-1]) if len(hits) else None
+
+
+def gradient_underflow_share(run, view: RunView | None = None) -> np.ndarray:
+    """[samples, layers]: the share of each layer's incoming gradient values
+    that are non-zero and below float16's normal range, for float16 gradients
+    only; NaN for layers whose gradient was bfloat16 or float32 (the recorded
+    count uses float16's threshold, which means nothing for them)."""
+    view = view or RunView(run)
+    numerics = view.numerics
+    if numerics is None or not len(numerics.steps):
+        return np.zeros((0, 0))
+    share = np.asarray(numerics.backward["underflow_frac"], dtype=np.float64).copy()
+    half = np.array([d == "float16" for d in view.numerics_dtypes()], dtype=bool)
+    share[:, ~half] = np.nan
+    return share
