@@ -16,6 +16,7 @@ import tempfile
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 import mpprof
 from mpprof import reader, schema
@@ -194,6 +195,14 @@ def headroom(log_dir):
     _fit(log_dir, model, x, y, numerics_every=1)
 
 
+def float32_island_beyond_half_range(log_dir):
+    """No MP003: kernels of 8 take "second" to 8,192 (float16 fits) and the
+    float32 head, kernel 100, to ~13M: beyond 65504, but within float32."""
+    x, y = _ones(8 * 4, 0.0)
+    model = _regression(keras.initializers.Constant(8.0), head=keras.initializers.Constant(100.0))
+    _fit(log_dir, model, x, y, numerics_every=1)
+
+
 def underflow(log_dir):
     """MP005: the loss times 1e-6 at scale 1: gradients ~1e-7, subnormal."""
 
@@ -242,6 +251,317 @@ def nan_weights(log_dir):
     _fit(log_dir, _classifier("float32", optimizer=keras.optimizers.SGD(0.1)), x, y)
 
 
+def _tiny_loss_model(policy, scale):
+    """tanh -> relu (half precision) -> float32 readout, the loss times `scale`."""
+
+    def shrunk_mse(y_true, y_pred):
+        return scale * keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+
+    keras.mixed_precision.set_dtype_policy(policy)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.layers.Input((16,)),
+        keras.layers.Dense(24, activation="tanh", name="encoder"),
+        keras.layers.Dense(16, activation="relu", name="features"),
+        keras.layers.Dense(2, dtype="float32", name="readout"),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=shrunk_mse)
+    return model
+
+
+def _tiny_loss_data():
+    rng = np.random.default_rng(1)
+    return rng.normal(size=(40, 16)).astype(np.float32), rng.normal(size=(40, 2)).astype(
+        np.float32
+    )
+
+
+def flushed_gradients(log_dir):
+    """MP005: the loss times 1e-13 at the default scale 2**15: the gradient
+    reaching the float32 readout is ~1e-9, and cast to float16 on its way into
+    "features" it flushes to zero (float16's smallest subnormal is 6e-8)."""
+    _fit(log_dir, _tiny_loss_model("mixed_float16", 1e-13), *_tiny_loss_data(),
+         batch_size=8, numerics_every=1)
+
+
+def unshrunk_gradients(log_dir):
+    """No MP005: the same model with the loss as it is."""
+    _fit(log_dir, _tiny_loss_model("mixed_float16", 1.0), *_tiny_loss_data(),
+         batch_size=8, numerics_every=1)
+
+
+def flushed_gradients_bf16(log_dir):
+    """No MP005: the same tiny loss in bfloat16, which has float32's range."""
+    _fit(log_dir, _tiny_loss_model("mixed_bfloat16", 1e-13), *_tiny_loss_data(),
+         batch_size=8, numerics_every=1)
+
+
+def flushed_gradients_two_samples(log_dir):
+    """MP005 not measured: the tiny loss, but only 2 ordinary samples."""
+    x, y = _tiny_loss_data()
+    _fit(log_dir, _tiny_loss_model("mixed_float16", 1e-13), x[:24], y[:24],
+         batch_size=8, numerics_every=1)
+
+
+def conv_bias_before_batch_norm(log_dir):
+    """No MP005: a conv's bias feeding BatchNormalization has a gradient that
+    is zero by construction. With the loss times 1e-4 its rounding noise sits
+    below float16's normal range (~90% of its values) while every other
+    gradient stays normal, as on ResNet50."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.layers.Input((8, 8, 3)),
+        keras.layers.Conv2D(8, 3, name="conv"),
+        keras.layers.BatchNormalization(name="norm"),
+        keras.layers.ReLU(),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(8, dtype="float32", name="logits"),
+    ])
+    crossentropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def shrunk_crossentropy(y_true, y_pred):
+        return 1e-4 * crossentropy(y_true, y_pred)
+
+    model.compile(optimizer="adam", loss=shrunk_crossentropy)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((40, 8, 8, 3), dtype=np.float32), rng.integers(0, 8, 40)
+    _fit(log_dir, model, x, y, batch_size=8, numerics_every=1)
+
+
+def _confident_softmax(softmax_dtype):
+    """Logits 12.5 above the true class: its probability is ~5e-7, and the
+    crossentropy's gradient -1/(p * batch) = -2.5e5 overflows float16 unless
+    the scale drops below ~0.26. Frozen weights (learning rate 0): the same every step."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    bias = np.full(8, 12.5, np.float32)
+    bias[0] = 0.0
+    model = keras.Sequential([
+        keras.layers.Input((4,)),
+        keras.layers.Dense(8, kernel_initializer="zeros",
+                           bias_initializer=keras.initializers.Constant(bias), name="scores"),
+        keras.layers.Activation("softmax", dtype=softmax_dtype, name="probs"),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="sparse_categorical_crossentropy")
+    return model
+
+
+def half_softmax_gradient_overflow(log_dir):
+    """MP001 + MP019 (+ MP006): a float16 softmax head; the gradient overflows
+    as it enters "probs", on every step until the scale falls below 1."""
+    x, y = np.ones((8 * 20, 4), np.float32), np.zeros(8 * 20, np.int64)
+    _fit(log_dir, _confident_softmax(None), x, y, numerics_every=1)
+
+
+def float32_softmax_confident(log_dir):
+    """No MP001/MP019: the same confident model with a float32 softmax."""
+    x, y = np.ones((8 * 20, 4), np.float32), np.zeros(8 * 20, np.int64)
+    _fit(log_dir, _confident_softmax("float32"), x, y, numerics_every=1)
+
+
+def overflow_every_step(log_dir):
+    """MP001/MP002/MP003: kernels of 300 overflow "second" on every step, so
+    every step is skipped and the scale (from 4) halves far below 1."""
+    x, y = _ones(8 * 12, 0.0)
+    model = _regression(keras.initializers.Constant(300.0), initial_scale=4.0)
+    _fit(log_dir, model, x, y, numerics_every=1)
+
+
+def _probability_model(policy, head, loss, *, classes=8):
+    """Dense(32) then `head` (a list of layers) compiled with `loss`."""
+    keras.mixed_precision.set_dtype_policy(policy)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.layers.Input((32,)), keras.layers.Dense(32, activation="relu"), *head]
+    )
+    model.compile(optimizer="adam", loss=loss)
+    return model
+
+
+def logits_into_sparse_ce(log_dir):
+    """MP014: float32 logits (no softmax) into the string loss
+    "sparse_categorical_crossentropy", whose from_logits is False."""
+    x, y = _classes()
+    model = _probability_model(
+        "mixed_float16", [keras.layers.Dense(8, dtype="float32", name="scores")],
+        "sparse_categorical_crossentropy",
+    )
+    _fit(log_dir, model, x, y, numerics_every=2)
+
+
+def logits_into_binary_ce_bf16(log_dir):
+    """MP014 under mixed_bfloat16: a linear Dense(1) into BinaryCrossentropy()."""
+    x, y = _classes()
+    model = _probability_model(
+        "mixed_bfloat16", [keras.layers.Dense(1, name="score")],
+        keras.losses.BinaryCrossentropy(), classes=1,
+    )
+    _fit(log_dir, model, x, (y % 2).astype(np.float32)[:, None], numerics_every=2)
+
+
+def float32_softmax_activation(log_dir):
+    """No MP014: the last layer is Activation("softmax", dtype="float32")."""
+    x, y = _classes()
+    model = _probability_model(
+        "mixed_float16",
+        [keras.layers.Dense(8), keras.layers.Activation("softmax", dtype="float32")],
+        keras.losses.SparseCategoricalCrossentropy(),
+    )
+    _fit(log_dir, model, x, y)
+
+
+def sigmoid_into_binary_ce(log_dir):
+    """No MP014: Dense(1, activation="sigmoid", float32) into "binary_crossentropy"."""
+    x, y = _classes()
+    model = _probability_model(
+        "mixed_float16",
+        [keras.layers.Dense(1, activation="sigmoid", dtype="float32")],
+        "binary_crossentropy",
+    )
+    _fit(log_dir, model, x, (y % 2).astype(np.float32)[:, None])
+
+
+# Custom train steps. The records of what the train step called (the run
+# context's "optimizers", the health record's "loss_watched") are written by
+# the callback from mpprof 0.2; these real runs are rewritten with them, in
+# the shape the callback writes, the way a newer callback's logdir arrives.
+
+
+class _RawLossStep(keras.Model):
+    """keras.io's "customizing fit" step: gradients of the raw loss, then
+    `optimizer.apply`; with `scale=True` the loss goes through `scale_loss`."""
+
+    def __init__(self, *args, scale=False, **kwargs):
+        super().__init__(*args, name="custom_step", **kwargs)
+        self.scale = scale
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            taped = self.optimizer.scale_loss(loss) if self.scale else loss
+        grads = tape.gradient(taped, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+class _TwoOptimizerGan(keras.Model):
+    """A generator and a critic, each with its own optimizer."""
+
+    def __init__(self, make_optimizer):
+        super().__init__(name="gan")
+        self.generator = keras.layers.Dense(8, name="generator")
+        self.critic = keras.layers.Dense(1, dtype="float32", name="critic")
+        self.g_opt, self.d_opt = make_optimizer(), make_optimizer()
+
+    def call(self, x):
+        return self.critic(self.generator(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape(persistent=True) as tape:
+            loss = keras.ops.mean(keras.ops.square(self(x, training=True) - y))
+            scaled = {
+                opt: opt.scale_loss(loss) if hasattr(opt, "inner_optimizer") else loss
+                for opt in (self.g_opt, self.d_opt)
+            }
+        for opt, layer in ((self.d_opt, self.critic), (self.g_opt, self.generator)):
+            variables = layer.trainable_variables
+            opt.apply(tape.gradient(scaled[opt], variables), variables)
+        return {"loss": loss}
+
+
+def _regression_data():
+    rng = np.random.default_rng(2)
+    return rng.random((32, 8), dtype=np.float32), rng.random((32, 1), dtype=np.float32)
+
+
+def _custom_step_run(log_dir, model, optimizers, *, loss_watched):
+    """Trains `model` for real, then writes its records again into `log_dir`
+    with the context's "optimizers" and, when the loss was not watched, the
+    health and numerics "loss" as the callback records them."""
+    source = _ROOT / ("real_" + pathlib.Path(log_dir).name)
+    _fit(str(source), model, *_regression_data(), numerics_every=1)
+    rewrite_run(
+        pathlib.Path(log_dir), reader.read_run(source, "train"),
+        context={"optimizers": optimizers}, loss_watched=loss_watched,
+    )
+
+
+def _optimizer(name, cls, inner, loss_scale, scale_loss_called):
+    return {"name": name, "class": cls, "inner": inner, "loss_scale": loss_scale,
+            "apply_called": True, "scale_loss_called": scale_loss_called}
+
+
+def raw_loss_step(log_dir):
+    """MP018: a LossScaleOptimizer whose apply ran but scale_loss never did."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    outputs = keras.layers.Dense(1, dtype="float32")(keras.layers.Dense(8)(inputs))
+    model = _RawLossStep(inputs, outputs)
+    model.compile(optimizer="adam", loss="mse")
+    optimizers = [_optimizer("optimizer", "LossScaleOptimizer", "Adam", True, False)]
+    _custom_step_run(log_dir, model, optimizers, loss_watched=False)
+
+
+def scaled_loss_step(log_dir):
+    """No MP018: the same custom step, with the loss through scale_loss."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    outputs = keras.layers.Dense(1, dtype="float32")(keras.layers.Dense(8)(inputs))
+    model = _RawLossStep(inputs, outputs, scale=True)
+    model.compile(optimizer="adam", loss="mse")
+    optimizers = [_optimizer("optimizer", "LossScaleOptimizer", "Adam", True, True)]
+    _custom_step_run(log_dir, model, optimizers, loss_watched=True)
+
+
+def gan_plain_optimizers(log_dir):
+    """MP008: a GAN's two plain Adam optimizers under mixed_float16."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = _TwoOptimizerGan(lambda: keras.optimizers.Adam(1e-3))
+    model.compile(optimizer="rmsprop", loss="mse", auto_scale_loss=False)
+    optimizers = [_optimizer(n, "Adam", None, False, None) for n in ("d_opt", "g_opt")]
+    _custom_step_run(log_dir, model, optimizers, loss_watched=False)
+
+
+def gan_scaled_optimizers(log_dir):
+    """No MP008: the GAN's optimizers are LossScaleOptimizers; the compiled
+    (plain, never used) RMSprop is not judged."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = _TwoOptimizerGan(
+        lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    )
+    model.compile(optimizer="rmsprop", loss="mse", auto_scale_loss=False)
+    optimizers = [
+        _optimizer(n, "LossScaleOptimizer", "Adam", True, True) for n in ("d_opt", "g_opt")
+    ]
+    _custom_step_run(log_dir, model, optimizers, loss_watched=False)
+
+
+def rewrite_run(log_dir: pathlib.Path, source: reader.Run, *, context=None,
+                loss_watched=True, name="train") -> None:
+    """Writes `source`'s records into `log_dir/name` through the schema writer,
+    the context updated with `context`; `loss_watched=False` writes the health
+    record's loss fields as null and the numerics "loss" as NaN."""
+    writer = RecordWriter(log_dir / name)
+    for record, found in source.records.items():
+        for item in found:
+            value = copy.deepcopy(item.value)
+            if record == schema.RUN_CONTEXT:
+                value.update(context or {})
+            elif record == schema.HEALTH and not loss_watched:
+                value.update(loss_watched=False, first_nonfinite_loss_step=None,
+                             nonfinite_loss_steps=None)
+            elif record == schema.NUMERICS_STEP and not loss_watched:
+                value = np.array(value, dtype=np.float64)
+                value[..., schema.NUMERICS_STEP_COLUMNS.index("loss")] = np.nan
+            if isinstance(value, dict):
+                writer.write_json(record, value, item.step)
+            else:
+                writer.write_array(record, value, item.step)
+    writer.close()
+
+
 def hostile(log_dir):
     """The forward_overflow run with a layer and the run named like HTML.
 
@@ -281,11 +601,28 @@ BUILDERS = {
         collapse,
         forward_overflow,
         headroom,
+        float32_island_beyond_half_range,
         underflow,
         half_output_misaligned,
         no_loss_scaling,
         policy_after_build,
         nan_weights,
+        flushed_gradients,
+        half_softmax_gradient_overflow,
+        float32_softmax_confident,
+        overflow_every_step,
+        unshrunk_gradients,
+        flushed_gradients_bf16,
+        flushed_gradients_two_samples,
+        conv_bias_before_batch_norm,
+        logits_into_sparse_ce,
+        raw_loss_step,
+        scaled_loss_step,
+        gan_plain_optimizers,
+        gan_scaled_optimizers,
+        logits_into_binary_ce_bf16,
+        float32_softmax_activation,
+        sigmoid_into_binary_ce,
         hostile,
     )
 }

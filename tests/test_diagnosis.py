@@ -47,7 +47,9 @@ def test_finding_to_dict_is_json_with_every_field():
         "step",
         "evidence",
         "fix",
+        "view",
     }
+    assert as_dict["view"] == "numerics"  # MP003's evidence is in the numerics view
     # Strict JSON: no Infinity/NaN tokens, numpy scalars made plain.
     assert json.loads(json.dumps(as_dict, allow_nan=False))["evidence"] == {
         "abs_max": "inf",
@@ -56,7 +58,8 @@ def test_finding_to_dict_is_json_with_every_field():
 
 
 def test_catalogue_covers_every_rule_and_severity():
-    assert list(diagnosis.CATALOGUE) == [f"MP{i:03d}" for i in range(1, 14)]
+    # MP015-MP017 are reserved (float8).
+    assert list(diagnosis.CATALOGUE) == [f"MP{i:03d}" for i in (*range(1, 15), 18, 19)]
     assert {rule.severity for rule in diagnosis.CATALOGUE.values()} == set(diagnosis.SEVERITIES)
 
 
@@ -206,7 +209,11 @@ def test_rules_without_their_data_say_not_measured():
     run = read("storm")  # numerics_every=None
     result = diagnosis.evaluate(run)
     unmeasured = {c.code: c.reason for c in result.not_measured}
-    assert set(unmeasured) == {"MP003", "MP004", "MP005"}
+    # MP018 needs the optimizers' calls, which runs before they were recorded lack.
+    recorded_calls = isinstance(run.context.get("optimizers"), list)
+    assert set(unmeasured) == {"MP003", "MP004", "MP005", "MP019"} | (
+        set() if recorded_calls else {"MP018"}
+    )
     assert "numerics_every" in unmeasured["MP003"]
 
 
@@ -301,3 +308,250 @@ def test_mp012_nonfinite_loss_not_caught_by_the_loss_scale(tmp_path):
 def test_hostile_layer_name_is_kept_verbatim_in_findings():
     finding = only(read("hostile"), "MP003")
     assert finding.layer == HOSTILE_NAME
+
+
+# --- MP014: a probability loss on raw outputs.
+
+
+def test_mp014_logits_into_a_probability_loss():
+    run = read("logits_into_sparse_ce")
+    finding = only(run, "MP014")
+    assert finding.severity == "critical" and finding.layer == "scores"
+    assert finding.evidence["loss"] == "sparse_categorical_crossentropy"
+    assert finding.evidence["from_logits"] is False
+    assert finding.evidence["final_op"] not in ("Softmax", "Sigmoid")
+    # Confirmed by the recorded loss: far above chance (log 8 = 2.08).
+    assert finding.evidence["loss_above_chance"] is True
+    assert "SparseCategoricalCrossentropy(from_logits=True)" in finding.fix
+    assert 'Activation("softmax", dtype="float32")' in finding.fix
+
+
+def test_mp014_under_bfloat16_with_a_loss_object():
+    finding = only(read("logits_into_binary_ce_bf16"), "MP014")
+    assert finding.evidence["loss"] == "BinaryCrossentropy"
+    assert "BinaryCrossentropy(from_logits=True)" in finding.fix
+
+
+@pytest.mark.parametrize(
+    "name", ["healthy_mixed", "healthy_bfloat16", "healthy_float32",
+             "float32_softmax_activation", "sigmoid_into_binary_ce"],
+)
+def test_mp014_does_not_fire_on_logits_losses_or_probability_heads(name):
+    run = read(name)
+    assert "MP014" not in codes(run)
+    assert check_status(run, "MP014") == "checked"
+
+
+# --- MP005: judged by the dtype each gradient was computed in.
+
+
+def test_mp005_names_the_float16_layer_whose_gradient_flushed_to_zero():
+    run = read("flushed_gradients")
+    finding = only(run, "MP005")
+    # The float32 readout's gradients never were float16: not blamed.
+    assert finding.layer == "features"
+    assert finding.evidence["how"] == "flushed to zero"
+    assert finding.evidence["median_underflow_frac"] >= diagnosis.FLUSH_SHARE
+    assert not any("readout" in key for key in finding.evidence["underflowing"])
+    assert "all values" in finding.evidence["share_of"]
+
+
+def test_mp005_quiet_on_the_same_model_with_a_normal_loss():
+    run = read("unshrunk_gradients")
+    assert "MP005" not in codes(run)
+    assert check_status(run, "MP005") == "checked"
+
+
+def test_mp005_not_applicable_in_bfloat16():
+    assert check_status(read("flushed_gradients_bf16"), "MP005") == "not applicable"
+
+
+def test_mp005_needs_enough_ordinary_samples():
+    run = read("flushed_gradients_two_samples")
+    assert len(run.numerics.steps) == 2
+    result = diagnosis.evaluate(run)
+    reason = {c.code: c.reason for c in result.not_measured}["MP005"]
+    assert f"at least {diagnosis.MIN_UNDERFLOW_SAMPLES}" in reason
+
+
+def test_mp005_leaves_out_a_bias_whose_gradient_is_zero_by_construction():
+    run = read("conv_bias_before_batch_norm")
+    grads = run.numerics.variable_grads
+    bias = next(i for i, name in enumerate(run.numerics.variables) if name.endswith("conv/bias"))
+    # The raw data would have blamed it: mostly subnormal, or zero in every sample.
+    assert (np.median(grads["underflow_frac"][:, bias]) >= diagnosis.UNDERFLOW_SHARE
+            or (grads["zero_frac"][:, bias] >= 1).all())
+    assert run.inventory["layers"][1]["inputs_from"] == ["conv"]  # norm is fed by conv
+    assert "MP005" not in codes(run)
+
+
+# --- Where an overflow starts, and fix texts that hold together.
+
+
+def test_mp019_names_the_float16_head_where_the_gradient_overflows():
+    run = read("half_softmax_gradient_overflow")
+    finding = only(run, "MP019")
+    assert finding.layer == "probs" and finding.evidence["model_output_is_half"] is True
+    assert finding.step == int(run.numerics.steps[0])
+    assert "MP006" in finding.fix and 'Activation(..., dtype="float32")' in finding.fix
+    assert {"MP001", "MP002"} <= set(finding.evidence["because_of"])
+    for code in ("MP001", "MP002"):
+        fix = only(run, code).fix
+        assert "'probs'" in fix and "MP006" in fix and "MP019" in fix
+        assert only(run, code).evidence["gradient_overflow_starts_at"] == "probs"
+
+
+def test_mp019_quiet_with_a_float32_softmax():
+    run = read("float32_softmax_confident")
+    assert not codes(run) & {"MP001", "MP002", "MP019", "MP005"}
+    assert check_status(run, "MP019") == "checked"
+
+
+def test_mp019_quiet_when_the_loss_scale_copes():
+    # The growth probes overflow once per growth; no numerics there, and the
+    # healthy runs with numerics show no gradient overflow at all.
+    for name in ("healthy_mixed", "headroom"):
+        assert "MP019" not in codes(read(name))
+
+
+def test_scale_falling_below_one_defers_instead_of_suggesting_a_tiny_scale():
+    run = read("overflow_every_step")
+    assert run.loss_scale.final_scale < 1
+    mp002 = only(run, "MP002")
+    assert "initial_scale" not in mp002.fix and "MP001" in mp002.fix
+    # The forward pass overflows first: MP003 names it, MP019 does not blame
+    # the float32 head that only inherits the NaN.
+    assert "'second' (MP003" in mp002.fix and "'second' (MP003" in only(run, "MP001").fix
+    assert "MP019" not in codes(run)
+
+
+def test_mp003_evidence_of_an_all_nonfinite_output_and_its_step():
+    run = read("overflow_every_step")
+    finding = only(run, "MP003")
+    assert finding.evidence["nonfinite_frac"] == 1.0
+    assert finding.evidence["abs_max"] is None  # no finite value to report
+    assert finding.step == int(run.numerics.steps[0])
+    assert finding.evidence["forensic_sample"] is True
+    first = finding.evidence["first_overflow_step"]
+    assert first == int(run.loss_scale.overflow_steps[0]) == 0 < finding.step
+    assert f"on step {finding.step} (forensic sample; the first overflow was at step 0)" in (
+        finding.title
+    )
+
+
+# --- The optimizers the train step used, and what it did with the loss.
+
+
+def test_mp018_apply_without_scale_loss():
+    run = read("raw_loss_step")
+    finding = only(run, "MP018")
+    assert finding.severity == "critical"
+    assert finding.evidence["optimizers"][0]["scale_loss_called"] is False
+    assert "self.optimizer.scale_loss(loss)" in finding.fix
+    assert "MP008" not in codes(run)  # it is a LossScaleOptimizer
+
+
+def test_mp018_quiet_when_the_loss_is_scaled():
+    run = read("scaled_loss_step")
+    assert not codes(run) & {"MP018", "MP008"}
+    assert check_status(run, "MP018") == "checked"
+
+
+def test_an_unwatched_loss_is_not_measured_never_a_value():
+    run = read("raw_loss_step")
+    assert run.health["loss_watched"] is False
+    assert np.isnan(run.numerics.loss).all()  # as the callback records it
+    # MP012 must not read the NaN "loss" as a non-finite loss.
+    assert "MP012" not in codes(run)
+    assert check_status(run, "MP012") == "not measured"
+
+
+def test_mp008_judges_every_optimizer_the_train_step_used():
+    finding = only(read("gan_plain_optimizers"), "MP008")
+    assert finding.evidence["optimizers_without_loss_scaling"] == ["d_opt (Adam)", "g_opt (Adam)"]
+    assert "d_opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())" in finding.fix
+    assert "scale_loss" in finding.fix
+
+
+def test_mp008_ignores_the_compiled_optimizer_the_step_never_used():
+    run = read("gan_scaled_optimizers")
+    assert run.context["optimizer"] == "RMSprop"  # compiled, plain, unused
+    assert not codes(run) & {"MP008", "MP018"}
+    assert check_status(run, "MP008") == "checked"
+
+
+def _as_tf_keras(tmp_path, name):
+    from diagnosis_runs import rewrite_run
+
+    rewrite_run(tmp_path, read(name), context={"keras_flavor": "tf_keras"})
+    return reader.read_run(tmp_path, "train")
+
+
+def test_fix_texts_speak_tf_keras_for_a_tf_keras_model(tmp_path):
+    run = _as_tf_keras(tmp_path, "half_softmax_gradient_overflow")
+    fixes = {f.code: f.fix for f in diagnosis.diagnose(run)}
+    assert {"MP001", "MP002", "MP006", "MP019", "MP011"} <= set(fixes)
+    for fix in fixes.values():
+        assert "keras.mixed_precision.set_dtype_policy" not in fix
+        assert "keras.layers." not in fix.replace("tf_keras.layers.", "")
+    assert 'tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")' in fixes["MP001"]
+    assert 'tf_keras.layers.Activation(..., dtype="float32")' in fixes["MP019"]
+    # ...and the Keras 3 run of the same model speaks Keras 3.
+    keras3 = {f.code: f.fix for f in diagnosis.diagnose(read("half_softmax_gradient_overflow"))}
+    assert 'keras.mixed_precision.set_dtype_policy("mixed_bfloat16")' in keras3["MP001"]
+
+
+def test_tf_keras_loss_scale_fixes_use_its_optimizer_api(tmp_path):
+    storm = {f.code: f for f in diagnosis.diagnose(_as_tf_keras(tmp_path / "storm", "storm"))}
+    assert "tf_keras.mixed_precision.LossScaleOptimizer(optimizer, initial_scale=" in (
+        storm["MP002"].fix
+    )
+    raw = only(_as_tf_keras(tmp_path / "raw", "raw_loss_step"), "MP018")
+    assert "get_scaled_loss(loss)" in raw.fix and "scale_loss(loss)\n" not in raw.fix
+
+
+# --- What the front ends list: each finding's view, and the notes.
+
+
+def test_findings_carry_their_view_and_notes_say_what_was_not_judged():
+    run = read("storm")  # no numerics recorded
+    result = diagnosis.evaluate(run)
+    assert {f.code: f.view for f in result.findings}["MP002"] == "loss_scale"
+    as_dict = json.loads(json.dumps(result.to_dict(), allow_nan=False))
+    notes = {note["code"]: note for note in as_dict["notes"]}
+    assert notes["MP003"]["status"] == "not measured"
+    assert "numerics_every" in notes["MP003"]["reason"]
+    assert notes["MP003"]["view"] == "numerics" and notes["MP003"]["title"]
+    # "not measured" first, then "not applicable"; checked rules are no note.
+    statuses = [note["status"] for note in as_dict["notes"]]
+    assert statuses == sorted(statuses, key=lambda s: s != "not measured")
+    assert notes["MP010"]["status"] == "not applicable"  # CPU only
+    checked = {c.code for c in result.checks if c.status == "checked"}
+    assert not checked & set(notes)
+    assert [f["code"] for f in as_dict["findings"]] == [f.code for f in result.findings]
+
+
+def test_one_overflow_answer_judged_by_each_layers_dtype():
+    run = read("forward_overflow")
+    mask = diagnosis.forward_overflow_mask(run)
+    layers = run.numerics.layers
+    # "second" (float16) overflowed; "head" is float32 and only inherits NaN.
+    assert mask[:, layers.index("second")].all()
+    assert diagnosis.first_forward_offender(run, 0) == layers.index("second")
+    # A float32 layer above 65504 but finite did not overflow float32.
+    island = read("float32_island_beyond_half_range")
+    head = island.numerics.layers.index("head")
+    assert (island.numerics.forward["abs_max"][:, head] > 65504).all()
+    assert not diagnosis.forward_overflow_mask(island)[:, head].any()
+    assert "MP003" not in codes(island) and "MP004" in codes(island)
+
+
+def test_gradient_underflow_share_only_for_float16_gradients():
+    bf16 = read("flushed_gradients_bf16")
+    assert np.isnan(diagnosis.gradient_underflow_share(bf16)).all()
+    run = read("flushed_gradients")
+    share = diagnosis.gradient_underflow_share(run)
+    readout = run.numerics.layers.index("readout")  # float32
+    assert np.isnan(share[:, readout]).all()
+    assert (run.numerics.backward["underflow_frac"][:, readout] > 0.5).all()  # raw count
+    assert np.isfinite(share[:, run.numerics.layers.index("features")]).all()

@@ -147,3 +147,88 @@ def test_mixed_bfloat16_actual_dtypes(tmp_path):
     assert layers["dense"]["output_dtypes"] == ["bfloat16"]
     assert layers["dense"]["variable_dtype"] == "float32"
     assert run.context["model_policy"] == "mixed_bfloat16"
+
+
+@pytest.fixture(scope="module")
+def conv_zoo_run(tmp_path_factory):
+    """One mixed_float16 model with every GEMM-bearing layer class, each with
+    distinct (mostly misaligned) channel counts, trained for 2 steps."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 4))
+    h = keras.layers.Conv2D(12, 3, padding="same", name="conv2d")(inputs)
+    h = keras.layers.Conv2DTranspose(20, 3, padding="same", name="transpose")(h)
+    h = keras.layers.DepthwiseConv2D(3, padding="same", name="depthwise")(h)
+    h = keras.layers.SeparableConv2D(10, 3, padding="same", depth_multiplier=2,
+                                     name="separable")(h)
+    sequence = keras.layers.Reshape((64, 10))(h)
+    h = keras.layers.Conv1D(6, 3, padding="same", name="conv1d")(sequence)
+    h = keras.layers.Reshape((4, 4, 4, 6))(h)
+    h = keras.layers.Conv3D(5, 2, padding="same", name="conv3d")(h)
+    h = keras.layers.GlobalAveragePooling3D()(h)
+    h = keras.layers.EinsumDense("ab,bc->ac", output_shape=9, name="einsum")(h)
+    attended = keras.layers.MultiHeadAttention(2, key_dim=6, name="mha")(sequence, sequence)
+    pooled = keras.layers.GlobalAveragePooling1D()(attended)
+    h = keras.layers.Concatenate()([h, pooled])
+    h = keras.layers.Dense(3, name="dense")(h)
+    outputs = keras.layers.Dense(1, dtype="float32", name="head")(h)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="adam", loss="mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.random((32, 8, 8, 4), dtype=np.float32), rng.random((32, 1), dtype=np.float32)
+    logdir = tmp_path_factory.mktemp("conv_zoo")
+    return _fit(model, x, y, logdir)
+
+
+def test_gemm_dims_follow_each_layer_class_kernel_layout(conv_zoo_run):
+    layers = _by_name(conv_zoo_run.inventory)
+
+    def gemm(name):
+        return layers[name]["gemm_dims"], layers[name]["gemm_arguments"]
+
+    # (input channels, filters) for convolutions of every rank.
+    assert gemm("conv2d") == ([4, 12], [None, "filters"])
+    assert gemm("conv1d") == ([10, 6], [None, "filters"])
+    assert gemm("conv3d") == ([6, 5], [None, "filters"])
+    # A transposed conv's kernel is (..., filters, input channels).
+    assert gemm("transpose") == ([12, 20], [None, "filters"])
+    # A depthwise conv runs no GEMM.
+    assert layers["depthwise"]["gemm_dims"] is None
+    # A separable conv's GEMM is its pointwise part: 20 channels x 2 -> 10.
+    assert gemm("separable") == ([40, 10], [None, "filters"])
+    assert gemm("einsum") == ([5, 9], [None, "output_shape"])
+    assert gemm("dense") == ([9 + 10, 3], [None, "units"])  # einsum 9 + attention 10
+    assert gemm("mha") == ([6, 6], ["key_dim", "value_dim"])
+
+
+def test_tensor_core_lint_per_layer_class(conv_zoo_run):
+    from mpprof import diagnosis
+
+    found = {f.layer: f for f in diagnosis.diagnose(conv_zoo_run) if f.code == "MP007"}
+    summary = found.pop(None, None)
+    named = set(found) | set(summary.evidence["layers"] if summary else ())
+    assert "depthwise" not in named and "head" not in named  # no GEMM; float32
+    assert {"conv2d", "transpose", "separable", "conv1d", "conv3d", "einsum", "mha",
+            "dense"} <= named
+    for finding in found.values():
+        assert "DepthwiseConv2D" not in finding.fix
+    if "transpose" in found:
+        fix = found["transpose"].fix
+        assert "input channels 12 -> 16" in fix and "filters 20 -> 24" in fix
+        assert "keras.layers.Conv2DTranspose(filters=24, ...)" in fix
+
+
+def test_dtype_policy_map_records_what_each_layer_computes_in(tmp_path):
+    policy_map = keras.dtype_policies.DTypePolicyMap(default_policy="mixed_float16")
+    policy_map["head"] = "float32"
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, name="hidden", dtype=policy_map)(inputs)
+    outputs = keras.layers.Dense(4, name="head", dtype=policy_map)(hidden)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="adam", loss="mse")
+    x, y = np.ones((32, 8), np.float32), np.zeros((32, 4), np.float32)
+    layers = _by_name(_fit(model, x, y, tmp_path).inventory)
+    assert layers["head"]["compute_dtype"] == "float32"
+    assert layers["head"]["output_dtypes"] == ["float32"]
+    assert layers["head"]["float32_island"] is True
+    assert layers["hidden"]["compute_dtype"] == "float16"

@@ -1,0 +1,274 @@
+"""Numerics rules: forward overflow (MP003), headroom (MP004), gradient
+underflow (MP005), non-finite loss or weights (MP012) and where a gradient
+overflow starts (MP019). Each tensor is judged by the dtype it was computed in."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpprof.diagnosis.core import REGISTRY, NotApplicable, NotMeasured, finding, rule
+from mpprof.diagnosis.view import (
+    DTYPE_MAX,
+    HALF_DTYPES,
+    RunView,
+    backward_overflow_mask,
+    forward_overflow_mask,
+)
+
+# How many layers a rule names one by one before summarising the rest.
+MAX_LAYER_FINDINGS = 10
+
+# MP004: activations whose largest magnitude is within this factor of their
+# dtype's largest finite value. 16 = four doublings of headroom: weights
+# that grow during training can double an activation's range in a few hundred
+# steps.
+HEADROOM_FACTOR = 16.0
+
+# MP005: share of ALL of a float16 gradient's values (zeros included) that
+# are non-zero and below float16's smallest normal (2**-14 = 6.1e-5): they keep
+# fewer mantissa bits or are about to flush to zero. A well-scaled run keeps
+# well under 1% there (Micikevicius et al., "Mixed Precision Training", 2018);
+# 10% means the loss scale is too low.
+UNDERFLOW_SHARE = 0.10
+# MP005: a float16 layer gradient at least this share exactly zero, while the
+# layer's activations are not (their zero share is at least FLUSH_GAP lower)
+# and its non-zero values are mostly below the normal range, has FLUSHED to
+# zero: the loss scale did not lift it into float16's range.
+FLUSH_SHARE = 0.9
+FLUSH_GAP = 0.3
+# MP005: the fewest ordinary samples (not forensic, finite gradients) before
+# a median is trusted: one or two samples are often the first steps, where
+# weights and the loss scale are still far from where training settles.
+MIN_UNDERFLOW_SAMPLES = 3
+
+
+def _offender_dtype(view: RunView, name: str) -> str:
+    return view.output_dtype(name) or view.half_dtype or "float32"
+
+
+@rule("MP003", "critical", "a layer's forward output overflowed", view="numerics",
+      data="numerics")
+def forward_overflow(view: RunView) -> list:
+    """A layer's output was non-finite, or beyond the largest value of the
+    dtype it was computed in, on a sampled step: names the first such layer
+    in call order and the first step (the later layers only inherit it)."""
+    view.require_mixed()
+    numerics = view.require_numerics()
+    bad = forward_overflow_mask(view.run, view)
+    rows = np.flatnonzero(bad.any(axis=1))
+    if not len(rows):
+        return []
+    sample = int(rows[0])
+    index = int(np.argmax(bad[sample]))  # first in call order
+    layer = numerics.layers[index]
+    dtype = _offender_dtype(view, layer)
+    abs_max = numerics.forward["abs_max"]
+    nonfinite = float(numerics.forward["nonfinite_frac"][sample, index])
+    step = int(numerics.steps[sample])
+    evidence = {
+        "step": step,
+        # The finite maximum of an all-non-finite tensor means nothing.
+        "abs_max": None if nonfinite >= 1.0 else float(abs_max[sample, index]),
+        "nonfinite_frac": nonfinite,
+        "dtype": dtype,
+        "dtype_max": DTYPE_MAX.get(dtype),
+        "policy_max": float(numerics.policy_max),
+        "input_abs_max": float(abs_max[sample, index - 1]) if index else None,
+        "layers_overflowing_at_that_step": int(bad[sample].sum()),
+        "samples_with_overflow": len(rows),
+        "samples": len(numerics.steps),
+        "forensic_sample": bool(numerics.forensic[sample]),
+    }
+    later = [numerics.layers[j] for j in np.flatnonzero(bad[sample])[1:MAX_LAYER_FINDINGS]]
+    if later:
+        evidence["later_layers_also_overflowing"] = later
+    # The step is the first where the evidence was seen; the loss scale may
+    # have skipped earlier steps (a forensic sample follows an overflow).
+    when = f"on sampled step {step}"
+    if view.loss_scale is not None:
+        before = view.loss_scale.overflow_steps
+        before = before[before <= step]
+        if len(before):
+            evidence["first_overflow_step"] = int(before.min())
+            kind = "forensic sample" if evidence["forensic_sample"] else "sampled step"
+            when = (f"on step {step} ({kind}; the first overflow was at step "
+                    f"{int(before.min())})")
+    fix = (
+        f"Layer {layer!r} is the first in call order whose output left "
+        f"{dtype}'s range; the layers after it only inherit the inf/NaN. "
+        "Keep it in float32:\n"
+        f"    {view.api.layer(view.layer_class(layer))}\n"
+        "or bound its input (normalise the inputs, add LayerNormalization before "
+        "it, lower the learning rate if its weights grew), or train in bfloat16:\n"
+        f"    {view.api.set_policy('mixed_bfloat16')}"
+    )
+    title = (
+        f"Forward overflow: {layer} output exceeded {dtype} "
+        f"(max {DTYPE_MAX.get(dtype, numerics.policy_max):g}) {when}"
+    )
+    return [finding("MP003", title, layer=layer, step=step, evidence=evidence, fix=fix)]
+
+
+@rule("MP004", "warning", "activations close to their dtype's maximum", view="numerics",
+      data="numerics")
+def headroom(view: RunView) -> list:
+    """A half-precision layer's largest activation came within
+    `HEADROOM_FACTOR` of its dtype's maximum without overflowing."""
+    view.require_mixed()
+    numerics = view.require_numerics()
+    abs_max = np.asarray(numerics.forward["abs_max"], dtype=np.float64)
+    overflowed = forward_overflow_mask(view.run, view)
+    finite = np.where(overflowed | ~np.isfinite(abs_max), -np.inf, abs_max)
+    peak = finite.max(axis=0)
+    dtypes = view.numerics_dtypes()
+    limit = np.array([DTYPE_MAX[d] for d in dtypes])
+    half = np.array([d in HALF_DTYPES for d in dtypes])
+    close = np.flatnonzero(half & (peak > limit / HEADROOM_FACTOR) & ~overflowed.any(axis=0))
+    if not len(close):
+        return []
+    close = close[np.argsort(-peak[close] / limit[close])]
+    worst = int(close[0])
+    layer = numerics.layers[worst]
+    sample = int(np.argmax(finite[:, worst]))
+    factor = round(float(limit[worst] / peak[worst]), 2)
+    evidence = {
+        "abs_max": float(peak[worst]),
+        "dtype": dtypes[worst],
+        "policy_max": float(limit[worst]),
+        "headroom_factor": factor,
+        "threshold_factor": HEADROOM_FACTOR,
+        "layers_close_to_max": {
+            numerics.layers[j]: float(peak[j]) for j in close[:MAX_LAYER_FINDINGS]
+        },
+    }
+    fix = (
+        f"{layer!r} reached {peak[worst]:g}, only {factor:g}x below the largest "
+        f"{dtypes[worst]} ({limit[worst]:g}): a little growth of its weights will "
+        "overflow it. Keep it in float32:\n"
+        f"    {view.api.layer(view.layer_class(layer))}\n"
+        "or bound its input (normalisation before it, weight decay), or train in "
+        f"bfloat16: {view.api.set_policy('mixed_bfloat16')}"
+    )
+    title = (
+        f"Little headroom: {layer} activations reach {peak[worst]:.4g}, within "
+        f"{factor:g}x of the {dtypes[worst]} maximum"
+    )
+    step = int(numerics.steps[sample])
+    return [finding("MP004", title, layer=layer, step=step, evidence=evidence, fix=fix)]
+
+
+def gradient_overflow_origin(view: RunView) -> dict | None:
+    """Where a gradient overflow starts: the first layer from the loss
+    backwards whose incoming gradient was non-finite (else the first variable
+    whose gradient was), on the first sample that shows one and whose
+    forward pass stayed finite.
+
+    Returns None when no sample shows a non-finite gradient, else
+    {"kind": "layer"|"variable", "name", "layer", "step", "samples",
+    "dtype", "half_head"}; "half_head" says the layer is the model's last and
+    outputs half precision (MP006 is then the cause).
+    """
+    numerics = view.numerics
+    if numerics is None or not len(numerics.steps):
+        return None
+    layers = backward_overflow_mask(view.run, view)
+    variables = np.zeros((len(numerics.steps), 0), dtype=bool)
+    grads = (getattr(numerics, "variable_grads", None) or {}).get("nonfinite_frac")
+    if grads is not None and np.size(grads):
+        variables = np.asarray(grads, dtype=np.float64) > 0
+    hit_rows = (
+        (layers.any(axis=1) if layers.size else np.zeros(len(numerics.steps), bool))
+        | (variables.any(axis=1) if variables.size else False)
+    )
+    # A gradient that is non-finite because the forward pass already was is
+    # MP003's to name, not a gradient overflow.
+    forward = forward_overflow_mask(view.run, view)
+    if forward.size:
+        hit_rows &= ~forward.any(axis=1)
+    rows = np.flatnonzero(hit_rows)
+    if not len(rows):
+        return None
+    sample = int(rows[0])
+    if layers.size and layers[sample].any():
+        kind, index = "layer", int(np.flatnonzero(layers[sample])[-1])
+        name = layer = numerics.layers[index]
+    else:
+        kind, index = "variable", int(np.flatnonzero(variables[sample])[0])
+        name = numerics.variables[index]
+        layer = view.layer_of_variable(name)
+    dtype = view.output_dtype(layer) if layer else None
+    last = view.last_half_layer()
+    outputs = (view.inventory or {}).get("model", {}).get("output_dtypes", [])
+    return {
+        "kind": kind,
+        "name": name,
+        "layer": layer,
+        "step": int(numerics.steps[sample]),
+        "samples": len(rows),
+        "dtype": dtype,
+        "half_head": bool(
+            layer is not None and layer == last and dtype in HALF_DTYPES
+            and set(outputs) & set(HALF_DTYPES)
+        ),
+    }
+
+
+@rule("MP019", "warning", "gradient overflow starts at a layer", view="numerics",
+      data="numerics, loss scale")
+def gradient_overflow_start(view: RunView) -> list:
+    """The loss scale could not keep the gradients finite (MP001 or MP002
+    fired, or there is no loss scaling): names the first layer from the loss
+    backwards whose incoming gradient was non-finite on a sampled step (or the
+    first variable whose gradient was), and the step."""
+    view.require_mixed()
+    view.require_numerics()
+    origin = gradient_overflow_origin(view)
+    if origin is None:
+        return []
+    because = [
+        code for code in ("MP001", "MP002")
+        if view.loss_scale is not None and quiet(code, view)
+    ]
+    if view.loss_scale is not None and not because:
+        return []  # overflows the loss scale handled: calibration and probes
+    evidence = {
+        "kind": origin["kind"],
+        "name": origin["name"],
+        "dtype": origin["dtype"],
+        "samples_with_gradient_overflow": origin["samples"],
+        "because_of": because or ["no loss scaling"],
+        "model_output_is_half": origin["half_head"],
+    }
+    layer = origin["layer"]
+    cls = view.layer_class(layer)
+    if origin["half_head"]:
+        fix = (
+            f"{layer!r} is the model's {origin['dtype']} output: the loss's gradient "
+            f"overflows {origin['dtype']} as it enters it (a half-precision softmax "
+            "next to 0 gives -1/p). Give the output layer float32 (MP006):\n"
+            f"    {view.api.layer(cls)}\n"
+            "or keep the logits and use a loss with from_logits=True."
+        )
+    else:
+        fix = (
+            f"The gradient flowing into {origin['name']!r} is the first (from the loss "
+            f"backwards) to leave {origin['dtype'] or 'float16'}'s range. Keep that "
+            f"layer in float32:\n    {view.api.layer(cls)}\n"
+            "or bound what feeds the loss (normalise the targets, clip the "
+            "gradients of a custom loss), or train in bfloat16:\n"
+            f"    {view.api.set_policy('mixed_bfloat16')}"
+        )
+    title = (
+        f"Gradient overflow starts at {origin['kind']} {origin['name']} "
+        f"(step {origin['step']})"
+    )
+    return [finding("MP019", title, layer=layer, step=origin["step"], evidence=evidence,
+                    fix=fix)]
+
+
+def quiet(code: str, view: RunView) -> list:
+    """The findings of rule `code`, or none where it could not judge."""
+    try:
+        return REGISTRY[code].judge(view)
+    except (NotMeasured, NotApplicable):
+        return []

@@ -1,0 +1,101 @@
+"""Findings as text for a terminal; the judge (`evaluate`) knows nothing of it."""
+
+from __future__ import annotations
+
+import json
+
+from mpprof.diagnosis.core import SEVERITIES, Diagnosis, Finding
+
+
+def exceeds(findings: list[Finding], fail_on: str | None) -> bool:
+    """Whether any finding is at least as severe as `fail_on` (None: never)."""
+    if fail_on is None:
+        return False
+    limit = SEVERITIES.index(fail_on)
+    return any(SEVERITIES.index(f.severity) <= limit for f in findings)
+
+
+_COLORS = {"critical": "\033[1;31m", "warning": "\033[1;33m", "info": "\033[1;36m"}
+_BOLD, _DIM, _RESET = "\033[1m", "\033[2m", "\033[0m"
+
+
+def format_text(run, result: Diagnosis, *, color: bool = False) -> str:
+    """`result` as text for a terminal: grouped by severity, the fix beneath.
+
+    Args:
+        run: the `mpprof.reader.Run` that was diagnosed (for its name,
+            context and read warnings).
+        result: what `evaluate(run)` returned.
+        color: use ANSI colours (for a terminal).
+    """
+
+    def paint(text: str, style: str) -> str:
+        return f"{style}{text}{_RESET}" if color else text
+
+    lines = [paint(f"== run {_printable(run.name)} ==", _BOLD) + _run_line(run)]
+    lines += [f"  ! {_printable(w)}" for w in run.warnings]
+    for severity in SEVERITIES:
+        group = [f for f in result.findings if f.severity == severity]
+        if not group:
+            continue
+        lines.append(paint(f"{severity.upper()} ({len(group)})", _COLORS[severity]))
+        for finding in group:
+            code = paint(finding.code, _COLORS[severity])
+            lines.append(f"  {code}  {_printable(finding.title)}")
+            where = []
+            if finding.layer is not None:
+                where.append(f"layer {_printable(finding.layer)}")
+            if finding.step is not None:
+                where.append(f"step {finding.step}")
+            if where:
+                lines.append(f"         {', '.join(where)}")
+            lines.append(paint(f"         evidence: {_evidence_text(finding)}", _DIM))
+            lines.append("         fix:")
+            fix_lines = finding.fix.splitlines()
+            lines += [f"           {_printable(line)}" for line in fix_lines]
+    if not result.findings:
+        lines.append("No findings.")
+    for check in result.not_measured:
+        lines.append(paint(f"  not measured: {check.code}: {_printable(check.reason)}", _DIM))
+    counts = [
+        f"{sum(f.severity == s for f in result.findings)} {s}" for s in SEVERITIES
+    ]
+    lines.append(", ".join(counts))
+    return "\n".join(lines)
+
+
+def _run_line(run) -> str:
+    context = run.context or {}
+    optimizers = context.get("optimizers")
+    if isinstance(optimizers, list) and optimizers:
+        used = ", ".join(str(o.get("class")) for o in optimizers if isinstance(o, dict))
+    else:
+        used = context.get("optimizer")
+    parts = [context.get("model_policy"), used]
+    loss_scale = run.loss_scale
+    if loss_scale is not None:
+        steps = loss_scale.steps_run - loss_scale.first_step
+        parts.append(f"{steps} steps, {loss_scale.skipped_steps} skipped")
+    parts = [_printable(str(p)) for p in parts if p]
+    return f"  ({', '.join(parts)})" if parts else ""
+
+
+def _evidence_text(finding: Finding, limit: int = 300) -> str:
+    items = []
+    for key, value in finding.to_dict()["evidence"].items():
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        elif not isinstance(value, (int, str)):
+            value = json.dumps(value, separators=(",", ":"))
+        items.append(f"{key}={value}")
+    text = _printable(", ".join(items))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _printable(text: str) -> str:
+    """`text` with control characters escaped, so a layer name cannot drive
+    the terminal (ANSI escape sequences, carriage returns)."""
+    return "".join(
+        c if c.isprintable() or c == " " else c.encode("unicode_escape").decode()
+        for c in str(text)
+    )

@@ -1,0 +1,338 @@
+"""A run as the rules see it, and the one answer to "did this layer overflow?".
+
+`RunView` reads each record of a `mpprof.reader.Run` once and derives what
+several rules need: the dtype each layer really computed in, the numeric
+limits of that dtype, the optimizers the train step used, and the Keras the
+model was written in (so that fix texts speak it).
+
+`forward_overflow_mask(run)` decides, for every sampled step and layer,
+whether the layer's output overflowed the dtype it was computed in. The
+reader, the report and the dashboard show this answer; nothing else decides it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from mpprof import schema
+from mpprof.diagnosis.core import NotApplicable, NotMeasured
+
+HALF_DTYPES = ("float16", "bfloat16")
+
+# Largest finite value and smallest positive normal of each float dtype: the
+# thresholds a tensor is judged by come from the dtype it was computed in.
+DTYPE_MAX = {
+    "float16": schema.FLOAT16_MAX,
+    "bfloat16": schema.BFLOAT16_MAX,
+    "float32": float(np.finfo(np.float32).max),
+    "float64": float(np.finfo(np.float64).max),
+}
+DTYPE_SMALLEST_NORMAL = {
+    "float16": schema.FLOAT16_SMALLEST_NORMAL,
+    "bfloat16": float(np.finfo(np.float32).tiny),  # float32's exponent range
+    "float32": float(np.finfo(np.float32).tiny),
+    "float64": float(np.finfo(np.float64).tiny),
+}
+
+NUMERICS_HINT = (
+    "per-layer numerics were not recorded: pass numerics_every=N to "
+    "mpprof.MixedPrecisionProfiler(log_dir, numerics_every=100)"
+)
+
+
+class KerasApi:
+    """How fix texts spell the model's own Keras ("keras" or "tf_keras").
+
+    Args:
+        flavor: the run context's "keras_flavor".
+    """
+
+    def __init__(self, flavor: str | None):
+        self.module = "tf_keras" if flavor == "tf_keras" else "keras"
+
+    def layer(self, cls: str, args: str = '..., dtype="float32"') -> str:
+        return f"{self.module}.layers.{cls}({args})"
+
+    def set_policy(self, policy: str) -> str:
+        if self.module == "tf_keras":
+            return f'tf_keras.mixed_precision.set_global_policy("{policy}")'
+        return f'keras.mixed_precision.set_dtype_policy("{policy}")'
+
+    def loss_scale_optimizer(self, inner: str, **kwargs) -> str:
+        args = "".join(f", {k}={v}" for k, v in kwargs.items())
+        where = "mixed_precision" if self.module == "tf_keras" else "optimizers"
+        return f"{self.module}.{where}.LossScaleOptimizer({inner}{args})"
+
+    def optimizer(self, name: str) -> str:
+        return f"{self.module}.optimizers.{name}()"
+
+
+class RunView:
+    """A run's records, each read once, plus what the rules derive from them.
+
+    Args:
+        run: a `mpprof.reader.Run`.
+    """
+
+    def __init__(self, run):
+        self.run = run
+
+    @functools.cached_property
+    def context(self) -> dict:
+        return self.run.context or {}
+
+    @functools.cached_property
+    def inventory(self) -> dict | None:
+        return self.run.inventory
+
+    @functools.cached_property
+    def loss_scale(self):
+        return self.run.loss_scale
+
+    @functools.cached_property
+    def numerics(self):
+        return getattr(self.run, "numerics", None)
+
+    @functools.cached_property
+    def health(self) -> dict | None:
+        return getattr(self.run, "health", None)
+
+    @functools.cached_property
+    def gpu(self):
+        return getattr(self.run, "gpu", None)
+
+    @functools.cached_property
+    def api(self) -> KerasApi:
+        return KerasApi(self.context.get("keras_flavor"))
+
+    @functools.cached_property
+    def loss_watched(self) -> bool:
+        """False when the health record says no loss was watched: then every
+        recorded loss (numerics' "loss" column included) is "not measured"."""
+        return (self.health or {}).get("loss_watched", True) is not False
+
+    @functools.cached_property
+    def optimizers(self) -> list[dict]:
+        """The optimizers the train step used: the context's "optimizers", or
+        for older runs the compiled optimizer alone (`{"name", "class",
+        "inner", "loss_scale", "apply_called", "scale_loss_called"}`)."""
+        used = self.context.get("optimizers")
+        if isinstance(used, list):
+            return [o for o in used if isinstance(o, dict)]
+        name = self.context.get("optimizer")
+        if name is None:
+            return []
+        state = self.context.get("collectors", {}).get("loss_scale", {}).get("state")
+        return [{
+            "name": "optimizer",
+            "class": name,
+            "inner": None,
+            "loss_scale": self.loss_scale is not None or state == "ok",
+            "apply_called": None,
+            "scale_loss_called": None,
+        }]
+
+    @functools.cached_property
+    def policy(self) -> str | None:
+        """The model's dtype policy name."""
+        policy = self.context.get("model_policy")
+        if policy is None and self.inventory:
+            policy = self.inventory.get("model", {}).get("policy")
+        return policy
+
+    @functools.cached_property
+    def leaf_layers(self) -> list[dict]:
+        if not self.inventory:
+            return []
+        return [layer for layer in self.inventory.get("layers", []) if layer.get("is_leaf")]
+
+    @functools.cached_property
+    def layers_by_name(self) -> dict[str, dict]:
+        """Every inventory layer by its full path."""
+        if not self.inventory:
+            return {}
+        return {layer["name"]: layer for layer in self.inventory.get("layers", [])}
+
+    @functools.cached_property
+    def computes_float16(self) -> bool:
+        """Whether any part of the model computes in float16."""
+        if self.leaf_layers:
+            return any(layer_dtype(layer) == "float16" for layer in self.leaf_layers)
+        return self.policy == "mixed_float16"
+
+    @functools.cached_property
+    def half_dtype(self) -> str | None:
+        """ "float16" or "bfloat16" if the model (or any layer) computes in it."""
+        if self.computes_float16:
+            return "float16"
+        if self.leaf_layers:
+            if any(layer_dtype(layer) == "bfloat16" for layer in self.leaf_layers):
+                return "bfloat16"
+            return None
+        return "bfloat16" if self.policy == "mixed_bfloat16" else None
+
+    def require_mixed(self) -> str:
+        if self.policy is None and not self.leaf_layers:
+            raise NotMeasured("no run context or precision inventory was recorded")
+        if self.half_dtype is None:
+            raise NotApplicable(f"the model trains in {self.policy or 'float32'}")
+        return self.half_dtype
+
+    def require_loss_scale(self):
+        if self.loss_scale is None:
+            state = self.context.get("collectors", {}).get("loss_scale", {})
+            raise NotApplicable(
+                state.get("reason") or "no dynamic loss scale recorded (no LossScaleOptimizer)"
+            )
+        return self.loss_scale
+
+    def require_numerics(self):
+        if self.numerics is not None and len(self.numerics.steps) and len(self.numerics.layers):
+            return self.numerics
+        state = self.context.get("collectors", {}).get("numerics", {})
+        if state.get("state") == "ok":
+            raise NotMeasured(
+                f"no step was sampled (numerics_every={state.get('every')} is more "
+                "than the steps run, and no overflow triggered a forensic sample): "
+                "lower numerics_every"
+            )
+        raise NotMeasured(NUMERICS_HINT)
+
+    def require_inventory(self) -> dict:
+        if not self.inventory:
+            raise NotMeasured("no precision inventory was recorded (the train step never traced)")
+        return self.inventory
+
+    @functools.cached_property
+    def hardware(self) -> dict | None:
+        """{"cpu_only": bool, "gpus": [...]} or None when unknown."""
+        hardware = self.context.get("hardware")
+        if isinstance(hardware, dict) and "cpu_only" in hardware:
+            return hardware
+        if self.context.get("gpus_visible_to_tensorflow") == 0:
+            return {"cpu_only": True, "gpus": [], "source": "gpus_visible_to_tensorflow"}
+        return None
+
+    def layer_class(self, name: str | None) -> str:
+        layer = self.layers_by_name.get(name) if name else None
+        return layer["class"] if layer else "Dense"
+
+    def output_dtype(self, name: str) -> str | None:
+        """The dtype `name`'s output was computed in (None: not in the inventory)."""
+        layer = self.layers_by_name.get(name)
+        return layer_dtype(layer) if layer else None
+
+    def numerics_dtypes(self) -> list[str]:
+        """The output dtype of each numerics layer (the model policy's compute
+        dtype where the inventory does not know the layer)."""
+        default = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}.get(
+            self.policy or "", "float32"
+        )
+        return [self.output_dtype(name) or default for name in self.numerics.layers]
+
+    def layer_of_variable(self, variable: str) -> str | None:
+        """The full inventory path of the layer owning `variable` (a path such
+        as "model/encoder/key/bias"): the longest layer path that ends the
+        variable's own prefix."""
+        prefix = variable.rsplit("/", 1)[0] if "/" in variable else ""
+        best = None
+        for name in self.layers_by_name:
+            if (prefix == name or prefix.endswith("/" + name)) and (
+                best is None or len(name) > len(best)
+            ):
+                best = name
+        if best is not None:
+            return best
+        parts = variable.split("/")
+        return parts[-2] if len(parts) > 1 else None
+
+    def last_half_layer(self) -> str | None:
+        """The last layer in call order that outputs half precision."""
+        called = sorted(
+            (layer for layer in self.leaf_layers if layer.get("call_index") is not None),
+            key=lambda layer: layer["call_index"],
+        )
+        for layer in reversed(called):
+            if set(layer.get("output_dtypes") or ()) & set(HALF_DTYPES):
+                return layer["name"]
+        return called[-1]["name"] if called else None
+
+
+def layer_dtype(layer: dict) -> str:
+    """The dtype a layer's output really was: traced, else its compute dtype."""
+    outputs = [d for d in layer.get("output_dtypes") or () if d in DTYPE_MAX]
+    half = [d for d in outputs if d in HALF_DTYPES]
+    if half:
+        return half[0]
+    if outputs:
+        return outputs[0]
+    return layer.get("compute_dtype") or "float32"
+
+
+def forward_overflow_mask(run, view: RunView | None = None) -> np.ndarray:
+    """[samples, layers] bool: whether each layer's output overflowed.
+
+    A layer overflowed when its output held a non-finite value, or a finite
+    magnitude beyond the largest value of the dtype it was computed in (a
+    float32 island may exceed 65504; a float16 layer may not).
+
+    Args:
+        run: a `mpprof.reader.Run` with numerics.
+        view: its `RunView`, if one exists already.
+    """
+    view = view or RunView(run)
+    numerics = view.numerics
+    if numerics is None or not len(numerics.steps):
+        return np.zeros((0, 0), dtype=bool)
+    abs_max = np.asarray(numerics.forward["abs_max"], dtype=np.float64)
+    nonfinite = np.asarray(numerics.forward["nonfinite_frac"], dtype=np.float64)
+    limit = np.array([DTYPE_MAX[d] for d in view.numerics_dtypes()])
+    with np.errstate(invalid="ignore"):
+        return (nonfinite > 0) | ~np.isfinite(abs_max) | (abs_max > limit[None, :])
+
+
+def first_forward_offender(run, sample: int, view: RunView | None = None) -> int | None:
+    """The index (in `run.numerics.layers`) of the first layer in call order
+    whose output overflowed at `sample`, or None."""
+    mask = forward_overflow_mask(run, view)
+    if not len(mask):
+        return None
+    hits = np.flatnonzero(mask[sample])
+    return int(hits[0]) if len(hits) else None
+
+
+def backward_overflow_mask(run, view: RunView | None = None) -> np.ndarray:
+    """[samples, layers] bool: whether the gradient flowing into each layer's
+    output held a non-finite value."""
+    view = view or RunView(run)
+    numerics = view.numerics
+    if numerics is None or not len(numerics.steps):
+        return np.zeros((0, 0), dtype=bool)
+    return np.asarray(numerics.backward["nonfinite_frac"], dtype=np.float64) > 0
+
+
+def first_backward_offender(run, sample: int, view: RunView | None = None) -> int | None:
+    """The index of the first layer, from the loss backwards, whose incoming
+    gradient was non-finite at `sample`, or None."""
+    mask = backward_overflow_mask(run, view)
+    if not len(mask):
+        return None
+    hits = np.flatnonzero(mask[sample])
+    return int(hits[-1]) if len(hits) else None
+
+
+def gradient_underflow_share(run, view: RunView | None = None) -> np.ndarray:
+    """[samples, layers]: the share of each layer's incoming gradient values
+    that are non-zero and below float16's normal range, for float16 gradients
+    only; NaN for layers whose gradient was bfloat16 or float32 (the recorded
+    count uses float16's threshold, which means nothing for them)."""
+    view = view or RunView(run)
+    numerics = view.numerics
+    if numerics is None or not len(numerics.steps):
+        return np.zeros((0, 0))
+    share = np.asarray(numerics.backward["underflow_frac"], dtype=np.float64).copy()
+    half = np.array([d == "float16" for d in view.numerics_dtypes()], dtype=bool)
+    share[:, ~half] = np.nan
+    return share

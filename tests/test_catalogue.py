@@ -1,0 +1,49 @@
+"""docs/findings.md and the README's table against the rule registry, and the
+registry's own rules: each code declared once, with a known view."""
+
+import pathlib
+import re
+
+from mpprof import diagnosis
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _table_rows(text: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if re.fullmatch(r"MP\d{3}", cells[0]):
+            rows.setdefault(cells[0], cells)
+    return rows
+
+
+def test_docs_table_is_the_registry():
+    text = (ROOT / "docs" / "findings.md").read_text()
+    rows = _table_rows(text)
+    assert list(rows) == list(diagnosis.CATALOGUE)
+    for code, rule in diagnosis.CATALOGUE.items():
+        assert rows[code] == [code, rule.severity, rule.title, rule.data, rule.view]
+
+
+def test_docs_have_a_section_per_rule_with_its_severity():
+    text = (ROOT / "docs" / "findings.md").read_text()
+    sections = dict(re.findall(r"^## (MP\d{3}) (critical|warning|info):", text, re.M))
+    assert sections == {code: r.severity for code, r in diagnosis.CATALOGUE.items()}
+
+
+def test_readme_table_lists_every_rule_with_its_severity():
+    rows = _table_rows((ROOT / "README.md").read_text())
+    assert {code: cells[1] for code, cells in rows.items()} == {
+        code: rule.severity for code, rule in diagnosis.CATALOGUE.items()
+    }
+
+
+def test_every_rule_is_declared_once_with_a_view_and_a_doc():
+    for code, rule in diagnosis.CATALOGUE.items():
+        assert rule.view in diagnosis.VIEWS and rule.severity in diagnosis.SEVERITIES
+        assert rule.doc and rule.judge.__doc__, code
+    # Reserved for float8.
+    assert not {"MP015", "MP016", "MP017"} & set(diagnosis.CATALOGUE)
+    # Only hardware rules apply to a worker's own run.
+    assert {c for c, r in diagnosis.CATALOGUE.items() if r.host} == {"MP010", "MP011"}
