@@ -14,7 +14,7 @@ import math
 import numpy as np
 from tensorboard import errors
 
-from mpprof import diagnosis, reader, schema
+from mpprof import diagnosis, headroom, reader, schema
 from tensorboard_plugin_mpprof import downsample, metadata
 
 NUMERICS_DIRECTIONS = ("forward", "backward")
@@ -36,38 +36,8 @@ _DECIMALS = {
     "underflow_frac": 5,
     "subnormal_frac": 5,
 }
-# Headroom given to a cell whose values overflowed (non-finite or beyond max).
-OVERFLOW_HEADROOM = -1.0
+OVERFLOW_HEADROOM = headroom.OVERFLOW_HEADROOM
 SEVERITIES = diagnosis.SEVERITIES
-
-
-@dataclasses.dataclass(frozen=True)
-class DtypeRange:
-    """The range of the dtype a run's layers compute in.
-
-    Attributes:
-        name: "float16", "bfloat16" or "float32".
-        max: the largest finite value.
-        smallest_normal: the smallest positive normal value.
-        smallest_subnormal: the smallest positive subnormal value.
-    """
-
-    name: str
-    max: float
-    smallest_normal: float
-    smallest_subnormal: float
-
-
-_DTYPE_RANGES = (
-    DtypeRange(
-        "float16",
-        schema.FLOAT16_MAX,
-        schema.FLOAT16_SMALLEST_NORMAL,
-        schema.FLOAT16_SMALLEST_SUBNORMAL,
-    ),
-    DtypeRange("bfloat16", schema.BFLOAT16_MAX, 2.0**-126, 2.0**-133),
-    DtypeRange("float32", float(np.finfo(np.float32).max), 2.0**-126, 2.0**-149),
-)
 
 
 def not_available(reason: str, **extra) -> dict:
@@ -200,16 +170,9 @@ def loss_scale_payload(run: reader.Run, points: int) -> dict:
     }
 
 
-def dtype_range(numerics: reader.Numerics) -> DtypeRange:
-    """The dtype whose largest value is the numerics' `policy_max`."""
-    return min(
-        _DTYPE_RANGES, key=lambda d: abs(math.log2(d.max) - math.log2(numerics.policy_max))
-    )
-
-
 def _dtype_fields(numerics: reader.Numerics) -> dict:
     """What a view needs to judge values by the dtype the layers computed in."""
-    dtype = dtype_range(numerics)
+    dtype = headroom.dtype_range(numerics.policy_max)
     return {
         "policy_max": _finite_or_none(numerics.policy_max),
         "dtype": dtype.name,
@@ -219,6 +182,7 @@ def _dtype_fields(numerics: reader.Numerics) -> dict:
         "underflow_applies": dtype.name == "float16",
         # Headroom of the smallest subnormal: the most a cell can have.
         "headroom_max": round(math.log2(numerics.policy_max / dtype.smallest_subnormal), 2),
+        "headroom_color_max": headroom.COLOR_MAX_BITS,
     }
 
 
@@ -247,7 +211,7 @@ def numerics_payload(run: reader.Run, direction: str, stat: str, rows: int, colu
         overflowed = downsample.pool_max(
             numerics.forward_overflowed().T.astype(np.float64), row_starts, column_starts
         )
-        values = _headroom(numerics, values, overflowed > 0)
+        values = headroom.headroom_bits(numerics.policy_max, values, overflowed > 0)
         nonfinite = np.asarray(numerics.forward["nonfinite_frac"], dtype=np.float64).T
         extra = {
             "overflowed": (overflowed > 0).tolist(),
@@ -327,7 +291,7 @@ def histogram_payload(run: reader.Run, layer: str, direction: str, columns: int)
     totals = pooled.sum(axis=1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
         shares = np.where(totals > 0, pooled / np.maximum(totals, 1), np.nan)
-    dtype = dtype_range(numerics)
+    dtype = headroom.dtype_range(numerics.policy_max)
     return {
         "available": True,
         "layer": layer,
@@ -390,21 +354,6 @@ def _tensor_source(mode: str, kernels: dict | None) -> str | None:
     if mode == "basic":
         return "basic"
     return None
-
-
-def _headroom(numerics, abs_max, overflowed) -> np.ndarray:
-    """log2(policy max / abs max): bits left before the dtype overflows.
-
-    Cells where the reader says a layer's output overflowed (non-finite, or
-    beyond the policy's max) get OVERFLOW_HEADROOM.
-    """
-    with np.errstate(divide="ignore", invalid="ignore"):
-        headroom = np.log2(numerics.policy_max / abs_max)
-    headroom[overflowed] = OVERFLOW_HEADROOM
-    # An all-zero output has unbounded headroom: show it as the most there is
-    # (the policy max over the dtype's smallest subnormal).
-    largest = math.log2(numerics.policy_max / dtype_range(numerics).smallest_subnormal)
-    return np.where(np.isposinf(headroom), largest, headroom)
 
 
 def _as_dict(note) -> dict:

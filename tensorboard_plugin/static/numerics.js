@@ -18,11 +18,10 @@ const SECOND_HEATMAPS = [
 ];
 // Judged against float16's range whatever the run computed in.
 const FLOAT16_SHARES = new Set(["underflow_frac", "subnormal_frac"]);
+// The same colours as the HTML report's headroom heatmaps (report.js).
 const HEADROOM_COLORS = [[0, "#b2182b"], [0.1, "#ef8a62"], [0.35, "#fddbc7"], [0.6, "#d1e5f0"], [1, "#2166ac"]];
 const SHARE_COLORS = [[0, "#f7f7f7"], [1, "#54278f"]];
 const NEUTRAL_COLORS = [[0, "#f7f7f7"], [1, "#737373"]];
-// Headroom above this many bits is plenty in any dtype: the colours saturate.
-const HEADROOM_COLOR_MAX = 16;
 
 export async function show(container, context) {
   const { focus, target } = context;
@@ -57,7 +56,7 @@ export async function show(container, context) {
     colorbar: "bits of headroom",
     colorscale: HEADROOM_COLORS,
     zmin: -1,
-    zmax: HEADROOM_COLOR_MAX,
+    zmax: headroom.headroom_color_max, // plenty in any dtype: the colours saturate
     cellText: (value, row, column) => {
       if (headroom.overflowed[row][column]) {
         const share = headroom.nonfinite[row][column];
