@@ -2,7 +2,15 @@
 // the run selector, the view tabs, the state kept in the URL, the theme and
 // reloading. Each view is its own module.
 
-import { download, getJson, loadPlotly, loadStylesheet, recordedPayloads, startRecording } from "./static/api.js";
+import {
+  download,
+  getJson,
+  loadPlotly,
+  loadStylesheet,
+  preloadPlotly,
+  recordedPayloads,
+  startRecording,
+} from "./static/api.js";
 import { compareSeverity, countsText } from "./static/charts.js";
 import { el, replace, severityBadges } from "./static/dom.js";
 import * as gpu from "./static/gpu.js";
@@ -30,6 +38,7 @@ const STORED_STATE = "mpprof:state";
 
 export async function render() {
   loadStylesheet("static/style.css");
+  preloadPlotly(); // downloads while the overview paints; runs when a chart view opens
   followTheme();
   const app = new App(document.body);
   await app.start();
@@ -262,8 +271,9 @@ class App {
       this.say(`updated ${new Date().toLocaleTimeString()}`);
       this.main.dataset.state = "ready";
       performance.mark(`mpprof:${view}:ready`);
-      // The overview paints without plotly; fetch it now for the chart views.
-      if (!VIEWS[view].charts) setTimeout(() => loadPlotly().catch(() => {}), 0);
+      // The overview paints without plotly; run it once the page is idle, so
+      // that the chart views open at once.
+      if (!VIEWS[view].charts) whenIdle(() => loadPlotly().catch(() => {}));
     } catch (error) {
       if (!current()) return;
       container.append(el("p", { class: "error" }, error.message));
@@ -288,6 +298,11 @@ class App {
   say(text) {
     this.status.textContent = text;
   }
+}
+
+function whenIdle(work) {
+  if (window.requestIdleCallback) window.requestIdleCallback(work, { timeout: 2000 });
+  else setTimeout(work, 200);
 }
 
 /** The run with the most severe findings (the first listed on a tie). */
