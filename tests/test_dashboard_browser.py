@@ -502,6 +502,17 @@ def test_tensorboard_ui_shows_the_mpprof_tab(server):
                 return doc.querySelectorAll('.js-plotly-plot .main-svg').length;
             }})()""",
             "light": f"getComputedStyle({in_frame}.body).backgroundColor",
+            # Item 4: TensorBoard's reload button re-reads the runs in the tab.
+            "host_reload": f"""(async () => {{
+                const doc = {in_frame};
+                const runsFetched = () => doc.defaultView.performance
+                  .getEntriesByType('resource').filter((e) => e.name.includes('/runs?')).length;
+                const before = runsFetched();
+                document.querySelector('.reload-button').click();
+                for (let i = 0; i < 100 && runsFetched() === before; i++)
+                  await new Promise((resolve) => setTimeout(resolve, 50));
+                return {{ before, after: runsFetched() }};
+            }})()""",
             # TensorBoard's dark mode sets this class on its body.
             "dark": f"""(async () => {{
                 document.body.classList.add('dark-mode');
@@ -523,6 +534,7 @@ def test_tensorboard_ui_shows_the_mpprof_tab(server):
     assert page.values["tab"] is True
     assert page.values["listing"]["mpprof"]["enabled"] is True
     assert page.values["loss_scale"] >= 1
+    assert page.values["host_reload"]["after"] > page.values["host_reload"]["before"]
     # Item 5: the tab follows TensorBoard's theme, charts included.
     assert page.values["light"] == "rgb(255, 255, 255)"
     assert page.values["dark"]["body"] == "rgb(32, 33, 36)"

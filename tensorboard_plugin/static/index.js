@@ -41,7 +41,21 @@ export async function render() {
   preloadPlotly(); // downloads while the overview paints; runs when a chart view opens
   followTheme();
   const app = new App(document.body);
+  followHostReload(() => app.reload());
   await app.start();
+}
+
+/** TensorBoard's own reload button (in its page, around this frame) reloads the tab too. */
+function followHostReload(reload) {
+  let host = null;
+  try {
+    if (window.parent !== window) host = window.parent.document;
+  } catch {
+    return; // another origin: only the tab's own Reload button
+  }
+  host?.addEventListener("click", (event) => {
+    if (event.target instanceof host.defaultView.Element && event.target.closest(".reload-button")) reload();
+  });
 }
 
 /**
