@@ -239,6 +239,8 @@ def test_every_view_draws_without_errors(server):
             "overview": show_view("overview"),
             "evidence": FOLLOW_FIRST_FINDING,
             "inventory": show_view("inventory"),
+            "inventory_diff": "[...document.querySelectorAll('.inventory-diff tbody tr')]"
+            ".map((row) => row.firstChild.textContent)",
             "loss_scale": show_view("loss_scale"),
             "gpu": show_view("gpu"),
             "histograms": show_view("histograms"),
@@ -246,6 +248,7 @@ def test_every_view_draws_without_errors(server):
             ".map((e) => e.textContent)",
             "table": FILTER_AND_SORT,
             "numerics": show_view("numerics"),
+            "compared_heatmaps": "document.querySelectorAll('.compared-heatmaps .hm').length",
             "history": CLICK_HEATMAP,  # last: the screenshot shows it
             "images": "document.querySelectorAll('img, [onerror], [onload]').length",
         },
@@ -277,6 +280,25 @@ def test_every_view_draws_without_errors(server):
     assert views["evidence"]["code"] == diagnosis.diagnose(runs[focus])[0].code
     assert views["evidence"]["view"] in ("loss_scale", "numerics", "inventory", "gpu")
     assert views["inventory"]["rows"] == len(runs[focus].inventory["layers"])
+
+    # Item 7: the compared runs' layers whose dtypes differ, and their headroom.
+    described = {
+        name: {
+            layer["name"]: (layer["compute_dtype"], tuple(layer["output_dtypes"]))
+            for layer in run.inventory["layers"]
+            if layer["is_leaf"]
+        }
+        for name, run in runs.items()
+    }
+    differing = {
+        layer
+        for layers in described.values()
+        for layer in layers
+        if len({layers_.get(layer) for layers_ in described.values()}) > 1
+    }
+    assert sorted(views["inventory_diff"]) == sorted(differing)
+    with_numerics = [n for n, run in runs.items() if run.numerics is not None and n != focus]
+    assert views["compared_heatmaps"] == len(with_numerics)
 
     assert views["loss_scale"]["plots"] >= 1
     assert any("overflow" in text for text in views["loss_scale"]["legend"])

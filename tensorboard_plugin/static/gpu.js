@@ -18,8 +18,9 @@ const SNIPPET = `# Train on a machine with an NVIDIA GPU and its driver; mpprof 
 profiler = mpprof.MixedPrecisionProfiler(log_dir, gpu_interval=0.5)
 model.fit(x, y, callbacks=[profiler])`;
 
-export async function show(container, { plotly, compared, focus, runIndex }) {
+export async function show(container, { plotly, compared, focus, runIndex, offerCsv }) {
   const payloads = await Promise.all(compared.map(async (run) => [run.run, await getJson("gpu", { run: run.run })]));
+  offerCsv("gpu_samples", gpuRows(payloads));
   if (!payloads.some(([, payload]) => payload.available)) {
     const reasons = [...new Set(payloads.map(([, payload]) => payload.reason).filter(Boolean))];
     container.append(
@@ -51,6 +52,19 @@ export async function show(container, { plotly, compared, focus, runIndex }) {
       await plot(plotly, chart, traces, layout(`${plotlyText(focus)}: other GPU utilizations (%)`));
     }
   }
+}
+
+/** Every sampled track of every run and device, one row per sample. */
+function gpuRows(payloads) {
+  const rows = [];
+  for (const [run, payload] of payloads) {
+    for (const [device, track] of Object.entries(payload.tracks || {})) {
+      const columns = Object.keys(track);
+      if (!rows.length) rows.push(["run", "device", ...columns]);
+      track.wall_time.forEach((_, i) => rows.push([run, device, ...columns.map((c) => track[c][i])]));
+    }
+  }
+  return rows.length ? rows : [["run", "GPU"], ...payloads.map(([run, payload]) => [run, payload.reason ?? "not measured"])];
 }
 
 function runNote(run, payload) {

@@ -39,7 +39,7 @@ export async function show(container, context) {
   await draw();
 }
 
-async function drawHistogram(chart, { plotly, focus }, { layer, direction }) {
+async function drawHistogram(chart, { plotly, focus, offerCsv }, { layer, direction }) {
   const columns = Math.max(50, Math.min(1000, Math.round(chart.clientWidth || 800)));
   const payload = await getJson("histogram", { run: focus, layer, direction, columns });
   if (!payload.available) {
@@ -52,6 +52,10 @@ async function drawHistogram(chart, { plotly, focus }, { layer, direction }) {
   const centres = [edges[0] - step / 2, ...edges.slice(0, -1).map((e, i) => (e + edges[i + 1]) / 2), edges.at(-1) + step / 2];
   const labels = [`< 2^${edges[0]}`, ...edges.slice(0, -1).map((e, i) => `2^${e} … 2^${edges[i + 1]}`), `≥ 2^${edges.at(-1)}`];
   const text = payload.shares.map((row, bin) => row.map(() => labels[bin]));
+  offerCsv(`histogram_${direction}_${layer}`, [
+    ["log2 |value| bin", ...payload.column_steps.map((step) => `step ${step}`)],
+    ...payload.shares.map((row, bin) => [labels[bin], ...row]),
+  ]);
   const colors = themeColors();
   const shapes = [];
   const annotations = [];

@@ -297,16 +297,18 @@ class App {
   }
 
   download(format) {
-    const stem = `mpprof-${this.state.view}-${this.state.focus || "runs"}`.replace(/[^\w.-]+/g, "_");
+    // Run and layer names are the user's: only safe characters in a file name.
+    const fileName = (...parts) => parts.join("-").replace(/[^\w.-]+/g, "_");
+    const stem = ["mpprof", this.state.view, this.state.focus || "runs"];
     if (format === "csv") {
       if (!this.csv) {
         this.say("this view has no table to save as CSV: save its data as JSON");
         return;
       }
-      download(`${stem}-${this.csv.name}.csv`, toCsv(this.csv.rows), "text/csv");
+      download(`${fileName(...stem, this.csv.name)}.csv`, toCsv(this.csv.rows), "text/csv");
       return;
     }
-    download(`${stem}.json`, JSON.stringify(recordedPayloads(), null, 1), "application/json");
+    download(`${fileName(...stem)}.json`, JSON.stringify(recordedPayloads(), null, 1), "application/json");
   }
 
   say(text) {

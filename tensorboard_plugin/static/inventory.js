@@ -20,7 +20,7 @@ const COLUMNS = [
   ["flags", "notes"],
 ];
 
-export async function show(container, { focus, target, navigate, runs, offerCsv }) {
+export async function show(container, { focus, target, navigate, runs, compared, offerCsv }) {
   const [inventory, findings] = await Promise.all([
     getJson("inventory", { run: focus }),
     getJson("findings", { run: focus }),
@@ -75,6 +75,35 @@ export async function show(container, { focus, target, navigate, runs, offerCsv 
     castsTable(inventory.casts),
   );
   draw();
+  const others = compared.filter((run) => run.run !== focus);
+  if (others.length) container.append(await comparison(focus, inventory, others));
+}
+
+/**
+ * The layers whose compute or output dtypes differ between the focus run and
+ * the compared runs (by layer name), or that only some of them have.
+ */
+async function comparison(focus, inventory, others) {
+  const inventories = [[focus, inventory], ...(await Promise.all(
+    others.map(async (run) => [run.run, await getJson("inventory", { run: run.run })]),
+  ))].filter(([, payload]) => payload.available);
+  const describe = (layer) => (layer ? `${layer.compute_dtype ?? "–"} → ${(layer.output_dtypes || []).join(", ") || "–"}` : "(no such layer)");
+  const byRun = inventories.map(([, payload]) => new Map(payload.layers.filter((l) => l.is_leaf).map((l) => [l.name, l])));
+  const names = [...new Set(byRun.flatMap((layers) => [...layers.keys()]))];
+  const differing = names.filter((name) => new Set(byRun.map((layers) => describe(layers.get(name)))).size > 1);
+  const heading = el("h3", {}, `Compared with ${inventories.length - 1} other run(s): ${differing.length} of ${names.length} layers compute or output differently (compute dtype → output dtypes)`);
+  if (!differing.length) return el("section", { class: "inventory-diff" }, heading);
+  return el(
+    "section",
+    { class: "inventory-diff" },
+    heading,
+    el("div", { class: "scroll" }, el(
+      "table",
+      { class: "diff" },
+      el("thead", {}, el("tr", {}, el("th", {}, "layer"), inventories.map(([run]) => el("th", { class: "run-name" }, run)))),
+      el("tbody", {}, differing.map((name) => el("tr", {}, el("td", {}, name), byRun.map((layers) => el("td", {}, describe(layers.get(name))))))),
+    )),
+  );
 }
 
 function flagsOf(layer, castInto) {

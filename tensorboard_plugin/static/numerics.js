@@ -51,6 +51,10 @@ export async function show(container, context) {
     history,
   );
   const dtype = headroom.dtype;
+  context.offerCsv("headroom_bits", [
+    ["layer", ...headroom.column_steps.map((step) => `step ${step}`)],
+    ...headroom.rows.map((row, i) => [row, ...headroom.values[i]]),
+  ]);
   await heatmap(context, first, headroom, {
     title: `Forward headroom: bits left below ${dtype}'s largest value ${formatNumber(headroom.policy_max, 5)} (red: little left; below 0: overflowed)`,
     colorbar: "bits of headroom",
@@ -85,6 +89,7 @@ export async function show(container, context) {
     }, openLayer);
   };
   await drawSecond(0);
+  await compareRuns(container, context, columns, history);
   const layer = target.layer && headroom.row_layers.includes(target.layer) ? target.layer : null;
   if (layer) await openLayer(layer);
   else if (Number.isInteger(target.step)) {
@@ -92,6 +97,34 @@ export async function show(container, context) {
     const column = nearestColumn(headroom.column_steps, target.step);
     const row = headroom.overflowed.findIndex((cells) => cells[column]);
     if (row >= 0) await openLayer(headroom.row_layers[row]);
+  }
+}
+
+/** The headroom heatmaps of the other compared runs, side by side below. */
+async function compareRuns(container, context, columns, before) {
+  const others = context.compared.filter((run) => run.run !== context.focus && run.has_numerics);
+  if (!others.length) return;
+  const grid = el("div", { class: "compared-heatmaps" });
+  container.insertBefore(el("h3", {}, "Compared runs: forward headroom"), before);
+  container.insertBefore(grid, before);
+  // Every chart in the grid first: plotly sizes a chart to its cell when drawn.
+  const charts = others.map(() => el("div", { class: "chart heatmap compared" }));
+  grid.append(...charts);
+  for (const [i, run] of others.entries()) {
+    const chart = charts[i];
+    const payload = await getJson("numerics", { run: run.run, direction: "forward", stat: "headroom", columns: Math.round(columns / 2) });
+    if (!payload.available) {
+      replace(chart, notMeasured(`Numerics of ${run.run}`, payload.reason));
+      continue;
+    }
+    await heatmap(context, chart, payload, {
+      title: `${run.run} (${payload.dtype})`,
+      colorbar: "bits of headroom",
+      colorscale: HEADROOM_COLORS,
+      zmin: -1,
+      zmax: payload.headroom_color_max,
+      cellText: (value, row, column) => (payload.overflowed[row][column] ? `overflowed: ${formatPercent(payload.nonfinite[row][column])} non-finite` : `headroom ${value.toFixed(1)} bits`),
+    }, null);
   }
 }
 
@@ -169,6 +202,7 @@ async function heatmap(context, chart, payload, { title, colorbar, colorscale, z
     height: Math.min(900, 180 + 14 * rows.length),
     margin: { t: 60, r: 20, b: 50 },
   });
+  if (!openLayer) return;
   chart.on("plotly_click", (event) => {
     const point = event.points[0];
     const row = Array.isArray(point.pointIndex) ? point.pointIndex[0] : rows.indexOf(point.y);
@@ -176,7 +210,7 @@ async function heatmap(context, chart, payload, { title, colorbar, colorscale, z
   });
 }
 
-async function showHistory(container, { plotly, focus, target }, layer) {
+async function showHistory(container, { plotly, focus, target, offerCsv }, layer) {
   replace(container, el("h3", {}, "History of layer ", el("code", { class: "layer-name" }, layer)));
   const payload = await getJson("layer_history", { run: focus, layer });
   if (!payload.available) {
@@ -197,6 +231,11 @@ async function showHistory(container, { plotly, focus, target }, layer) {
     shares,
   );
   const steps = payload.step;
+  const keys = Object.keys(payload.series);
+  offerCsv(`layer_history_${layer}`, [
+    ["step", "forensic", "overflowed", ...keys],
+    ...steps.map((step, i) => [step, payload.forensic[i], payload.overflowed[i], ...keys.map((k) => payload.series[k][i])]),
+  ]);
   // On the log axis a magnitude of 0 cannot be drawn: a gap, not a dive.
   const line = (key, label, { log = false } = {}) =>
     payload.series[key]
