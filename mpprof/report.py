@@ -1,8 +1,12 @@
 """One self-contained, offline HTML report of a logdir's mpprof runs.
 
-`mpprof report LOGDIR -o report.html` writes it: run context, findings,
-the precision inventory, the loss-scale timeline with overflow markers,
-per-layer numerics heatmaps (layer x step) and GPU tracks when recorded.
+`mpprof report LOGDIR -o report.html` writes it: a summary of every run
+(most severe first, its worst findings linked), then per run its context,
+findings and what could not be checked, the precision inventory, the
+loss-scale timeline with overflow markers, per-layer numerics heatmaps
+(layer x step, the dashboard's headroom measure and colours) and GPU tracks
+when recorded. It follows the reader's light or dark colour scheme and
+prints cleanly.
 plotly.js is embedded from the installed `plotly` package, so the file opens
 without a network and can be attached to a bug report.
 
@@ -28,7 +32,7 @@ from collections.abc import Callable
 import numpy as np
 
 import mpprof
-from mpprof import diagnosis, reader, schema
+from mpprof import diagnosis, headroom, reader, schema
 
 # A plot is at most ~2,000 pixels wide: more points than this per line (the
 # loss-scale step function is kept as min/max per bucket) cannot be seen.
@@ -39,6 +43,8 @@ MAX_EVENT_MARKERS = 2_000
 # Numerics heatmap columns (sampled steps); consecutive samples are merged
 # keeping the worst value, so an overflow never disappears.
 MAX_HEATMAP_STEPS = 300
+# Findings per run listed in the summary at the top (the rest: a link).
+MAX_SUMMARY_FINDINGS = 3
 # Tables longer than this start folded (a 200-layer inventory would bury the
 # plots below it).
 MAX_OPEN_TABLE_ROWS = 40
@@ -103,18 +109,27 @@ def build_report(
         names = [run]
     if not names:
         reader.read_logdir(logdir)  # raises NoMpprofDataError with its advice
-    sections, data = [], []
+    diagnosed = []
     for index, name in enumerate(names):
         say(f"reading run {name} ({index + 1}/{len(names)})")
         read = reader.read_run(logdir, name)
         say(f"diagnosing run {name}")
-        result = diagnosis.evaluate(read)
-        say(f"drawing run {name}")
+        diagnosed.append((read, diagnosis.evaluate(read)))
+    # Most severe first (the listing's order on a tie), as the dashboard.
+    diagnosed.sort(key=lambda item: _severity_key(item[1]))
+    sections, data = [], []
+    for index, (read, result) in enumerate(diagnosed):
+        say(f"drawing run {read.name}")
         run_data = _run_data(read)
         sections.append(_run_section(index, read, result, run_data))
         data.append(run_data)
     say("embedding plotly.js")
-    return _page(os.fspath(logdir), names, sections, data)
+    return _page(os.fspath(logdir), _summary_html(diagnosed), sections, data)
+
+
+def _severity_key(result: diagnosis.Diagnosis) -> list[int]:
+    """Sorts runs with more critical, then warning, then info findings first."""
+    return [-sum(f.severity == s for f in result.findings) for s in diagnosis.SEVERITIES]
 
 
 # ----------------------------------------------------------------- the data
@@ -192,8 +207,15 @@ def _numerics_data(numerics) -> dict:
     groups = _column_groups(len(steps), MAX_HEATMAP_STEPS)
     forward_max = np.asarray(numerics.forward["abs_max"], dtype=np.float64)
     backward_max = np.asarray(numerics.backward["abs_max"], dtype=np.float64)
+    dtype = headroom.dtype_range(numerics.policy_max)
+    bits = headroom.headroom_bits(
+        numerics.policy_max, forward_max, numerics.forward_overflowed()
+    )
     maps = {
-        "forward_log10_abs_max": _log10_map(forward_max, groups),
+        # The worst (least) headroom of the samples a column merges.
+        "forward_headroom": _finite_list(
+            np.round(-_reduce_columns(-bits, groups, _nanmax), 2)
+        ),
         "backward_log10_abs_max": _log10_map(backward_max, groups),
         "forward_nonfinite_frac": _worst_map(numerics.forward["nonfinite_frac"], groups),
         "backward_underflow_frac": _worst_map(numerics.backward["underflow_frac"], groups),
@@ -210,6 +232,11 @@ def _numerics_data(numerics) -> dict:
         "layers": [_label(name) for name in numerics.layers],
         "steps": [int(steps[g[0]]) for g in groups],
         "policy_log10_max": round(math.log10(numerics.policy_max), 3),
+        "dtype": dtype.name,
+        "policy_max": numerics.policy_max,
+        "headroom_color_max": headroom.COLOR_MAX_BITS,
+        # The recorded underflow share is float16's: no judgement otherwise.
+        "underflow_applies": dtype.name == "float16",
         "maps": maps,
         "overflow": overflow,
         "forensic_steps": steps[np.asarray(numerics.forensic, dtype=bool)].tolist()[
@@ -316,7 +343,7 @@ def _run_section(index: int, run: reader.Run, result: diagnosis.Diagnosis, data:
             f'<div class="warnings"><b>Could not read everything:</b><ul>{items}</ul></div>'
         )
     parts.append(_context_html(run))
-    parts.append(_findings_html(result))
+    parts.append(_findings_html(index, result))
     parts.append(_inventory_html(run.inventory))
     parts.append("<h3>Loss scale</h3>")
     if "loss_scale" in data:
@@ -362,10 +389,7 @@ def _context_html(run: reader.Run) -> str:
         ),
         ("devices", ", ".join(str(d.get("name")) for d in context.get("devices", []))),
         ("GPUs visible to TensorFlow", context.get("gpus_visible_to_tensorflow")),
-        (
-            "hardware",
-            json.dumps(context["hardware"]) if "hardware" in context else None,
-        ),
+        ("hardware", context.get("hardware")),
         (
             "versions",
             f"TensorFlow {context.get('tensorflow_version')}, Keras "
@@ -387,16 +411,65 @@ def _context_html(run: reader.Run) -> str:
         )
     health = getattr(run, "health", None)
     if health:
-        rows.append(("health", json.dumps(health)))
-    body = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows if v is not None)
+        rows.append(("health", health))
+    body = "".join(
+        f"<tr><th>{_e(k)}</th><td>{_value_html(v)}</td></tr>" for k, v in rows if v is not None
+    )
     return f'<h3>Run context</h3><table class="context">{body}</table>'
 
 
-def _findings_html(result: diagnosis.Diagnosis) -> str:
-    parts = [f"<h3>Findings ({len(result.findings)})</h3>"]
+def _value_html(value) -> str:
+    """A context value: dicts as nested key/value tables, lists one per line."""
+    if value is None or value == [] or value == "":
+        return "<span class=muted>none</span>"
+    if isinstance(value, dict):
+        if not value:
+            return "<span class=muted>none</span>"
+        rows = "".join(
+            f"<tr><th>{_e(k)}</th><td>{_value_html(v)}</td></tr>" for k, v in value.items()
+        )
+        return f'<table class="nested">{rows}</table>'
+    if isinstance(value, list):
+        if all(not isinstance(v, (dict, list)) for v in value):
+            return _e(", ".join(str(v) for v in value))
+        return "".join(f"<div>{_value_html(v)}</div>" for v in value)
+    return _e(value)
+
+
+def _summary_html(diagnosed: list[tuple[reader.Run, diagnosis.Diagnosis]]) -> str:
+    """Every run in one table, most severe first: counts, worst findings, links."""
+    rows = []
+    for index, (run, result) in enumerate(diagnosed):
+        counts = "".join(
+            f'<span class="badge {s}">{n} {s}</span>'
+            for s in diagnosis.SEVERITIES
+            if (n := sum(f.severity == s for f in result.findings))
+        ) or '<span class="ok">no findings</span>'
+        worst = "".join(
+            f'<li><a href="#run-{index}-finding-{i}"><span class="code">{_e(f.code)}</span> '
+            f"{_e(f.title)}</a></li>"
+            for i, f in enumerate(result.findings[:MAX_SUMMARY_FINDINGS])
+        )
+        more = len(result.findings) - MAX_SUMMARY_FINDINGS
+        if more > 0:
+            worst += f'<li><a href="#run-{index}-findings">{more} more</a></li>'
+        policy = (run.context or {}).get("model_policy")
+        rows.append(
+            f'<tr><td><a href="#run-{index}">{_e(run.name)}</a></td><td>{_e(policy)}</td>'
+            f"<td>{counts}</td><td><ul>{worst}</ul></td></tr>"
+        )
+    return (
+        '<section class="summary"><h2>Summary</h2><table class="summary-table">'
+        "<tr><th>run</th><th>policy</th><th>findings</th><th>worst findings</th></tr>"
+        f'{"".join(rows)}</table></section>'
+    )
+
+
+def _findings_html(index: int, result: diagnosis.Diagnosis) -> str:
+    parts = [f'<h3 id="run-{index}-findings">Findings ({len(result.findings)})</h3>']
     if not result.findings:
         parts.append("<p>No findings.</p>")
-    for finding in result.findings:
+    for number, finding in enumerate(result.findings):
         item = finding.to_dict()
         where = []
         if finding.layer is not None:
@@ -404,7 +477,7 @@ def _findings_html(result: diagnosis.Diagnosis) -> str:
         if finding.step is not None:
             where.append(f"step {finding.step}")
         parts.append(
-            f'<div class="finding {_e(finding.severity)}">'
+            f'<div class="finding {_e(finding.severity)}" id="run-{index}-finding-{number}">'
             f'<div class="head"><span class="sev">{_e(finding.severity)}</span> '
             f'<span class="code">{_e(finding.code)}</span> {_e(finding.title)}</div>'
             f'<div class="where">{" · ".join(where)}</div>'
@@ -412,10 +485,14 @@ def _findings_html(result: diagnosis.Diagnosis) -> str:
             f"{_e(json.dumps(item['evidence'], indent=1))}</pre></details>"
             f'<div class="fix"><b>Fix</b><pre>{_e(finding.fix)}</pre></div></div>'
         )
-    unmeasured = result.not_measured
-    if unmeasured:
-        items = "".join(f"<li><b>{_e(c.code)}</b>: {_e(c.reason)}</li>" for c in unmeasured)
-        parts.append(f'<div class="muted">Not measured:<ul>{items}</ul></div>')
+    unchecked = [c for c in result.checks if c.status != "checked"]
+    if unchecked:
+        items = "".join(
+            f"<li><b>{_e(c.code)}</b> {_e(c.status)}: {_e(c.reason)}</li>" for c in unchecked
+        )
+        parts.append(
+            f'<div class="muted not-checked">Not checked ({len(unchecked)}):<ul>{items}</ul></div>'
+        )
     return "\n".join(parts)
 
 
@@ -497,13 +574,12 @@ def _gpu_html(run: reader.Run, data: dict, index: int) -> str:
         )
     kernels = getattr(gpu, "kernels", None)
     if kernels:
-        parts.append(f"<h4>Kernels</h4><pre>{_e(json.dumps(kernels, indent=1))}</pre>")
+        parts.append(f"<h4>Kernels</h4>{_value_html(kernels)}")
     return "\n".join(parts)
 
 
-def _page(logdir: str, names: list[str], sections: list[str], data: list[dict]) -> str:
+def _page(logdir: str, summary: str, sections: list[str], data: list[dict]) -> str:
     generated = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    nav = " · ".join(f'<a href="#run-{i}">{_e(name)}</a>' for i, name in enumerate(names))
     payload = _script_json(data)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
@@ -513,8 +589,9 @@ def _page(logdir: str, names: list[str], sections: list[str], data: list[dict]) 
 <script>{_plotly_js()}</script>
 </head><body>
 <header><h1>mpprof report</h1>
-<p>Logdir <code>{_e(logdir)}</code>, {len(names)} run(s), generated {_e(generated)}
-by mpprof {_e(mpprof.__version__)}. Runs: {nav}</p></header>
+<p>Logdir <code>{_e(logdir)}</code>, {len(sections)} run(s), generated {_e(generated)}
+by mpprof {_e(mpprof.__version__)}.</p></header>
+{summary}
 {"".join(sections)}
 <script type="application/json" id="mpprof-data">{payload}</script>
 <script>{_static("report.js")}</script>

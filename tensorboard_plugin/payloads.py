@@ -8,12 +8,13 @@ comes back as `{"available": false, "reason": ...}` so every view can say
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 from tensorboard import errors
 
-from mpprof import diagnosis, reader, schema
+from mpprof import diagnosis, headroom, reader, schema
 from tensorboard_plugin_mpprof import downsample, metadata
 
 NUMERICS_DIRECTIONS = ("forward", "backward")
@@ -35,16 +36,50 @@ _DECIMALS = {
     "underflow_frac": 5,
     "subnormal_frac": 5,
 }
-# Headroom given to a cell whose values overflowed (non-finite or beyond max).
-OVERFLOW_HEADROOM = -1.0
+OVERFLOW_HEADROOM = headroom.OVERFLOW_HEADROOM
+SEVERITIES = diagnosis.SEVERITIES
 
 
 def not_available(reason: str, **extra) -> dict:
     return {"available": False, "reason": reason, **extra}
 
 
-def run_summary(run: reader.Run) -> dict:
-    """What the run selector and the comparison table show for one run."""
+def evaluate(run: reader.Run) -> diagnosis.Diagnosis:
+    """The diagnosis of `run`: its findings and what each rule could check."""
+    return diagnosis.evaluate(run)
+
+
+def severity_counts(result: diagnosis.Diagnosis) -> dict[str, int]:
+    """How many findings of each severity, most severe first."""
+    return {
+        severity: sum(f.severity == severity for f in result.findings)
+        for severity in SEVERITIES
+    }
+
+
+def unchecked_notes(result: diagnosis.Diagnosis) -> list[dict]:
+    """The rules that could not look at the run, and why ("not measured"...).
+
+    Read from `Diagnosis.checks` (status "not measured"/"not applicable");
+    a diagnosis that carries `notes` instead gives those.
+    """
+    notes = getattr(result, "notes", None)
+    if notes is not None:
+        return [_jsonable(_as_dict(note)) for note in notes]
+    return [
+        {"code": check.code, "status": check.status, "reason": check.reason}
+        for check in getattr(result, "checks", [])
+        if check.status != "checked"
+    ]
+
+
+def run_summary(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
+    """What the run selector and the comparison table show for one run.
+
+    Args:
+        run: the run read.
+        result: its diagnosis (for the finding counts by severity).
+    """
     context = run.context
     loss_scale = run.loss_scale
     inventory = run.inventory or {}
@@ -70,6 +105,7 @@ def run_summary(run: reader.Run) -> dict:
         "has_numerics": run.numerics is not None,
         "gpu_mode": getattr(run.gpu, "mode", None),
         "warnings": len(run.warnings),
+        "findings": severity_counts(result),
     }
 
 
@@ -77,9 +113,15 @@ def context_payload(run: reader.Run) -> dict:
     return {"run": run.name, "context": run.context, "warnings": run.warnings}
 
 
-def findings_payload(run: reader.Run) -> dict:
-    findings = [_jsonable(finding.to_dict()) for finding in diagnosis.diagnose(run)]
-    return {"available": True, "findings": findings}
+def findings_payload(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
+    """The findings of `run`, most severe first, and the rules not checked."""
+    findings = [_jsonable(finding.to_dict()) for finding in result.findings]
+    return {
+        "available": True,
+        "findings": findings,
+        "counts": severity_counts(result),
+        "not_checked": unchecked_notes(result),
+    }
 
 
 def inventory_payload(run: reader.Run) -> dict:
@@ -128,11 +170,29 @@ def loss_scale_payload(run: reader.Run, points: int) -> dict:
     }
 
 
+def _dtype_fields(numerics: reader.Numerics) -> dict:
+    """What a view needs to judge values by the dtype the layers computed in."""
+    dtype = headroom.dtype_range(numerics.policy_max)
+    return {
+        "policy_max": _finite_or_none(numerics.policy_max),
+        "dtype": dtype.name,
+        "dtype_smallest_normal": dtype.smallest_normal,
+        # The recorded underflow/subnormal shares count values below
+        # float16's normal/subnormal range: a judgement only for float16.
+        "underflow_applies": dtype.name == "float16",
+        # Headroom of the smallest subnormal: the most a cell can have.
+        "headroom_max": round(math.log2(numerics.policy_max / dtype.smallest_subnormal), 2),
+        "headroom_color_max": headroom.COLOR_MAX_BITS,
+    }
+
+
 def numerics_payload(run: reader.Run, direction: str, stat: str, rows: int, columns: int) -> dict:
     """A layer x step matrix of one statistic, max-pooled to rows x columns.
 
     Each cell holds the worst value of the layers and sampled steps it covers
     (for headroom: of the largest abs max), so an overflow never averages away.
+    Headroom matrices come with `overflowed` (cells whose output overflowed)
+    and `nonfinite` (their largest share of non-finite values).
     """
     numerics = run.numerics
     if numerics is None:
@@ -146,14 +206,25 @@ def numerics_payload(run: reader.Run, direction: str, stat: str, rows: int, colu
     row_starts = downsample.group_starts(len(layers), rows)
     column_starts = downsample.group_starts(len(steps), columns)
     values = downsample.pool_max(matrix, row_starts, column_starts)
+    extra = {}
     if stat == HEADROOM:
-        values = _headroom(numerics, values, row_starts, column_starts)
+        overflowed = downsample.pool_max(
+            numerics.forward_overflowed().T.astype(np.float64), row_starts, column_starts
+        )
+        values = headroom.headroom_bits(numerics.policy_max, values, overflowed > 0)
+        nonfinite = np.asarray(numerics.forward["nonfinite_frac"], dtype=np.float64).T
+        extra = {
+            "overflowed": (overflowed > 0).tolist(),
+            "nonfinite": downsample.json_floats(
+                downsample.pool_max(nonfinite, row_starts, column_starts), decimals=4
+            ),
+        }
     forensic = np.asarray(numerics.forensic, dtype=bool)
     return {
         "available": True,
         "direction": direction,
         "stat": stat,
-        "policy_max": _finite_or_none(numerics.policy_max),
+        **_dtype_fields(numerics),
         "rows": [_row_label(layers, row_starts, i) for i in range(len(row_starts))],
         "row_layers": [layers[start] for start in row_starts.tolist()],
         "column_steps": steps[column_starts].tolist() if len(steps) else [],
@@ -161,20 +232,22 @@ def numerics_payload(run: reader.Run, direction: str, stat: str, rows: int, colu
             np.logical_or.reduceat(forensic, column_starts).tolist() if len(steps) else []
         ),
         "values": downsample.json_floats(values, decimals=_DECIMALS.get(stat)),
+        **extra,
         "layers_total": len(layers),
         "samples_total": len(steps),
     }
 
 
 def layer_history_payload(run: reader.Run, layer: str, points: int) -> dict:
-    """Every recorded statistic of one layer over the sampled steps."""
+    """Every recorded statistic of one layer over the sampled steps.
+
+    `overflowed` marks samples whose output overflowed (as the reader
+    decides it): their finite abs max says nothing, a view marks them.
+    """
     numerics = run.numerics
     if numerics is None:
         return not_available("per-layer numerics were not recorded in this run")
-    layers = list(numerics.layers)
-    if layer not in layers:
-        raise errors.NotFoundError(f"No layer {layer!r} in the numerics of run {run.name!r}")
-    index = layers.index(layer)
+    index = _layer_index(numerics, layer, run.name)
     steps = np.asarray(numerics.steps, dtype=np.int64)
     starts = downsample.group_starts(len(steps), points)
     series = {}
@@ -184,14 +257,62 @@ def layer_history_payload(run: reader.Run, layer: str, points: int) -> dict:
             pooled = np.fmax.reduceat(column, starts) if len(column) else column
             series[f"{direction}/{stat}"] = downsample.json_floats(pooled)
     forensic = np.asarray(numerics.forensic, dtype=bool)
+    overflowed = np.asarray(numerics.forward_overflowed(), dtype=bool)[:, index]
     return {
         "available": True,
         "layer": layer,
-        "policy_max": _finite_or_none(numerics.policy_max),
+        **_dtype_fields(numerics),
         "step": steps[starts].tolist() if len(steps) else [],
         "forensic": np.logical_or.reduceat(forensic, starts).tolist() if len(steps) else [],
+        "overflowed": np.logical_or.reduceat(overflowed, starts).tolist() if len(steps) else [],
         "series": series,
     }
+
+
+def histogram_payload(run: reader.Run, layer: str, direction: str, columns: int) -> dict:
+    """One layer's log2-magnitude histograms over the sampled steps.
+
+    `shares[b][c]` is the share of the finite non-zero values of column `c`
+    (consecutive samples summed) in binade bin `b`; bin edges are log2
+    magnitudes (`edges`, the first and last bins open-ended).
+    """
+    numerics = run.numerics
+    if numerics is None:
+        return not_available("per-layer numerics were not recorded in this run")
+    index = _layer_index(numerics, layer, run.name)
+    histograms = numerics.forward_hist if direction == "forward" else numerics.backward_hist
+    counts = np.asarray(histograms, dtype=np.float64)
+    if counts.ndim != 3 or not counts.shape[0]:
+        return not_available(f"no {direction} histograms were recorded in this run")
+    counts = counts[:, index, :]  # [S, B]
+    steps = np.asarray(numerics.steps, dtype=np.int64)
+    starts = downsample.group_starts(len(steps), columns)
+    pooled = np.add.reduceat(counts, starts, axis=0)  # [C, B]
+    totals = pooled.sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        shares = np.where(totals > 0, pooled / np.maximum(totals, 1), np.nan)
+    dtype = headroom.dtype_range(numerics.policy_max)
+    return {
+        "available": True,
+        "layer": layer,
+        "direction": direction,
+        **_dtype_fields(numerics),
+        "edges": numerics.hist_edges.tolist(),
+        "column_steps": steps[starts].tolist(),
+        "shares": downsample.json_floats(shares.T, decimals=4),
+        "lines": {
+            f"{dtype.name} max": math.log2(dtype.max),
+            f"{dtype.name} smallest normal": math.log2(dtype.smallest_normal),
+            f"{dtype.name} smallest subnormal": math.log2(dtype.smallest_subnormal),
+        },
+    }
+
+
+def _layer_index(numerics: reader.Numerics, layer: str, run_name: str) -> int:
+    layers = list(numerics.layers)
+    if layer not in layers:
+        raise errors.NotFoundError(f"No layer {layer!r} in the numerics of run {run_name!r}")
+    return layers.index(layer)
 
 
 def gpu_payload(run: reader.Run, points: int) -> dict:
@@ -235,20 +356,12 @@ def _tensor_source(mode: str, kernels: dict | None) -> str | None:
     return None
 
 
-def _headroom(numerics, abs_max, row_starts, column_starts) -> np.ndarray:
-    """log2(policy max / abs max): bits left before the dtype overflows.
-
-    Cells where the reader says a layer's output overflowed (non-finite, or
-    beyond the policy's max) get OVERFLOW_HEADROOM.
-    """
-    with np.errstate(divide="ignore", invalid="ignore"):
-        headroom = np.log2(numerics.policy_max / abs_max)
-    overflowed = numerics.forward_overflowed().T.astype(np.float64)
-    headroom[downsample.pool_max(overflowed, row_starts, column_starts) > 0] = OVERFLOW_HEADROOM
-    # An all-zero output has unbounded headroom: show it as the most there is
-    # (the policy max over the float16 smallest subnormal).
-    largest = math.log2(numerics.policy_max / schema.FLOAT16_SMALLEST_SUBNORMAL)
-    return np.where(np.isposinf(headroom), largest, headroom)
+def _as_dict(note) -> dict:
+    if isinstance(note, dict):
+        return note
+    if dataclasses.is_dataclass(note):
+        return dataclasses.asdict(note)
+    return {"reason": str(note)}
 
 
 def _row_label(layers: list[str], starts: np.ndarray, i: int) -> str:

@@ -21,7 +21,7 @@ from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
 from tensorboard_plugin_mpprof import metadata, payloads
-from tensorboard_plugin_mpprof.run_cache import RunCache
+from tensorboard_plugin_mpprof.run_cache import CachedRun, RunCache
 
 _STATIC_TYPES = {".js": "text/javascript", ".css": "text/css"}
 # Static files change only with the package; a short browser cache is safe.
@@ -60,11 +60,14 @@ class MpprofPlugin(base_plugin.TBPlugin):
             metadata.PLOTLY_ROUTE: self._plotly,
             "/runs": self._json_route(self._list_runs),
             "/context": self._run_route(lambda args: ("context", payloads.context_payload)),
-            "/findings": self._run_route(lambda args: ("findings", payloads.findings_payload)),
+            "/findings": self._run_route(
+                lambda args: ("findings", payloads.findings_payload), diagnosed=True
+            ),
             "/inventory": self._run_route(lambda args: ("inventory", payloads.inventory_payload)),
             "/loss_scale": self._run_route(self._loss_scale),
             "/numerics": self._run_route(self._numerics),
             "/layer_history": self._run_route(self._layer_history),
+            "/histogram": self._run_route(self._histogram),
             "/gpu": self._run_route(self._gpu),
         }
 
@@ -84,7 +87,11 @@ class MpprofPlugin(base_plugin.TBPlugin):
         summaries = []
         for name in self._runs.list_runs():
             try:
-                summaries.append(self._runs.get(name).derive("summary", payloads.run_summary))
+                cached = self._runs.get(name)
+                result = _diagnosis(cached)
+                summaries.append(
+                    cached.derive("summary", lambda r, d=result: payloads.run_summary(r, d))
+                )
             except errors.NotFoundError:
                 continue  # removed, or unreadable, since it was listed
         return {"runs": summaries}
@@ -124,22 +131,47 @@ class MpprofPlugin(base_plugin.TBPlugin):
         )
 
     @staticmethod
+    def _histogram(args):
+        layer = args.get("layer")
+        if not layer:
+            raise errors.InvalidArgumentError("Missing query parameter: layer")
+        direction = _choice_arg(args, "direction", payloads.NUMERICS_DIRECTIONS)
+        columns = _int_arg(
+            args, "columns", metadata.DEFAULT_HEATMAP_COLUMNS, 1, metadata.MAX_POINTS
+        )
+        return (
+            ("histogram", layer, direction, columns),
+            lambda r: payloads.histogram_payload(r, layer, direction, columns),
+        )
+
+    @staticmethod
     def _gpu(args):
         points = _int_arg(args, "points", metadata.DEFAULT_POINTS, 2, metadata.MAX_POINTS)
         return ("gpu", points), lambda r: payloads.gpu_payload(r, points)
 
-    def _run_route(self, handler: Callable) -> Callable:
+    def _run_route(self, handler: Callable, diagnosed: bool = False) -> Callable:
         """A JSON route about the run named by the `run` query parameter.
 
         The response body is cached, gzipped, with the run's read: a reload
         that finds no new data costs a stat of the run's event files.
+
+        Args:
+            handler: parses the request's arguments; returns a cache key and
+                the payload's computation, called with the `reader.Run` (and
+                with its diagnosis too when `diagnosed`).
+            diagnosed: whether the computation needs the run's diagnosis.
         """
 
         @wrappers.Request.application
         def route(request):
             key, compute = handler(request.args)
             run = self._runs.get(request.args.get("run"))
-            body = run.derive(key, lambda r: _gzip_json(compute(r)))
+            if diagnosed:
+                # Derived on its own first: `derive` does not nest.
+                result = _diagnosis(run)
+                body = run.derive(key, lambda r: _gzip_json(compute(r, result)))
+            else:
+                body = run.derive(key, lambda r: _gzip_json(compute(r)))
             return http_util.Respond(request, body, "application/json", content_encoding="gzip")
 
         return route
@@ -187,6 +219,11 @@ class MpprofPlugin(base_plugin.TBPlugin):
             content_encoding="gzip",
             expires=_PLOTLY_EXPIRES_S,
         )
+
+
+def _diagnosis(cached: CachedRun):
+    """The run's diagnosis, computed once per read (the run list and findings)."""
+    return cached.derive("diagnosis", payloads.evaluate)
 
 
 def _gzip_json(payload: dict) -> bytes:

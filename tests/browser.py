@@ -111,6 +111,8 @@ def load_page(
     screenshot: str | None = None,
     timeout: float = 60.0,
     settle: float = 0.3,
+    color_scheme: str | None = None,
+    blocked_urls: tuple[str, ...] = (),
 ) -> PageLoad:
     """Loads `target` (a URL or a local file) in headless Chromium.
 
@@ -125,13 +127,24 @@ def load_page(
         screenshot: file name of a PNG screenshot to save in test-artifacts/.
         timeout: seconds before giving up on the page.
         settle: seconds to wait after loading so late errors are caught.
+        color_scheme: "dark" or "light": the `prefers-color-scheme` the page
+            sees (None: the browser's default, light).
+        blocked_urls: URL patterns ("*" wildcards) the page may not load, as
+            if the network failed them.
     """
     executable = require_chromium()
     url = _as_url(target)
     with tempfile.TemporaryDirectory(prefix="mpprof-chromium-") as profile:
         with _DevTools(executable, profile) as devtools:
             return devtools.load(
-                url, wait_for, evaluate or {}, screenshot, timeout, settle
+                url,
+                wait_for,
+                evaluate or {},
+                screenshot,
+                timeout,
+                settle,
+                color_scheme,
+                blocked_urls,
             )
 
 
@@ -193,7 +206,17 @@ class _DevTools:
             self._process.wait()
         os.close(self._to_browser)
 
-    def load(self, url, wait_for, evaluate, screenshot, timeout, settle) -> PageLoad:
+    def load(
+        self,
+        url,
+        wait_for,
+        evaluate,
+        screenshot,
+        timeout,
+        settle,
+        color_scheme=None,
+        blocked_urls=(),
+    ) -> PageLoad:
         deadline = time.monotonic() + timeout
         target = self._send("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = self._send(
@@ -201,6 +224,14 @@ class _DevTools:
         )["sessionId"]
         for domain in ("Runtime", "Log", "Page"):
             self._send(f"{domain}.enable", session=session)
+        if blocked_urls:
+            self._send("Network.enable", session=session)
+            self._send(
+                "Network.setBlockedURLs", {"urls": list(blocked_urls)}, session=session
+            )
+        if color_scheme:
+            features = [{"name": "prefers-color-scheme", "value": color_scheme}]
+            self._send("Emulation.setEmulatedMedia", {"features": features}, session=session)
         self._send("Page.navigate", {"url": url}, session=session)
         self._wait_event("Page.loadEventFired", deadline)
         if wait_for:

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 
+import diagnosis_runs
 import numpy as np
 import plotly as plotly_package
 import pytest
@@ -42,7 +43,7 @@ from werkzeug import test as werkzeug_test
 
 from mpprof import diagnosis, reader, schema
 from mpprof.writer import RecordWriter
-from tensorboard_plugin_mpprof import metadata
+from tensorboard_plugin_mpprof import metadata, payloads
 from tensorboard_plugin_mpprof.plugin import MpprofPluginLoader
 
 ROUTE = "/data/plugin/mpprof/"
@@ -172,8 +173,28 @@ def test_downsampled_loss_scale_keeps_both_ends_and_the_extremes(client, runs):
 def test_findings_are_the_diagnosis_of_the_run(client, runs):
     for name, run in runs.items():
         payload = get_json(client, "findings", run=name)
-        expected = json.loads(json.dumps([f.to_dict() for f in diagnosis.diagnose(run)]))
-        assert payload == {"available": True, "findings": expected}
+        result = diagnosis.evaluate(run)
+        expected = json.loads(json.dumps([f.to_dict() for f in result.findings]))
+        assert payload["available"] is True
+        assert payload["findings"] == expected
+        assert payload["counts"] == {
+            severity: sum(f.severity == severity for f in result.findings)
+            for severity in ("critical", "warning", "info")
+        }
+        # What the terminal prints as "not measured" is in the payload too.
+        unchecked = [(c.code, c.reason) for c in result.checks if c.status != "checked"]
+        assert [(n["code"], n["reason"]) for n in payload["not_checked"]] == unchecked
+        assert {(c.code, c.reason) for c in result.not_measured} <= set(unchecked)
+
+
+def test_runs_carry_their_finding_counts(client, runs):
+    by_name = {r["run"]: r for r in get_json(client, "runs")["runs"]}
+    for name, run in runs.items():
+        findings = diagnosis.diagnose(run)
+        counts = by_name[name]["findings"]
+        assert sum(counts.values()) == len(findings)
+        for severity, count in counts.items():
+            assert count == sum(f.severity == severity for f in findings)
 
 
 def test_numerics_matrices_match_the_reader(client, runs):
@@ -238,6 +259,60 @@ def test_headroom_is_bits_below_the_policy_max_and_marks_overflows(client, runs)
     )
     assert np.all(values[overflowed] < 0)
     assert payload["policy_max"] == numerics.policy_max
+    assert payload["dtype"] == "float16" and payload["underflow_applies"] is True
+    np.testing.assert_array_equal(np.array(payload["overflowed"]), overflowed)
+    nonfinite = np.array(payload["nonfinite"], dtype=float)
+    np.testing.assert_allclose(nonfinite, numerics.forward["nonfinite_frac"].T, atol=1e-4)
+
+
+def test_overflowed_samples_are_marked_with_their_nonfinite_share():
+    """A layer whose outputs were all non-finite has a finite max of 0: the
+    history and the heatmap say it overflowed, and by how much."""
+    run = diagnosis_runs.read("forward_overflow")
+    numerics = run.numerics
+    index = list(numerics.layers).index("second")
+    history = payloads.layer_history_payload(run, "second", 1000)
+    overflowed = numerics.forward_overflowed()[:, index]
+    assert overflowed.any()
+    assert history["overflowed"] == overflowed.tolist()
+    assert history["dtype"] == "float16"
+    nonfinite = np.array(history["series"]["forward/nonfinite_frac"], dtype=float)
+    assert np.all(nonfinite[overflowed] > 0)
+    heatmap = payloads.numerics_payload(run, "forward", "headroom", 100, 100)
+    row = heatmap["row_layers"].index("second")
+    assert heatmap["overflowed"][row] == overflowed.tolist()
+    assert heatmap["values"][row] == [payloads.OVERFLOW_HEADROOM] * len(overflowed)
+
+
+def test_bfloat16_numerics_are_labelled_with_bfloat16s_range():
+    run = diagnosis_runs.read("healthy_bfloat16")
+    payload = payloads.numerics_payload(run, "backward", "underflow_frac", 100, 100)
+    assert payload["dtype"] == "bfloat16"
+    assert payload["policy_max"] == schema.BFLOAT16_MAX
+    # float16's underflow share is recorded, but it is no judgement here.
+    assert payload["underflow_applies"] is False
+    assert payload["dtype_smallest_normal"] == 2.0**-126
+    headroom = payloads.numerics_payload(run, "forward", "headroom", 100, 100)
+    largest = np.log2(schema.BFLOAT16_MAX / 2.0**-133)
+    assert headroom["headroom_max"] == pytest.approx(largest, abs=0.01)
+
+
+def test_histogram_shares_are_the_recorded_counts_per_sample(client, runs):
+    numerics = runs[FLOAT16_RUN].numerics
+    payload = get_json(
+        client, "histogram", run=FLOAT16_RUN, layer=FIRST_LAYER, direction="forward"
+    )
+    index = list(numerics.layers).index(FIRST_LAYER)
+    counts = numerics.forward_hist[:, index, :].astype(float)  # [S, B]
+    shares = np.array(payload["shares"], dtype=float).T
+    totals = counts.sum(axis=1)
+    assert payload["column_steps"] == numerics.steps.tolist()
+    np.testing.assert_allclose(
+        shares[totals > 0], (counts / totals[:, None])[totals > 0], atol=1e-4
+    )
+    assert payload["edges"] == list(schema.NUMERICS_HIST_EDGES)
+    assert payload["lines"]["float16 max"] == pytest.approx(np.log2(65504.0))
+    assert payload["lines"]["float16 smallest subnormal"] == -24
 
 
 def test_gpu_payload_follows_the_reader(client, runs):
@@ -281,6 +356,8 @@ def test_gpu_payload_follows_the_reader(client, runs):
             400,
         ),
         ("layer_history", {"run": FLOAT16_RUN}, 400),
+        ("histogram", {"run": FLOAT16_RUN, "direction": "forward"}, 400),
+        ("histogram", {"run": FLOAT16_RUN, "layer": FIRST_LAYER, "direction": "up"}, 400),
         ("gpu", {"run": "nope"}, 404),
     ],
 )

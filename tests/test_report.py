@@ -17,7 +17,7 @@ from diagnosis_runs import (
     write_gpu_run,
 )
 
-from mpprof import cli, reader, report
+from mpprof import cli, diagnosis, reader, report
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,42 @@ def _json_escaped(text: str) -> str:
     return json.dumps(html.escape(text, quote=False))[1:-1]
 
 
+def test_summary_lists_every_run_most_severe_first_with_links(report_logdir):
+    page = report.build_report(report_logdir)
+    runs = reader.read_logdir(report_logdir)
+    results = {name: diagnosis.evaluate(run) for name, run in runs.items()}
+
+    def key(name):
+        return [-sum(f.severity == s for f in results[name].findings)
+                for s in diagnosis.SEVERITIES]
+
+    expected = sorted(runs, key=key)  # stable: the listing's order on a tie
+    summary = page[page.index('<section class="summary">') : page.index('<section class="run"')]
+    # Each run once in the summary, in that order, and its sections in that order.
+    positions = [summary.index(f">{html.escape(name)}</a>") for name in expected]
+    assert positions == sorted(positions)
+    headings = [page.index(f"<h2>Run {html.escape(name)}</h2>") for name in expected]
+    assert headings == sorted(headings)
+    worst = expected[0]
+    assert results[worst].findings[0].severity == "critical"
+    # The worst finding of the worst run links to it.
+    first = results[worst].findings[0]
+    assert f'href="#run-0-finding-0"><span class="code">{first.code}</span>' in summary
+    assert 'id="run-0-finding-0"' in page
+    # What could not be checked is listed under each run's findings.
+    for name, result in results.items():
+        for check in result.checks:
+            if check.status != "checked":
+                assert html.escape(check.reason) in page, (name, check.code)
+
+
+def test_run_context_is_a_table_not_json(report_logdir):
+    page = report.build_report(report_logdir, run="storm/train")
+    context = page[page.index("<h3>Run context</h3>") : page.index("<h3 id=")]
+    assert '<table class="nested">' in context
+    assert "{&quot;" not in context and '{"' not in context
+
+
 def test_embedded_json_cannot_close_its_script_element():
     text = report._script_json({"name": "</script><script>alert(3)</script><!--"})
     assert "</" not in text and "<!--" not in text
@@ -124,11 +160,13 @@ def test_report_opens_in_chromium_draws_plots_and_shows_names_as_text(report_fil
             "tick_labels": "Array.from(document.querySelectorAll('div.heatmap .ytick text'))"
             ".map(t => t.textContent)",
             "gpu_plots": "document.querySelectorAll('div.plot.gpu .main-svg').length",
+            "heatmap_axis": "document.querySelector('div.heatmap')._fullLayout.xaxis.type",
         },
         screenshot="report.png",
     )
     assert page.errors == []
     values = page.values
+    assert values["heatmap_axis"] == "linear"  # steps as numbers, not categories
     # loss scale x3, numerics 4 maps x2, GPU tracks x2 (Tensor Core, utilisation).
     assert values["plots"] >= 3 + 8 + 2
     assert values["drawn"] == values["plots"]
@@ -140,6 +178,27 @@ def test_report_opens_in_chromium_draws_plots_and_shows_names_as_text(report_fil
     assert HOSTILE_RUN in values["text"]
     assert HOSTILE_NAME in values["tick_labels"]
     assert page.screenshot.stat().st_size > 10_000
+
+
+@pytest.mark.browser
+def test_report_follows_a_dark_colour_scheme_and_prints(report_file):
+    page = load_page(
+        report_file,
+        wait_for="Array.from(document.querySelectorAll('div.plot'))"
+        ".every(d => d.querySelector('.main-svg'))",
+        evaluate={
+            "body": "getComputedStyle(document.body).backgroundColor",
+            "paper": "document.querySelector('div.plot')._fullLayout.paper_bgcolor",
+            "print": "[...document.styleSheets].flatMap((s) => [...s.cssRules])"
+            ".filter((r) => r.media && r.media.mediaText === 'print').length",
+        },
+        color_scheme="dark",
+        screenshot="report_dark.png",
+    )
+    assert page.errors == []
+    assert page.values["body"] == "rgb(30, 31, 34)"
+    assert page.values["paper"] == "#1e1f22"
+    assert page.values["print"] == 1
 
 
 def test_browser_helper_skips_without_chromium_unless_required(monkeypatch):

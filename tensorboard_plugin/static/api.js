@@ -3,6 +3,18 @@
 
 export class RouteError extends Error {}
 
+// What the current view fetched, by route and parameters: the "Download
+// data" button saves it. `startRecording` empties it when a view starts.
+let recorded = new Map();
+
+export function startRecording() {
+  recorded = new Map();
+}
+
+export function recordedPayloads() {
+  return Object.fromEntries(recorded);
+}
+
 export async function getJson(route, params = {}) {
   const query = new URLSearchParams(
     Object.entries(params).filter(([, value]) => value !== undefined && value !== null),
@@ -11,19 +23,42 @@ export async function getJson(route, params = {}) {
   if (!response.ok) {
     throw new RouteError(`${route}: ${response.status} ${(await response.text()).slice(0, 300)}`);
   }
-  return response.json();
+  const payload = await response.json();
+  recorded.set(`${route}?${query}`, payload);
+  return payload;
 }
 
-/** Loads plotly.js, served by the plugin from the installed plotly package. */
+let plotlyLoading = null;
+const PLOTLY = "plotly.min.js";
+
+/**
+ * Starts downloading plotly.js without running it: parsing 4.8 MB of
+ * JavaScript would hold up the first paint; `loadPlotly` runs it later.
+ */
+export function preloadPlotly() {
+  if (window.Plotly || document.querySelector(`link[rel=preload][href="${PLOTLY}"]`)) return;
+  performance.mark("mpprof:plotly:requested");
+  document.head.append(Object.assign(document.createElement("link"), { rel: "preload", as: "script", href: PLOTLY }));
+}
+
+/**
+ * Loads plotly.js (1.6 MB gzipped), served by the plugin from the installed
+ * plotly package, once: only views with charts wait for it.
+ */
 export function loadPlotly() {
   if (window.Plotly) return Promise.resolve(window.Plotly);
-  return new Promise((resolve, reject) => {
+  preloadPlotly();
+  plotlyLoading ??= new Promise((resolve, reject) => {
     const script = document.createElement("script");
-    script.src = "plotly.min.js";
+    script.src = PLOTLY;
     script.onload = () => resolve(window.Plotly);
-    script.onerror = () => reject(new RouteError("plotly.min.js could not be loaded"));
+    script.onerror = () => {
+      plotlyLoading = null;
+      reject(new RouteError("plotly.min.js could not be loaded"));
+    };
     document.head.append(script);
   });
+  return plotlyLoading;
 }
 
 export function loadStylesheet(href) {
@@ -31,4 +66,14 @@ export function loadStylesheet(href) {
   link.rel = "stylesheet";
   link.href = href;
   document.head.append(link);
+}
+
+/** Saves `text` as a file named `name` (a download, as TensorBoard's scalars offer). */
+export function download(name, text, type) {
+  const url = URL.createObjectURL(new Blob([text], { type }));
+  const link = Object.assign(document.createElement("a"), { href: url, download: name });
+  document.body.append(link);
+  link.click();
+  link.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 1000);
 }

@@ -55,3 +55,12 @@ export function formatNumber(value, digits = 3) {
   if (Number.isInteger(value) && Math.abs(value) < 1e9) return value.toLocaleString("en-US");
   return value.toPrecision(digits);
 }
+
+/** Per severity, a small coloured count (only the non-zero ones). */
+export function severityBadges(counts = {}) {
+  return ["critical", "warning", "info"]
+    .filter((severity) => counts[severity])
+    .map((severity) =>
+      el("span", { class: `badge badge-${severity}`, title: `${counts[severity]} ${severity}` }, String(counts[severity])),
+    );
+}

@@ -1,8 +1,10 @@
 // GPU tracks of the compared runs: tensor utilization with its source named
 // (GPM: Tensor Core activity measured by NVML; basic: only "a kernel ran";
 // kernel share: Tensor Core share of kernel time from an XProf trace).
+// Without GPU data in any run: one line, and what to do.
 
 import { getJson } from "./api.js";
+import { plot, runColor } from "./charts.js";
 import { el, formatNumber, notMeasured, plotlyText } from "./dom.js";
 
 const SOURCE_TEXT = {
@@ -11,20 +13,35 @@ const SOURCE_TEXT = {
   "kernel share": "kernel share (XProf trace: share of GPU kernel time in Tensor Core kernels)",
 };
 const PERCENT_TRACKS = ["sm_util", "sm_occupancy", "dram_bw_util", "fp16_util", "fp32_util", "gpu_util", "mem_util"];
+const SNIPPET = `# Train on a machine with an NVIDIA GPU and its driver; mpprof samples it
+# through NVML (pip install nvidia-ml-py) every gpu_interval seconds:
+profiler = mpprof.MixedPrecisionProfiler(log_dir, gpu_interval=0.5)
+model.fit(x, y, callbacks=[profiler])`;
 
-export async function show(container, { plotly, compared, focus }) {
+export async function show(container, { plotly, compared, focus, runIndex, offerCsv }) {
   const payloads = await Promise.all(compared.map(async (run) => [run.run, await getJson("gpu", { run: run.run })]));
+  offerCsv("gpu_samples", gpuRows(payloads));
+  if (!payloads.some(([, payload]) => payload.available)) {
+    const reasons = [...new Set(payloads.map(([, payload]) => payload.reason).filter(Boolean))];
+    container.append(
+      el("p", { class: "not-measured gpu-none" },
+        `No GPU was sampled in ${payloads.length === 1 ? "this run" : `any of the ${payloads.length} compared runs`}`,
+        reasons.length ? ` (${reasons.join("; ")})` : "", "."),
+      el("p", {}, "To see Tensor Core use, SM activity, memory and power here:"),
+      el("pre", { class: "snippet" }, SNIPPET),
+    );
+    return;
+  }
   const tensorTraces = [];
   for (const [run, payload] of payloads) {
     container.append(runNote(run, payload));
-    if (payload.available) tensorTraces.push(...tensorTracesOf(run, payload));
+    if (payload.available) tensorTraces.push(...tensorTracesOf(run, payload, runColor(runIndex(run))));
   }
   if (tensorTraces.length) {
     const chart = el("div", { class: "chart gpu-chart" });
     container.append(chart);
     // The legend names the run and device even when there is one trace.
-    const tensorLayout = { ...layout("Tensor utilization (%)"), showlegend: true };
-    await plotly.newPlot(chart, tensorTraces, tensorLayout, { responsive: true, displaylogo: false });
+    await plot(plotly, chart, tensorTraces, { ...layout("Tensor utilization (%)"), showlegend: true });
   }
   const focusPayload = payloads.find(([run]) => run === focus)?.[1];
   if (focusPayload?.available) {
@@ -32,9 +49,22 @@ export async function show(container, { plotly, compared, focus }) {
     if (traces.length) {
       const chart = el("div", { class: "chart gpu-chart" });
       container.append(chart);
-      await plotly.newPlot(chart, traces, layout(`${plotlyText(focus)}: other GPU utilizations (%)`), { responsive: true, displaylogo: false });
+      await plot(plotly, chart, traces, layout(`${plotlyText(focus)}: other GPU utilizations (%)`));
     }
   }
+}
+
+/** Every sampled track of every run and device, one row per sample. */
+function gpuRows(payloads) {
+  const rows = [];
+  for (const [run, payload] of payloads) {
+    for (const [device, track] of Object.entries(payload.tracks || {})) {
+      const columns = Object.keys(track);
+      if (!rows.length) rows.push(["run", "device", ...columns]);
+      track.wall_time.forEach((_, i) => rows.push([run, device, ...columns.map((c) => track[c][i])]));
+    }
+  }
+  return rows.length ? rows : [["run", "GPU"], ...payloads.map(([run, payload]) => [run, payload.reason ?? "not measured"])];
 }
 
 function runNote(run, payload) {
@@ -51,10 +81,13 @@ function runNote(run, payload) {
   );
 }
 
-function tensorTracesOf(run, payload) {
+function tensorTracesOf(run, payload, color) {
   // GPM measures Tensor Core activity; "basic" has only the busy share.
   const column = payload.mode === "gpm" ? "tensor_util" : "gpu_util";
-  return Object.entries(payload.tracks).map(([device, track]) => series(`${run} GPU:${device} ${column}`, track, column));
+  return Object.entries(payload.tracks).map(([device, track]) => ({
+    ...series(`${run} GPU:${device} ${column}`, track, column),
+    line: { color },
+  }));
 }
 
 function otherTracesOf(payload) {
@@ -83,7 +116,7 @@ function layout(title) {
   return {
     title: { text: title },
     xaxis: { title: { text: "seconds since the first sample" } },
-    yaxis: { range: [0, 100] },
+    yaxis: { range: [0, 100], title: { text: "percent" } },
     height: 340,
     margin: { t: 40, r: 20, b: 50 },
     legend: { orientation: "h", y: -0.25 },

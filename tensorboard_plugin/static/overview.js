@@ -1,11 +1,14 @@
-// Overview: the compared runs side by side, then the focus run's findings,
-// most severe first, each linking to the view that holds its evidence.
+// Overview: the compared runs side by side (most severe first, with their
+// finding counts), then the focus run's findings, most severe first, each
+// linking to the view that holds its evidence, then what was not checked.
+// Draws no chart: it paints before plotly.js has loaded.
 
 import { getJson } from "./api.js";
-import { el, formatNumber, notMeasured } from "./dom.js";
+import { compareSeverity } from "./charts.js";
+import { el, formatNumber, notMeasured, severityBadges } from "./dom.js";
 
 // Which view shows the evidence of each finding code (see the README's
-// finding catalogue).
+// finding catalogue), for findings that do not name their view themselves.
 const EVIDENCE_VIEW = {
   MP001: "loss_scale",
   MP002: "loss_scale",
@@ -22,8 +25,11 @@ const EVIDENCE_VIEW = {
   MP013: "loss_scale",
 };
 
-export async function show(container, { focus, compared, navigate }) {
-  container.append(el("h2", {}, "Runs"), comparisonTable(compared));
+export async function show(container, { focus, compared, navigate, offerCsv }) {
+  const runs = [...compared].sort(compareSeverity);
+  const table = comparisonTable(runs, navigate);
+  offerCsv("runs", table.csv);
+  container.append(el("h2", {}, "Runs (most severe first)"), table.element);
   const payload = await getJson("findings", { run: focus });
   container.append(el("h2", {}, "Findings for ", el("span", { class: "run-name" }, focus)));
   if (!payload.available) {
@@ -32,12 +38,25 @@ export async function show(container, { focus, compared, navigate }) {
   }
   if (!payload.findings.length) {
     container.append(el("p", { class: "all-clear" }, "No findings: nothing looks wrong in this run."));
-    return;
+  } else {
+    container.append(el("ol", { class: "findings" }, payload.findings.map((f) => findingItem(f, navigate))));
   }
-  container.append(el("ol", { class: "findings" }, payload.findings.map((f) => findingItem(f, navigate))));
+  const notes = payload.not_checked || [];
+  if (notes.length) {
+    container.append(
+      el("h3", {}, `Not checked (${notes.length})`),
+      el(
+        "ul",
+        { class: "not-checked" },
+        notes.map((note) =>
+          el("li", {}, el("span", { class: "code" }, note.code ?? ""), ` ${note.status ?? "not measured"}: `, note.reason ?? ""),
+        ),
+      ),
+    );
+  }
 }
 
-function comparisonTable(runs) {
+function comparisonTable(runs, navigate) {
   const rows = [
     ["policy", (r) => r.model_policy],
     ["optimizer", (r) => r.optimizer],
@@ -53,28 +72,41 @@ function comparisonTable(runs) {
     ["GPU", (r) => r.gpu_mode ?? "not measured"],
     ["reader warnings", (r) => r.warnings],
   ];
-  return el(
+  const counts = (r) => ["critical", "warning", "info"].map((s) => `${r.findings?.[s] ?? 0} ${s}`).join(", ");
+  const element = el(
     "table",
     { class: "compare-table" },
     el("thead", {}, el("tr", {}, el("th", {}, ""), runs.map((r) => el("th", { class: "run-name" }, r.run)))),
     el(
       "tbody",
       {},
+      el(
+        "tr",
+        { class: "finding-counts" },
+        el("th", {}, "findings"),
+        runs.map((r) => el("td", {}, severityBadges(r.findings), r.findings && Object.values(r.findings).some(Boolean) ? "" : "none")),
+      ),
       rows.map(([label, value]) =>
         el("tr", {}, el("th", {}, label), runs.map((r) => el("td", {}, formatNumber(value(r))))),
       ),
     ),
   );
+  const csv = [
+    ["", ...runs.map((r) => r.run)],
+    ["findings", ...runs.map(counts)],
+    ...rows.map(([label, value]) => [label, ...runs.map((r) => value(r) ?? "")]),
+  ];
+  return { element, csv };
 }
 
 function findingItem(finding, navigate) {
-  const view = EVIDENCE_VIEW[finding.code];
+  const view = finding.view || EVIDENCE_VIEW[finding.code];
   const where = [
     finding.layer ? el("span", { class: "layer" }, "layer ", el("code", {}, finding.layer)) : null,
     finding.step !== null && finding.step !== undefined ? el("span", { class: "step" }, `step ${finding.step}`) : null,
   ];
   const evidence = Object.entries(finding.evidence || {}).map(([key, value]) =>
-    el("li", {}, el("span", { class: "key" }, key), ": ", typeof value === "object" ? JSON.stringify(value) : formatNumber(value)),
+    el("li", {}, el("span", { class: "key" }, key), ": ", typeof value === "object" && value !== null ? JSON.stringify(value) : formatNumber(value)),
   );
   return el(
     "li",

@@ -1,0 +1,74 @@
+"""How close a layer's values came to the limits of the dtype it computed in.
+
+One measure for every front end (the TensorBoard dashboard and the HTML
+report): headroom, the bits left between a layer's largest finite output
+magnitude and the largest value of its dtype, `log2(dtype max / abs max)`.
+Samples whose output overflowed (as `reader.Numerics.forward_overflowed`
+says) get `OVERFLOW_HEADROOM`, an all-zero output the most there is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from mpprof import schema
+
+# Headroom given to a sample whose output overflowed (non-finite or beyond max).
+OVERFLOW_HEADROOM = -1.0
+# Above this many bits headroom is plenty in any dtype: colour scales end here.
+COLOR_MAX_BITS = 16.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DtypeRange:
+    """The range of a floating-point dtype.
+
+    Attributes:
+        name: "float16", "bfloat16" or "float32".
+        max: the largest finite value.
+        smallest_normal: the smallest positive normal value.
+        smallest_subnormal: the smallest positive subnormal value.
+    """
+
+    name: str
+    max: float
+    smallest_normal: float
+    smallest_subnormal: float
+
+
+DTYPE_RANGES = (
+    DtypeRange(
+        "float16",
+        schema.FLOAT16_MAX,
+        schema.FLOAT16_SMALLEST_NORMAL,
+        schema.FLOAT16_SMALLEST_SUBNORMAL,
+    ),
+    DtypeRange("bfloat16", schema.BFLOAT16_MAX, 2.0**-126, 2.0**-133),
+    DtypeRange("float32", float(np.finfo(np.float32).max), 2.0**-126, 2.0**-149),
+)
+
+
+def dtype_range(policy_max: float) -> DtypeRange:
+    """The dtype whose largest value is `policy_max` (the numerics' own record)."""
+    return min(DTYPE_RANGES, key=lambda d: abs(math.log2(d.max) - math.log2(policy_max)))
+
+
+def headroom_bits(policy_max: float, abs_max: np.ndarray, overflowed: np.ndarray) -> np.ndarray:
+    """Bits of headroom of each sample (any shape; `overflowed` of the same).
+
+    Args:
+        policy_max: the largest value of the dtype the layers computed in.
+        abs_max: largest finite output magnitudes.
+        overflowed: whether each sample's output overflowed.
+    """
+    abs_max = np.asarray(abs_max, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        headroom = np.log2(policy_max / abs_max)
+    headroom[np.asarray(overflowed, dtype=bool)] = OVERFLOW_HEADROOM
+    # An all-zero output has unbounded headroom: show it as the most there is
+    # (the dtype's max over its smallest subnormal).
+    largest = math.log2(policy_max / dtype_range(policy_max).smallest_subnormal)
+    return np.where(np.isposinf(headroom), largest, headroom)
