@@ -27,9 +27,12 @@ class TfKerasNumericsCollector(NumericsCollector):
     def wrap_optimizer(self, optimizer, loss_scale_getter):
         """An instance-level wrapper of `apply_gradients` (see `remove`).
 
-        The step's loss comes from `TfKerasLossHealthCollector`, which
-        watches `minimize` on every step.
+        May be called for each optimizer the train step uses; None wraps
+        nothing. The step's loss comes from `TfKerasLossHealthCollector`,
+        which watches `minimize` on every step.
         """
+        if optimizer is None:
+            return
         apply_gradients = optimizer.apply_gradients
 
         def instrumented_apply_gradients(grads_and_vars, *args, **kwargs):
@@ -39,7 +42,7 @@ class TfKerasNumericsCollector(NumericsCollector):
             return apply_gradients(grads_and_vars, *args, **kwargs)
 
         optimizer.apply_gradients = instrumented_apply_gradients
-        self._optimizer = optimizer
+        self._optimizers.append(optimizer)
 
     def _record_gradients(self, grads_and_vars, loss_scale_getter) -> None:
         scale = tf.cast(loss_scale_getter(), tf.float32)
@@ -52,7 +55,7 @@ class TfKerasNumericsCollector(NumericsCollector):
             self.unscaled_gradients.record(row, unscaled)
 
     def remove(self) -> None:
-        optimizer = getattr(self, "_optimizer", None)
-        if optimizer is not None and "apply_gradients" in vars(optimizer):
-            del optimizer.apply_gradients
-        self._optimizer = None
+        for optimizer in self._optimizers:
+            if "apply_gradients" in vars(optimizer):
+                del optimizer.apply_gradients
+        self._optimizers.clear()
