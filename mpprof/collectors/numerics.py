@@ -44,28 +44,32 @@ def tensor_statistics(
 
     Computed in float32 so that float16 values are measured, not re-rounded.
     """
+    # Flattened first, so that tensors of every shape share one trace per
+    # dtype: a model with hundreds of layers would otherwise trace the
+    # statistics once per distinct shape (a minute for MobileNetV3Small).
+    values = tf.reshape(tensor, [-1])
     if with_histogram:
-        return _statistics_with_histogram(tensor)
-    return (*_statistics(tensor), None)
+        return _statistics_with_histogram(values)
+    return (*_statistics(values), None)
 
 
 # XLA fuses the dozen element-wise passes below into one: without it they
 # cost as much as the layer itself on large activations. Static shapes
-# throughout (no boolean_mask, no bincount) so that it compiles.
-@tf.function(jit_compile=True, autograph=False)
-def _statistics_with_histogram(tensor):
-    return _compute_statistics(tensor, True)
+# throughout (no boolean_mask, no bincount) so that it compiles; XLA compiles
+# each concrete length once, when the step runs.
+@tf.function(jit_compile=True, autograph=False, reduce_retracing=True)
+def _statistics_with_histogram(values):
+    return _compute_statistics(values, True)
 
 
-@tf.function(jit_compile=True, autograph=False)
-def _statistics(tensor):
-    return _compute_statistics(tensor, False)[:2]
+@tf.function(jit_compile=True, autograph=False, reduce_retracing=True)
+def _statistics(values):
+    return _compute_statistics(values, False)[:2]
 
 
-def _compute_statistics(tensor, with_histogram):
+def _compute_statistics(values, with_histogram):
     # Compared in the tensor's own dtype (no float32 copy of a large tensor);
     # both thresholds are exact in float16 and bfloat16.
-    values = tf.reshape(tensor, [-1])
     magnitude = tf.abs(values)
     finite = tf.math.is_finite(values)
     nonzero = tf.logical_and(finite, magnitude > 0)
