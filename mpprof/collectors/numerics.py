@@ -134,27 +134,39 @@ class StatisticsTable:
         )
 
     def record(self, row: int, tensor: tf.Tensor) -> None:
-        counts, abs_max, histogram = tensor_statistics(tensor, self.with_histogram)
-        sums = counts if histogram is None else tf.concat([counts, histogram], 0)
+        self.record_many([row], [tensor])
+
+    def record_many(self, rows: list[int], tensors: list[tf.Tensor]) -> None:
+        """Adds the statistics of `tensors[i]` into row `rows[i]`, in one update."""
+        if not tensors:
+            return
+        statistics = [tensor_statistics(t, self.with_histogram) for t in tensors]
+        sums = tf.stack([
+            counts if histogram is None else tf.concat([counts, histogram], 0)
+            for counts, _, histogram in statistics
+        ])
+        abs_max = tf.stack([m for _, m, _ in statistics])
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
             # MirroredStrategy all-reduces only SUM and MEAN: the maximum is
             # taken from a sum of one-hot vectors, one slot per replica.
-            per_replica_max = abs_max * tf.one_hot(
+            per_replica_max = abs_max[:, None] * tf.one_hot(
                 context.replica_id_in_sync_group, context.num_replicas_in_sync
             )
             sums, per_replica_max = context.all_reduce(
                 tf.distribute.ReduceOp.SUM, [sums, per_replica_max]
             )
-            abs_max = tf.reduce_max(per_replica_max)
+            abs_max = tf.reduce_max(per_replica_max, axis=1)
         # One-hot updates instead of scatter ops: XLA has no ResourceScatterNdMax.
-        one_hot = tf.one_hot(row, self.rows)[:, None]
+        one_hot = tf.one_hot(rows, self.rows, axis=0)  # [table rows, len(rows)]
+        added = tf.matmul(one_hot, sums)
+        row_max = tf.reduce_max(one_hot * abs_max[None, :], axis=1, keepdims=True)
         count_columns = len(schema.NUMERICS_COUNT_COLUMNS)
         table = self.table
         self.table.assign(tf.concat([
-            table[:, :count_columns] + one_hot * sums[None, :count_columns],
-            tf.maximum(table[:, count_columns:count_columns + 1], one_hot * abs_max),
-            table[:, count_columns + 1:] + one_hot * sums[None, count_columns:],
+            table[:, :count_columns] + added[:, :count_columns],
+            tf.maximum(table[:, count_columns:count_columns + 1], row_max),
+            table[:, count_columns + 1:] + added[:, count_columns:],
         ], axis=1))
 
     def split(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -312,17 +324,27 @@ class NumericsCollector:
         def instrumented_apply(grads, trainable_variables=None):
             if self.instrumenting:
                 scale = tf.cast(loss_scale_getter(), tf.float32)
-                variables = trainable_variables or self._variables
-                for grad, variable in zip(grads, variables, strict=True):
-                    row = self._variable_rows.get(id(variable))
-                    if grad is None or row is None or isinstance(grad, tf.IndexedSlices):
-                        continue
-                    self.gradients.record(row, grad)
-                    self.unscaled_gradients.record(row, tf.cast(grad, tf.float32) / scale)
+                rows, grads_seen = self._gradient_rows(grads, trainable_variables)
+                self.gradients.record_many(rows, grads_seen)
+                self.unscaled_gradients.record_many(
+                    rows, [tf.cast(g, tf.float32) / scale for g in grads_seen]
+                )
             return apply(grads, trainable_variables)
 
         optimizer.apply = instrumented_apply
         self._optimizers.append(optimizer)
+
+    def _gradient_rows(self, grads, variables) -> tuple[list[int], list[tf.Tensor]]:
+        """(table rows, gradients) of the tracked variables' gradients; of a
+        sparse gradient (an Embedding's), the rows it updates."""
+        rows, found = [], []
+        for grad, variable in zip(grads, variables or self._variables, strict=True):
+            row = self._variable_rows.get(id(variable))
+            if grad is None or row is None:
+                continue
+            rows.append(row)
+            found.append(grad.values if isinstance(grad, tf.IndexedSlices) else grad)
+        return rows, found
 
     def remove(self) -> None:
         for optimizer in self._optimizers:

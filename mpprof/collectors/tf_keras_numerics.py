@@ -46,13 +46,12 @@ class TfKerasNumericsCollector(NumericsCollector):
 
     def _record_gradients(self, grads_and_vars, loss_scale_getter) -> None:
         scale = tf.cast(loss_scale_getter(), tf.float32)
-        for grad, variable in grads_and_vars:
-            row = self._variable_rows.get(id(variable))
-            if grad is None or row is None or isinstance(grad, tf.IndexedSlices):
-                continue
-            unscaled = tf.cast(grad, tf.float32)
-            self.gradients.record(row, unscaled * scale)
-            self.unscaled_gradients.record(row, unscaled)
+        rows, grads = self._gradient_rows(
+            [g for g, _ in grads_and_vars], [v for _, v in grads_and_vars]
+        )
+        unscaled = [tf.cast(g, tf.float32) for g in grads]
+        self.gradients.record_many(rows, [g * scale for g in unscaled])
+        self.unscaled_gradients.record_many(rows, unscaled)
 
     def remove(self) -> None:
         for optimizer in self._optimizers:
