@@ -157,3 +157,109 @@ def test_tensor_statistics_counts_and_log2_bins():
     expected = np.bincount(np.searchsorted(edges, np.log2(finite_nonzero), side="right"),
                            minlength=len(edges) + 1)
     np.testing.assert_array_equal(histogram, expected)
+
+
+def _sequence_data(samples=16, steps=5, features=4):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((samples, steps, features)).astype("float32")
+    return x, rng.random((samples, 1)).astype("float32")
+
+
+@pytest.mark.parametrize("recurrent", ["GRU", "LSTM", "Bidirectional"])
+def test_rnn_measured_at_its_boundary_and_its_cell_skipped(tmp_path, recurrent):
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    if recurrent == "Bidirectional":
+        layer = keras.layers.Bidirectional(keras.layers.GRU(8, name="inner"), name="rnn")
+    else:
+        layer = getattr(keras.layers, recurrent)(8, name="rnn")
+    model = keras.Sequential([
+        keras.layers.Input((5, 4)), layer, keras.layers.Dense(1, dtype="float32", name="head"),
+    ])
+    model.compile(optimizer="adam", loss="mse")
+    x, y = _sequence_data()
+    run = _fit(model, x, y, tmp_path, batch_size=4, numerics_every=2)
+    numerics = run.numerics
+    skipped = run.latest(schema.NUMERICS_LAYOUT)["skipped"]
+    if recurrent == "Bidirectional":
+        # Each direction's GRU stands in for its own cell.
+        boundaries = ["rnn/forward_inner", "rnn/backward_inner"]
+        assert numerics.layers == [*boundaries, "head"]
+        assert {s["layer"]: s["measured_at"] for s in skipped} == {
+            f"{b}/gru_cell": b for b in boundaries
+        }
+    else:
+        assert numerics.layers == ["rnn", "head"]
+        cell = f"rnn/{recurrent.lower()}_cell"
+        assert [(s["layer"], s["measured_at"]) for s in skipped] == [(cell, "rnn")]
+    assert all("tf.while_loop body" in s["reason"] for s in skipped)
+    # Measured outside the loop: the whole [batch, units] output and the
+    # gradient flowing into it, on every sample.
+    for row in range(len(numerics.layers) - 1):
+        assert (numerics.forward["count"][:, row] == 4 * 8).all()
+        assert (numerics.backward["count"][:, row] == 4 * 8).all()
+        assert (numerics.backward["abs_max"][:, row] > 0).all()
+
+
+def test_layer_in_a_custom_while_loop_is_measured_at_the_enclosing_layer(tmp_path):
+    import tensorflow as tf
+
+    class Repeated(keras.layers.Layer):
+        """Applies its Dense twice in a tf.while_loop."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = keras.layers.Dense(8, name="inner")
+
+        def build(self, input_shape):
+            self.inner.build(input_shape)
+
+        def call(self, x):
+            return tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, self.inner(h)),
+                                 (tf.constant(0), x))[1]
+
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([
+        keras.layers.Input((8,)), keras.layers.Dense(8, name="first"),
+        Repeated(name="repeated"), keras.layers.Dense(1, dtype="float32", name="head"),
+    ])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((16, 8), "float32")
+    run = _fit(model, x, np.ones((16, 1), "float32"), tmp_path, numerics_every=1)
+    assert run.numerics.layers == ["first", "repeated", "head"]
+    [skipped] = run.latest(schema.NUMERICS_LAYOUT)["skipped"]
+    assert skipped["layer"] == "repeated/inner" and skipped["measured_at"] == "repeated"
+    assert (run.numerics.backward["count"][:, 1] == 8 * 8).all()
+
+
+def test_model_without_trainable_weights(tmp_path):
+    """Zero variable rows (all frozen) and zero layer rows (no layers at all)."""
+    frozen = keras.Sequential([
+        keras.layers.Input((4,)), keras.layers.Dense(4, trainable=False, name="frozen"),
+    ])
+
+    class NoLayers(keras.Model):
+        def call(self, x):
+            return x * 2.0
+
+    for name, model in (("frozen", frozen), ("no_layers", NoLayers())):
+        model.compile(optimizer="sgd", loss="mse")
+        x = np.ones((16, 4), "float32")
+        numerics = _fit(model, x, x, tmp_path / name, numerics_every=1).numerics
+        assert numerics.variables == []
+        assert numerics.variable_grads["count"].shape == (len(numerics.steps), 0)
+        assert numerics.layers == (["frozen"] if name == "frozen" else [])
+        assert numerics.forward["count"].shape[0] >= 1
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "callback._optimizer_step counts steps from optimizer.iterations, which never "
+    "moves without trainable weights: every sample is recorded at step 0 (issue 10, item 5)"
+))
+def test_samples_of_a_model_without_trainable_weights_have_their_own_steps(tmp_path):
+    model = keras.Sequential([
+        keras.layers.Input((4,)), keras.layers.Dense(4, trainable=False, name="frozen"),
+    ])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((16, 4), "float32")
+    numerics = _fit(model, x, x, tmp_path, numerics_every=1).numerics
+    assert list(numerics.steps) == [1, 2, 3]  # every step but the first

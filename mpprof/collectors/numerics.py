@@ -11,6 +11,16 @@ reads them after it: one device-to-host copy per sample.
 A layer called several times in a step (a shared layer, or several steps in
 one execution with `steps_per_execution > 1`) is aggregated: counts add up and
 the abs-max is the maximum.
+
+A layer called inside a control-flow body (the cell of a GRU or LSTM runs in
+a `tf.while_loop`; a layer in a `tf.cond` branch) gets no taps: a gradient
+tap there cannot capture the tables ("... is in list of internal_captures but
+not in internal_capture_to_output" when the loop's gradient is built), and
+its per-iteration outputs are not what the next layer sees anyway. The layout
+lists it under "skipped" with the reason, and its nearest enclosing layer
+called outside control flow (the GRU itself) is measured at its boundary
+instead. A layer whose taps cannot be built for any other reason is skipped
+the same way: instrumenting never stops the user's training.
 """
 
 from __future__ import annotations
@@ -34,28 +44,32 @@ def tensor_statistics(
 
     Computed in float32 so that float16 values are measured, not re-rounded.
     """
+    # Flattened first, so that tensors of every shape share one trace per
+    # dtype: a model with hundreds of layers would otherwise trace the
+    # statistics once per distinct shape (a minute for MobileNetV3Small).
+    values = tf.reshape(tensor, [-1])
     if with_histogram:
-        return _statistics_with_histogram(tensor)
-    return (*_statistics(tensor), None)
+        return _statistics_with_histogram(values)
+    return (*_statistics(values), None)
 
 
 # XLA fuses the dozen element-wise passes below into one: without it they
 # cost as much as the layer itself on large activations. Static shapes
-# throughout (no boolean_mask, no bincount) so that it compiles.
-@tf.function(jit_compile=True, autograph=False)
-def _statistics_with_histogram(tensor):
-    return _compute_statistics(tensor, True)
+# throughout (no boolean_mask, no bincount) so that it compiles; XLA compiles
+# each concrete length once, when the step runs.
+@tf.function(jit_compile=True, autograph=False, reduce_retracing=True)
+def _statistics_with_histogram(values):
+    return _compute_statistics(values, True)
 
 
-@tf.function(jit_compile=True, autograph=False)
-def _statistics(tensor):
-    return _compute_statistics(tensor, False)[:2]
+@tf.function(jit_compile=True, autograph=False, reduce_retracing=True)
+def _statistics(values):
+    return _compute_statistics(values, False)[:2]
 
 
-def _compute_statistics(tensor, with_histogram):
+def _compute_statistics(values, with_histogram):
     # Compared in the tensor's own dtype (no float32 copy of a large tensor);
     # both thresholds are exact in float16 and bfloat16.
-    values = tf.reshape(tensor, [-1])
     magnitude = tf.abs(values)
     finite = tf.math.is_finite(values)
     nonzero = tf.logical_and(finite, magnitude > 0)
@@ -120,27 +134,39 @@ class StatisticsTable:
         )
 
     def record(self, row: int, tensor: tf.Tensor) -> None:
-        counts, abs_max, histogram = tensor_statistics(tensor, self.with_histogram)
-        sums = counts if histogram is None else tf.concat([counts, histogram], 0)
+        self.record_many([row], [tensor])
+
+    def record_many(self, rows: list[int], tensors: list[tf.Tensor]) -> None:
+        """Adds the statistics of `tensors[i]` into row `rows[i]`, in one update."""
+        if not tensors:
+            return
+        statistics = [tensor_statistics(t, self.with_histogram) for t in tensors]
+        sums = tf.stack([
+            counts if histogram is None else tf.concat([counts, histogram], 0)
+            for counts, _, histogram in statistics
+        ])
+        abs_max = tf.stack([m for _, m, _ in statistics])
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
             # MirroredStrategy all-reduces only SUM and MEAN: the maximum is
             # taken from a sum of one-hot vectors, one slot per replica.
-            per_replica_max = abs_max * tf.one_hot(
+            per_replica_max = abs_max[:, None] * tf.one_hot(
                 context.replica_id_in_sync_group, context.num_replicas_in_sync
             )
             sums, per_replica_max = context.all_reduce(
                 tf.distribute.ReduceOp.SUM, [sums, per_replica_max]
             )
-            abs_max = tf.reduce_max(per_replica_max)
+            abs_max = tf.reduce_max(per_replica_max, axis=1)
         # One-hot updates instead of scatter ops: XLA has no ResourceScatterNdMax.
-        one_hot = tf.one_hot(row, self.rows)[:, None]
+        one_hot = tf.one_hot(rows, self.rows, axis=0)  # [table rows, len(rows)]
+        added = tf.matmul(one_hot, sums)
+        row_max = tf.reduce_max(one_hot * abs_max[None, :], axis=1, keepdims=True)
         count_columns = len(schema.NUMERICS_COUNT_COLUMNS)
         table = self.table
         self.table.assign(tf.concat([
-            table[:, :count_columns] + one_hot * sums[None, :count_columns],
-            tf.maximum(table[:, count_columns:count_columns + 1], one_hot * abs_max),
-            table[:, count_columns + 1:] + one_hot * sums[None, count_columns:],
+            table[:, :count_columns] + added[:, :count_columns],
+            tf.maximum(table[:, count_columns:count_columns + 1], row_max),
+            table[:, count_columns + 1:] + added[:, count_columns:],
         ], axis=1))
 
     def split(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -153,6 +179,11 @@ class StatisticsTable:
 class NumericsCollector:
     """Per-layer forward/backward and per-variable gradient statistics.
 
+    Every leaf layer is measured; a layer with sublayers only when it is the
+    boundary of a skipped one (see the module docstring). Each nested layer
+    gets a table row up front: which ones are measured is known only once the
+    instrumented step has been traced.
+
     Args:
         model: the built model.
         strategy: the model's distribution strategy (tables live in its scope).
@@ -161,20 +192,35 @@ class NumericsCollector:
     def __init__(self, model, strategy):
         self.instrumenting = False
         self._model = model
-        leaves = [
-            (name, layer) for name, layer, _ in walk_layers(model)
+        entries = walk_layers(model)
+        self.layer_names = [name for name, _, _ in entries]
+        self._rows = {id(layer): row for row, (_, layer, _) in enumerate(entries)}
+        row_of_name = {name: row for row, (name, _, _) in enumerate(entries)}
+        self._parent_rows = {
+            row: row_of_name[parent] for row, (_, _, parent) in enumerate(entries)
+            if parent is not None
+        }
+        self._leaf_rows = {
+            row for row, (_, layer, _) in enumerate(entries)
             # list(): tf-keras returns a generator, Keras 3 a list.
             if not list(layer._flatten_layers(include_self=False, recursive=False))
-        ]
-        self.layer_names = [name for name, _ in leaves]
-        self._rows = {id(layer): row for row, (_, layer) in enumerate(leaves)}
+        }
         self._call_order: list[int] = []
+        # Rows whose call could not be measured: row -> reason.
+        self._skipped: dict[int, str] = {}
+        # Skipped rows of the trace under way that no enclosing layer
+        # measures yet: the next enclosing layer called outside control flow
+        # is measured at their boundary.
+        self._uncovered: set[int] = set()
+        # Skipped row -> the row measured at its boundary instead.
+        self._measured_at: dict[int, int] = {}
         self._variables = list(model.trainable_variables)
         self.variable_names = [variable_path(v) for v in self._variables]
         self._variable_rows = {id(v): row for row, v in enumerate(self._variables)}
+        self._optimizers: list = []
         with strategy.scope():
-            self.forward = StatisticsTable(len(leaves), "forward")
-            self.backward = StatisticsTable(len(leaves), "backward")
+            self.forward = StatisticsTable(len(entries), "forward")
+            self.backward = StatisticsTable(len(entries), "backward")
             self.gradients = StatisticsTable(
                 len(self._variables), "gradients", with_histogram=False
             )
@@ -187,13 +233,27 @@ class NumericsCollector:
 
     @property
     def call_order(self) -> list[int]:
-        """Layer rows in the order the instrumented step called them."""
-        seen = dict.fromkeys(self._call_order)
-        return list(seen) + [r for r in range(len(self.layer_names)) if r not in seen]
+        """Rows of the measured layers: in the order the instrumented step
+        called them, then leaves it never called (zeros).
+
+        A layer skipped at one call site is left out even where another call
+        was measured: an RNN calls its cell once before the loop to learn the
+        output's shape, and that call alone is not the cell's numerics.
+        """
+        seen = [row for row in dict.fromkeys(self._call_order) if row not in self._skipped]
+        unseen = sorted(self._leaf_rows - set(self._call_order) - set(self._skipped))
+        return seen + unseen
 
     def on_call(self, layer, args, kwargs, outputs):
         row = self._rows.get(id(layer))
         if not self.instrumenting or row is None:
+            return outputs
+        if row not in self._leaf_rows and not self._uncovered_below(row):
+            return outputs
+        body = control_flow_body()
+        if body is not None:
+            self._skip(row, f"called inside {body}, where a gradient tap cannot "
+                            "capture mpprof's tables")
             return outputs
         flat = tf.nest.flatten(outputs)
         position = next(
@@ -202,10 +262,39 @@ class NumericsCollector:
         )
         if position is None:
             return outputs
+        try:
+            tapped = self._gradient_tap(flat[position], row)
+            self.forward.record(row, flat[position])
+        except Exception as e:  # noqa: BLE001 - a layer unmeasured, never a failed fit
+            self._skip(row, f"its taps could not be built ({type(e).__name__}: {e})")
+            return outputs
         self._call_order.append(row)
-        self.forward.record(row, flat[position])
-        flat[position] = self._gradient_tap(flat[position], row)
+        self._boundary_found(row)
+        flat[position] = tapped
         return tf.nest.pack_sequence_as(outputs, flat)
+
+    def _skip(self, row: int, reason: str) -> None:
+        """Leaves `row` unmeasured; its nearest enclosing layer measured
+        outside control flow stands in for it."""
+        self._skipped.setdefault(row, reason)
+        self._uncovered.add(row)
+
+    def _uncovered_below(self, row: int) -> list[int]:
+        return [s for s in self._uncovered if self._is_ancestor(row, s)]
+
+    def _boundary_found(self, row: int) -> None:
+        """`row` is measured: so are, at its boundary, the skipped layers below it."""
+        for skipped in self._uncovered_below(row):
+            self._measured_at[skipped] = row
+            self._uncovered.discard(skipped)
+
+    def _is_ancestor(self, ancestor: int, row: int) -> bool:
+        parent = self._parent_rows.get(row)
+        while parent is not None:
+            if parent == ancestor:
+                return True
+            parent = self._parent_rows.get(parent)
+        return False
 
     def _gradient_tap(self, tensor: tf.Tensor, row: int) -> tf.Tensor:
         backward = self.backward
@@ -223,31 +312,45 @@ class NumericsCollector:
     def wrap_optimizer(self, optimizer, loss_scale_getter):
         """An instance-level wrapper of `optimizer.apply` (see `remove`).
 
+        May be called for each optimizer the train step uses (a GAN's two);
+        None (a model whose own `optimizer` is never built) wraps nothing.
         The step's loss comes from `LossHealthCollector`, which watches
         `scale_loss` on every step.
         """
+        if optimizer is None:
+            return
         apply = optimizer.apply
 
         def instrumented_apply(grads, trainable_variables=None):
             if self.instrumenting:
                 scale = tf.cast(loss_scale_getter(), tf.float32)
-                variables = trainable_variables or self._variables
-                for grad, variable in zip(grads, variables, strict=True):
-                    row = self._variable_rows.get(id(variable))
-                    if grad is None or row is None or isinstance(grad, tf.IndexedSlices):
-                        continue
-                    self.gradients.record(row, grad)
-                    self.unscaled_gradients.record(row, tf.cast(grad, tf.float32) / scale)
+                rows, grads_seen = self._gradient_rows(grads, trainable_variables)
+                self.gradients.record_many(rows, grads_seen)
+                self.unscaled_gradients.record_many(
+                    rows, [tf.cast(g, tf.float32) / scale for g in grads_seen]
+                )
             return apply(grads, trainable_variables)
 
         optimizer.apply = instrumented_apply
-        self._optimizer = optimizer
+        self._optimizers.append(optimizer)
+
+    def _gradient_rows(self, grads, variables) -> tuple[list[int], list[tf.Tensor]]:
+        """(table rows, gradients) of the tracked variables' gradients; of a
+        sparse gradient (an Embedding's), the rows it updates."""
+        rows, found = [], []
+        for grad, variable in zip(grads, variables or self._variables, strict=True):
+            row = self._variable_rows.get(id(variable))
+            if grad is None or row is None:
+                continue
+            rows.append(row)
+            found.append(grad.values if isinstance(grad, tf.IndexedSlices) else grad)
+        return rows, found
 
     def remove(self) -> None:
-        optimizer = getattr(self, "_optimizer", None)
-        if optimizer is not None and "apply" in vars(optimizer):
-            del optimizer.apply
-        self._optimizer = None
+        for optimizer in self._optimizers:
+            if "apply" in vars(optimizer):
+                del optimizer.apply
+        self._optimizers.clear()
 
     @property
     def _tables(self) -> tuple[StatisticsTable, ...]:
@@ -273,7 +376,9 @@ class NumericsCollector:
         offset = 0
         for table in self._tables:
             size = table.rows * table.columns
-            tables[table] = table.split(values[offset:offset + size].reshape(table.rows, -1))
+            tables[table] = table.split(
+                values[offset:offset + size].reshape(table.rows, table.columns)
+            )
             offset += size
         order = self.call_order
         forward, forward_hist = tables[self.forward]
@@ -289,7 +394,11 @@ class NumericsCollector:
         }
 
     def layout(self, policy_max: float) -> dict:
-        """The JSON record naming the rows of every sample."""
+        """The JSON record naming the rows of every sample.
+
+        "skipped" lists the layers left unmeasured: {"layer", "reason",
+        "measured_at"} (the enclosing layer measured instead, or None).
+        """
         return {
             "layers": [self.layer_names[row] for row in self.call_order],
             "variables": self.variable_names,
@@ -299,4 +408,36 @@ class NumericsCollector:
                 "per layer, summed over its call sites in the step and over the "
                 "steps of one execution (abs_max: maximum)"
             ),
+            "skipped": [
+                {
+                    "layer": self.layer_names[row],
+                    "reason": reason,
+                    "measured_at": (
+                        self.layer_names[self._measured_at[row]]
+                        if row in self._measured_at else None
+                    ),
+                }
+                for row, reason in self._skipped.items()
+            ],
         }
+
+
+def control_flow_body() -> str | None:
+    """What control-flow body the op being traced is in ("a tf.while_loop
+    body", "a tf.cond branch"), or None outside any (or executing eagerly).
+
+    TensorFlow marks the FuncGraphs of `tf.while_loop` and `tf.cond` bodies
+    with `is_control_flow_graph`; a `tf.function` called inside one starts a
+    graph of its own, whose gradient is built within it.
+    """
+    if tf.executing_eagerly():
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    if not getattr(graph, "is_control_flow_graph", False):
+        return None
+    kind = type(graph).__name__
+    if kind.startswith("While"):
+        return "a tf.while_loop body"
+    if kind.startswith("Cond"):
+        return "a tf.cond branch"
+    return f"a control-flow body ({kind})"

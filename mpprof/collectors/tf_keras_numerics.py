@@ -27,9 +27,12 @@ class TfKerasNumericsCollector(NumericsCollector):
     def wrap_optimizer(self, optimizer, loss_scale_getter):
         """An instance-level wrapper of `apply_gradients` (see `remove`).
 
-        The step's loss comes from `TfKerasLossHealthCollector`, which
-        watches `minimize` on every step.
+        May be called for each optimizer the train step uses; None wraps
+        nothing. The step's loss comes from `TfKerasLossHealthCollector`,
+        which watches `minimize` on every step.
         """
+        if optimizer is None:
+            return
         apply_gradients = optimizer.apply_gradients
 
         def instrumented_apply_gradients(grads_and_vars, *args, **kwargs):
@@ -39,20 +42,19 @@ class TfKerasNumericsCollector(NumericsCollector):
             return apply_gradients(grads_and_vars, *args, **kwargs)
 
         optimizer.apply_gradients = instrumented_apply_gradients
-        self._optimizer = optimizer
+        self._optimizers.append(optimizer)
 
     def _record_gradients(self, grads_and_vars, loss_scale_getter) -> None:
         scale = tf.cast(loss_scale_getter(), tf.float32)
-        for grad, variable in grads_and_vars:
-            row = self._variable_rows.get(id(variable))
-            if grad is None or row is None or isinstance(grad, tf.IndexedSlices):
-                continue
-            unscaled = tf.cast(grad, tf.float32)
-            self.gradients.record(row, unscaled * scale)
-            self.unscaled_gradients.record(row, unscaled)
+        rows, grads = self._gradient_rows(
+            [g for g, _ in grads_and_vars], [v for _, v in grads_and_vars]
+        )
+        unscaled = [tf.cast(g, tf.float32) for g in grads]
+        self.gradients.record_many(rows, [g * scale for g in unscaled])
+        self.unscaled_gradients.record_many(rows, unscaled)
 
     def remove(self) -> None:
-        optimizer = getattr(self, "_optimizer", None)
-        if optimizer is not None and "apply_gradients" in vars(optimizer):
-            del optimizer.apply_gradients
-        self._optimizer = None
+        for optimizer in self._optimizers:
+            if "apply_gradients" in vars(optimizer):
+                del optimizer.apply_gradients
+        self._optimizers.clear()
