@@ -278,16 +278,23 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         # fit made its train function just before this hook; keep it to put
         # back, and make our own two so the patches are in their graphs.
         original = model.train_function
+        traced_attribute = api.traced_train_function_attribute
+        original_traced = getattr(model, traced_attribute) if traced_attribute else None
         usage.install(self._patches)
         self._report_skips_in_logs(fit)
         model.make_train_function(force=True)
         self._plain_function = model.train_function
+        plain_traced = getattr(model, traced_attribute) if traced_attribute else None
         self._instrumented_function = None
         if self.numerics_every is not None:
             model.make_train_function(force=True)
             self._instrumented_function = model.train_function
         model.train_function = original
         self._patches.set(model, "train_function", self._run_train_function)
+        if traced_attribute:
+            # The flavour's callbacks read the plain function (traced first).
+            setattr(model, traced_attribute, original_traced)
+            self._patches.set(model, traced_attribute, plain_traced)
         self._fit = fit
         for collector in self._collectors:
             self._guard.run(collector.name, collector.install, fit, self._patches)

@@ -76,6 +76,9 @@ class KerasApi:
     # Whether this flavour's fit runs across worker processes
     # (MultiWorkerMirroredStrategy); Keras 3's fails upstream.
     fits_across_workers = False
+    # Where the flavour keeps the tf.function behind `model.train_function`,
+    # which its own callbacks read (None: nowhere else).
+    traced_train_function_attribute: str | None = None
 
     def candidate_optimizers(self, model) -> list[tuple[str, object]]:
         """The optimizers a train step may use, each with the name it is known by.
@@ -110,6 +113,8 @@ class TfKerasApi(KerasApi):
     scale_loss_method = None
 
     fits_across_workers = True
+    # tf-keras's TensorBoard(write_graph=True) writes this function's graph.
+    traced_train_function_attribute = "train_tf_function"
 
     def is_loss_scale_optimizer(self, optimizer) -> bool:
         return tf_keras_support.is_loss_scale_optimizer(optimizer)

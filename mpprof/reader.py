@@ -302,8 +302,30 @@ class Run:
 
     @functools.cached_property
     def loss_scale(self) -> LossScale | None:
-        events = self._stacked(schema.LOSS_SCALE_EVENTS, 4)
-        progress = self._stacked(schema.LOSS_SCALE_PROGRESS, 3)
+        """The primary loss-scale series (the compiled optimizer's, or the
+        first LossScaleOptimizer the train step applied), or None."""
+        return self._loss_scale_series(None)
+
+    @functools.cached_property
+    def loss_scales(self) -> dict[str, LossScale]:
+        """Every loss-scale series by optimizer name: the primary one under
+        the name the run context gives it ("optimizer" in older runs), then
+        the series of each other LossScaleOptimizer the step used (a GAN's
+        `g_opt`, `d_opt`)."""
+        found = {}
+        if self.loss_scale is not None:
+            loss_scale = (self.context.get("collectors") or {}).get("loss_scale") or {}
+            found[str(loss_scale.get("primary", "optimizer"))] = self.loss_scale
+        prefix = schema.LOSS_SCALE_PROGRESS + schema.SERIES_SEPARATOR
+        for key in sorted(self.records):
+            if key.startswith(prefix):
+                series = key[len(prefix):]
+                found[series] = self._loss_scale_series(series)
+        return found
+
+    def _loss_scale_series(self, series: str | None) -> LossScale | None:
+        events = self._stacked(_series_key(schema.LOSS_SCALE_EVENTS, series), 4)
+        progress = self._stacked(_series_key(schema.LOSS_SCALE_PROGRESS, series), 3)
         if not len(events) and not len(progress):
             return None
         return LossScale(events=_unique_rows(events), progress=_unique_rows(progress))
@@ -396,6 +418,11 @@ class Run:
     def _stacked(self, record: str, columns: int) -> np.ndarray:
         arrays = [np.reshape(r.value, (-1, columns)) for r in self.records.get(record, [])]
         return np.concatenate(arrays) if arrays else np.zeros((0, columns))
+
+
+def _series_key(record: str, series: str | None) -> str:
+    """The key of `Run.records` for one series of a record (see `schema.tag_for`)."""
+    return record if series is None else record + schema.SERIES_SEPARATOR + series
 
 
 def _unique_rows(rows: np.ndarray) -> np.ndarray:
@@ -576,9 +603,10 @@ def _parse_event(frame: tfrecord.Frame, path: str, records: dict, warnings: _War
         )
         return
     for value in event.summary.value:
-        record = schema.record_for_tag(value.tag)
-        if record is None:
+        parsed_tag = schema.parse_tag(value.tag)
+        if parsed_tag is None:
             continue
+        record, series = parsed_tag
         where = f"{value.tag} at step {event.step} ({path})"
         if value.metadata.plugin_data.plugin_name:
             tag_problems[value.tag] = _metadata_problem(value.metadata.plugin_data.content)
@@ -593,7 +621,7 @@ def _parse_event(frame: tfrecord.Frame, path: str, records: dict, warnings: _War
                     validation.problem(record, parsed)
                 )
                 if reason is None:
-                    records.setdefault(record, []).append(
+                    records.setdefault(_series_key(record, series), []).append(
                         Record(step=event.step, wall_time=event.wall_time, value=parsed)
                     )
                     continue

@@ -99,13 +99,14 @@ def test_gan_with_its_own_loss_scale_optimizers(tmp_path):
     assert run.context["optimizer"] == "LossScaleOptimizer"
     loss_scale = run.context["collectors"]["loss_scale"]
     assert loss_scale["state"] == "ok" and set(loss_scale["series"]) == {"d_opt", "g_opt"}
-    # The primary series (the first optimizer the step applied) agrees with
-    # that optimizer's own state.
-    primary = getattr(model, loss_scale["primary"])
-    assert loss_scale["primary"] == "d_opt"
-    skipped = run.loss_scale.skipped_steps
-    assert run.loss_scale.steps_run == int(primary.iterations.numpy()) + skipped
-    assert run.loss_scale.final_scale == float(primary.dynamic_scale.numpy())
+    # The primary series is the first optimizer the step applied; each series
+    # agrees with its own optimizer's state.
+    assert loss_scale["primary"] == "d_opt" and run.loss_scales["d_opt"] is run.loss_scale
+    assert set(run.loss_scales) == {"d_opt", "g_opt"}
+    for name, series in run.loss_scales.items():
+        optimizer = getattr(model, name)
+        assert series.steps_run == int(optimizer.iterations.numpy()) + series.skipped_steps
+        assert series.final_scale == float(optimizer.dynamic_scale.numpy())
     assert run.numerics is not None and len(run.numerics.steps) >= 2
     assert run.health["loss_watched"] is True
     assert "train_function" not in vars(model) or not _is_profiler_function(model)
