@@ -29,11 +29,12 @@ from mpprof.distributed import (
     worker_role,
 )
 from mpprof.fit_state import FitState
-from mpprof.guard import Guard, GuardedWriter, describe_error
+from mpprof.guard import Guard, GuardedWriter
 from mpprof.hard_stop import FlushClock, SigtermFlush
 from mpprof.keras_api import check_backend, keras_api_for
 from mpprof.patching import Patches
 from mpprof.sampling import SampleSchedule
+from mpprof.train_functions import TrainFunctions
 from mpprof.writer import RecordWriter
 
 # The key under which the plain train step reports the skipped-step count in
@@ -239,6 +240,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             self._begin(model, api)
         except Exception as e:  # noqa: BLE001 - mpprof's failure must not stop fit
             self._guard.fail("profiler", e)
+            self._fit_state = schema.FIT_FAILED
             self._finish()
 
     def _begin(self, model, api) -> None:
@@ -273,34 +275,15 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._steps_since_flush = 0
         self._flush_clock = FlushClock(self.flush_every_seconds)
         self._batch_pending = False
-        self._functions_run: set[int] = set()
-
-        # fit made its train function just before this hook; keep it to put
-        # back, and make our own two so the patches are in their graphs.
-        original = model.train_function
-        traced_attribute = api.traced_train_function_attribute
-        original_traced = getattr(model, traced_attribute) if traced_attribute else None
         usage.install(self._patches)
         self._report_skips_in_logs(fit)
-        model.make_train_function(force=True)
-        self._plain_function = model.train_function
-        plain_traced = getattr(model, traced_attribute) if traced_attribute else None
-        self._instrumented_function = None
-        if self.numerics_every is not None:
-            model.make_train_function(force=True)
-            self._instrumented_function = model.train_function
-        model.train_function = original
-        self._patches.set(model, "train_function", self._run_train_function)
-        if traced_attribute:
-            # The flavour's callbacks read the plain function (traced first).
-            setattr(model, traced_attribute, original_traced)
-            self._patches.set(model, traced_attribute, plain_traced)
+        self._functions = TrainFunctions(model, api, self.numerics_every is not None)
+        self._functions.install(self._run_train_function, self._patches)
         self._fit = fit
         for collector in self._collectors:
             self._guard.run(collector.name, collector.install, fit, self._patches)
         self._sigterm.install()
         self._write_context()
-        self._guard.run(self._loss_scales.name, self._loss_scales.flush, fit)
 
     # No on_train_batch_end: overriding it makes Keras wait for every step's
     # logs. The work after a step is done in _run_train_function instead.
@@ -329,47 +312,21 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             return self.model.train_function(iterator)
         self._batch_pending = False
         numerics = self._numerics
-        sampling = (self._instrumented_function is not None
+        sampling = (self._functions.instrumented is not None
                     and self._schedule.due(fit.calls)
                     and bool(self._guard.run(numerics.name, numerics.prepare, fit)))
         fit.forensic = self._schedule.sampled() if sampling else False
         fit.sample_step = self._measured_step() if sampling else None
-        function = self._instrumented_function if sampling else self._plain_function
         numerics.instrument(sampling)
         try:
-            logs = self._call(function, iterator)
+            logs = self._functions.run(
+                iterator, sampling, on_abort=self._abort,
+                on_instrumented_failure=lambda reason: self._guard.fail(numerics.name, reason),
+            )
         finally:
             numerics.instrument(False)
         fit.reported_skips = logs.pop(_SKIPPED_LOG, None) if isinstance(logs, dict) else None
         self._guard.run("profiler", self._after_call, fit)
-        return logs
-
-    def _call(self, function, iterator):
-        """Runs one train function; if the instrumented one fails on its first
-        run, the numerics are switched off and the plain one runs instead.
-
-        mpprof's hooks inside the step catch their own errors (`GuardedHook`,
-        `TracedGuard`); what the plain step raises is the user's own error.
-        """
-        try:
-            logs = function(iterator)
-        except (StopIteration, tf.errors.OutOfRangeError):
-            raise  # the end of the data: fit ends the epoch
-        except Exception as error:
-            if function is not self._instrumented_function or id(function) in self._functions_run:
-                self._abort()
-                raise
-            self._instrumented_function = None
-            self._numerics.instrument(False)
-            self._guard.fail(
-                self._numerics.name,
-                f"the instrumented train step failed: {describe_error(error)}",
-            )
-            return self._call(self._plain_function, iterator)
-        except BaseException:
-            self._abort()
-            raise
-        self._functions_run.add(id(function))
         return logs
 
     def _report_skips_in_logs(self, fit) -> None:
@@ -398,9 +355,11 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._steps_since_flush += steps
         self._schedule.after_call(steps)
         if first_call:
-            # Tracing showed which optimizers the step uses: say so at once.
+            # Tracing showed which optimizers the step uses: say so at once,
+            # with where their loss scales start.
             fit.usage.mark_traced()
             fit.step = self._measured_step()
+            self._guard.run(self._loss_scales.name, self._loss_scales.flush, fit)
             self._write_context()
         elif fit.sample_step is not None:
             fit.step = self._measured_step()
@@ -492,9 +451,9 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
                 self._host.release()
                 self._inventory.remove()
                 self._numerics.remove()
+                self._functions.release()
             for failure in self._patches.restore():
                 print(f"mpprof: could not undo a patch ({failure})")
-            self._plain_function = self._instrumented_function = None
             self._fit = None
             self._writer.close()
             self._writer = None

@@ -24,6 +24,7 @@ from mpprof.collectors.numerics import NumericsCollector
 from mpprof.collectors.numerics_samples import NumericsSamples
 from mpprof.collectors.precision import PrecisionCollector
 from mpprof.collectors.run_health import RunHealth
+from mpprof.train_functions import TrainFunctions
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -293,6 +294,28 @@ def test_a_failing_collector_is_switched_off_and_training_goes_on(
     state = context["collectors"][collector]
     assert state["state"] == "failed" and f"injected into {method}" in state["reason"]
     assert not _is_profiler_function(profiled)
+
+
+def test_a_profiler_that_cannot_start_leaves_training_alone(tmp_path, monkeypatch):
+    x, y = _small_data()
+    baseline = _small_model()
+    profiled = _small_model()
+    profiled.set_weights(baseline.get_weights())
+    baseline.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected into install")
+
+    monkeypatch.setattr(TrainFunctions, "install", broken)
+    with pytest.warns(RuntimeWarning, match="stopped recording profiler"):
+        profiled.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False,
+                     callbacks=[mpprof.MixedPrecisionProfiler(str(tmp_path))])
+    for expected, got in zip(baseline.get_weights(), profiled.get_weights(), strict=True):
+        np.testing.assert_array_equal(expected, got)
+    context = reader.read_run(str(tmp_path), "train").context
+    assert "injected into install" in context["collectors"]["profiler"]["reason"]
+    assert context["fit_state"] == schema.FIT_FAILED
+    assert not _is_profiler_function(profiled) and "train_step" not in vars(profiled)
 
 
 def test_a_full_disk_stops_recording_not_training(tmp_path):

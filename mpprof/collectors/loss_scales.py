@@ -39,6 +39,7 @@ class LossScales(Collector):
         self._usage = usage
         self._replicas = int(strategy.num_replicas_in_sync)
         self._overflows_seen: int | None = None
+        self._start: dict[str, object] = {}
         self.by_name = {}
         for use in usage.uses:
             if not use.loss_scale:
@@ -56,6 +57,9 @@ class LossScales(Collector):
             collector.traced.on_error = lambda error: fit.guard.fail(self.name, error)
             collector.install(patches)
         self._overflows_seen = self.skipped_steps()
+        # Where each scale starts; written once the step was traced and shows
+        # which optimizers it uses (and so under which tags).
+        self._start = {name: c.read()[1] for name, c in self.by_name.items()}
 
     def after_call(self, fit) -> None:
         """Polls in host mode; arms a forensic sample after a new overflow."""
@@ -78,8 +82,12 @@ class LossScales(Collector):
             return
         primary = self.primary()
         for name, collector in self.active().items():
-            events, progress = collector.read()
             series = None if collector is primary else name
+            start = self._start.pop(name, None)
+            if start is not None:
+                fit.writer.write_array(schema.LOSS_SCALE_PROGRESS, start, int(start[0]),
+                                       series=series)
+            events, progress = collector.read()
             step = int(progress[0])
             if len(events):
                 fit.writer.write_array(schema.LOSS_SCALE_EVENTS, events, step, series=series)
