@@ -122,7 +122,7 @@ def _read(logdir: str, run: str | None) -> tuple[dict[str, reader.Run], bool]:
             )
         names = [run]
     if not names:
-        reader.read_logdir(logdir)  # raises NoMpprofDataError with its advice
+        raise reader.no_runs_error(logdir)
     sizes = {name: _bytes(logdir, name) for name in names}
     chatty = sum(sizes.values()) > PROGRESS_BYTES
     runs = {}

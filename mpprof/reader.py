@@ -28,6 +28,7 @@ import numpy as np
 from tensorboard.compat.proto import event_pb2, types_pb2
 
 from mpprof import filesystem, schema, tfrecord, validation
+from mpprof.terminal import printable
 
 logger = logging.getLogger(__name__)
 
@@ -446,7 +447,7 @@ def list_runs(logdir: str | os.PathLike, on_warning: OnWarning | None = None) ->
         on_warning: receives each warning; by default they are logged.
     """
     logdir = _existing_logdir(logdir)
-    warn = on_warning or logger.warning
+    warn = on_warning or _log_warning
     runs = set()
 
     def unlisted(directory: str, error: OSError) -> None:
@@ -506,14 +507,10 @@ def read_logdir(logdir: str | os.PathLike, on_warning: OnWarning | None = None) 
     A run whose directory became unreadable since it was listed is skipped
     with a warning, like any directory that cannot be listed.
     """
-    warn = on_warning or logger.warning
+    warn = on_warning or _log_warning
     runs = list_runs(logdir, warn)
     if not runs:
-        raise NoMpprofDataError(
-            f"{os.fspath(logdir)} holds no mpprof records. Record a run with "
-            "model.fit(..., callbacks=[mpprof.MixedPrecisionProfiler(log_dir=...)]) "
-            "and point mpprof at that log_dir."
-        )
+        raise no_runs_error(logdir)
     read = {}
     for name in runs:
         try:
@@ -521,6 +518,20 @@ def read_logdir(logdir: str | os.PathLike, on_warning: OnWarning | None = None) 
         except OSError as e:
             warn(f"run {name}: cannot be read ({_reason(e)}); skipped")
     return read
+
+
+def no_runs_error(logdir: str | os.PathLike) -> NoMpprofDataError:
+    """The error for a logdir without mpprof runs, saying how to record one."""
+    return NoMpprofDataError(
+        f"{os.fspath(logdir)} holds no mpprof records. Record a run with "
+        "model.fit(..., callbacks=[mpprof.MixedPrecisionProfiler(log_dir=...)]) "
+        "and point mpprof at that log_dir."
+    )
+
+
+def _log_warning(text: str) -> None:
+    # Logs end up on terminals: a hostile directory name must not drive one.
+    logger.warning("%s", printable(text))
 
 
 def _event_file_entries(entries: list[filesystem.Entry]) -> tuple[list[str], list[str]]:
@@ -540,8 +551,8 @@ def _existing_logdir(logdir: str | os.PathLike) -> str:
     logdir = os.fspath(logdir)
     try:
         found = filesystem.isdir(logdir)
-    except OSError:
-        found = False
+    except OSError as e:
+        raise LogdirNotFoundError(f"Logdir {logdir!r} cannot be read ({e})") from e
     if not found:
         raise LogdirNotFoundError(
             f"Logdir {logdir!r} does not exist: pass the log_dir given to "

@@ -2,7 +2,7 @@
 
 TensorBoard imports this module for every user who has mpprof installed, so
 it imports nothing heavy. `load()` imports the plugin and its dependencies
-(mpprof and TensorFlow, plotly for the charts); if one is missing the tab is
+(mpprof, plotly for the charts); if one is missing the tab is
 hidden and the reason logged, and TensorBoard starts as usual.
 """
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Hashable
 from tensorboard import errors
 
 from mpprof import filesystem, reader
+from mpprof.terminal import printable
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class RunCache:
         every listing."""
         if warning not in self._warned:
             self._warned.add(warning)
-            logger.warning("mpprof: %s", warning)
+            logger.warning("mpprof: %s", printable(warning))
 
     def get(self, run: str | None) -> CachedRun:
         """The run named `run`; NotFoundError unless the logdir lists it.
@@ -120,5 +121,5 @@ class RunCache:
 def _unreadable(run: str, error: OSError) -> errors.NotFoundError:
     """A run that was listed but cannot be read now (permissions changed, or
     it was removed): a 404 saying why, and a line in TensorBoard's log."""
-    logger.warning("mpprof: run %r cannot be read: %s", run, error)
+    logger.warning("mpprof: run %r cannot be read: %s", run, printable(error))
     return errors.NotFoundError(f"mpprof run {run!r} cannot be read ({error.strerror or error})")

@@ -168,7 +168,6 @@ def test_entries_that_are_not_regular_files_are_skipped(tmp_path):
 def test_symlinks_into_the_logdir_are_not_followed(tmp_path):
     copy_run("healthy_mixed", tmp_path / "a")
     (tmp_path / "self").symlink_to(".")
-    (tmp_path / "a" / "up").symlink_to("..")
     outside = tmp_path.parent / f"{tmp_path.name}-outside"
     copy_run("healthy_mixed", outside)
     (outside / "loop").symlink_to(outside)
