@@ -367,6 +367,36 @@ def overflow_every_step(log_dir):
     _fit(log_dir, model, x, y, numerics_every=1)
 
 
+def _attention_run(log_dir, scale):
+    """Self-attention over 8 tokens, a float32 readout, the MSE times `scale`."""
+
+    def shrunk_mse(y_true, y_pred):
+        return scale * keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 16))
+    h = keras.layers.MultiHeadAttention(2, key_dim=8, name="attention")(inputs, inputs)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32", name="out")(h))
+    model.compile(optimizer="adam", loss=shrunk_mse)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 8, 16)), rng.normal(size=(40, 1))
+    _fit(log_dir, model, x.astype(np.float32), y.astype(np.float32), numerics_every=1)
+
+
+def attention_key_bias(log_dir):
+    """No MP005: with the loss times 1e-4 only the attention key's bias,
+    whose gradient is zero by construction (the softmax over keys ignores a
+    constant added to every score), sits below float16's normal range."""
+    _attention_run(log_dir, 1e-4)
+
+
+def attention_underflow(log_dir):
+    """MP005 on a nested layer, named by its full path: the loss times 3e-6."""
+    _attention_run(log_dir, 3e-6)
+
+
 def _probability_model(policy, head, loss, *, classes=8):
     """Dense(32) then `head` (a list of layers) compiled with `loss`."""
     keras.mixed_precision.set_dtype_policy(policy)
@@ -615,6 +645,8 @@ BUILDERS = {
         flushed_gradients_bf16,
         flushed_gradients_two_samples,
         conv_bias_before_batch_norm,
+        attention_key_bias,
+        attention_underflow,
         logits_into_sparse_ce,
         raw_loss_step,
         scaled_loss_step,

@@ -47,3 +47,22 @@ def test_every_rule_is_declared_once_with_a_view_and_a_doc():
     assert not {"MP015", "MP016", "MP017"} & set(diagnosis.CATALOGUE)
     # Only hardware rules apply to a worker's own run.
     assert {c for c, r in diagnosis.CATALOGUE.items() if r.host} == {"MP010", "MP011"}
+
+
+def test_the_diagnosis_imports_no_tensorflow():
+    """The judge reads records only: a CLI or plugin that diagnoses a logdir
+    need not pay TensorFlow's import. (mpprof/__init__ imports the callback,
+    which does; it is stubbed here to look at the diagnosis alone.)"""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, types\n"
+        "stub = types.ModuleType('mpprof.callback'); stub.MixedPrecisionProfiler = None\n"
+        "sys.modules['mpprof.callback'] = stub\n"
+        "import mpprof.diagnosis\n"
+        "print(sorted({'tensorflow', 'keras', 'tf_keras'} & set(sys.modules)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, timeout=120)
+    assert result.stdout.strip() == "[]"

@@ -555,3 +555,17 @@ def test_gradient_underflow_share_only_for_float16_gradients():
     assert np.isnan(share[:, readout]).all()
     assert (run.numerics.backward["underflow_frac"][:, readout] > 0.5).all()  # raw count
     assert np.isfinite(share[:, run.numerics.layers.index("features")]).all()
+
+
+def test_mp005_leaves_out_an_attention_key_bias():
+    run = read("attention_key_bias")
+    grads = run.numerics.variable_grads["underflow_frac"]
+    key_bias = run.numerics.variables.index("attention/key/bias")
+    assert np.median(grads[:, key_bias]) >= diagnosis.UNDERFLOW_SHARE  # would have fired
+    assert "MP005" not in codes(run)
+
+
+def test_mp005_names_a_nested_layer_by_its_full_path():
+    finding = only(read("attention_underflow"), "MP005")
+    assert finding.layer in ("attention/key", "attention/query", "attention/value")
+    assert finding.layer in read("attention_underflow").numerics.layers
