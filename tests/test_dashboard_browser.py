@@ -394,7 +394,12 @@ CLICK_OVERFLOW_MARKER = """(async () => {
   const numerics = () => main.dataset.view === 'numerics' && main.dataset.state === 'ready';
   for (let i = 0; i < 300 && !numerics(); i++)
     await new Promise((resolve) => setTimeout(resolve, 100));
-  return { step: trace.x[0], view: main.dataset.view, hash: location.hash };
+  return {
+    step: trace.x[0], view: main.dataset.view, hash: location.hash,
+    // Item 6: the step is marked and labelled on the heatmaps.
+    labels: [...document.querySelectorAll('.heatmap.headroom .annotation-text')]
+      .map((e) => e.textContent),
+  };
 })()"""
 
 # Item 7: a click on an inventory row opens the layer's history.
@@ -443,6 +448,7 @@ def test_views_link_to_each_other(server):
     assert page_errors(page) == []
     marker = page.values["marker"]
     assert marker["view"] == "numerics" and f"step={marker['step']}" in marker["hash"]
+    assert f"step {marker['step']}" in marker["labels"]
     # The first layer that overflowed at (or after) that step opens.
     assert page.values["marker_state"]["layer"] == OVERFLOW_LAYER
     row = page.values["row"]
