@@ -180,8 +180,6 @@ def _dtype_fields(numerics: reader.Numerics) -> dict:
         # The recorded underflow/subnormal shares count values below
         # float16's normal/subnormal range: a judgement only for float16.
         "underflow_applies": dtype.name == "float16",
-        # Headroom of the smallest subnormal: the most a cell can have.
-        "headroom_max": round(math.log2(numerics.policy_max / dtype.smallest_subnormal), 2),
         "headroom_color_max": headroom.COLOR_MAX_BITS,
     }
 

@@ -394,7 +394,12 @@ CLICK_OVERFLOW_MARKER = """(async () => {
   const numerics = () => main.dataset.view === 'numerics' && main.dataset.state === 'ready';
   for (let i = 0; i < 300 && !numerics(); i++)
     await new Promise((resolve) => setTimeout(resolve, 100));
-  return { step: trace.x[0], view: main.dataset.view, hash: location.hash };
+  return {
+    step: trace.x[0], view: main.dataset.view, hash: location.hash,
+    // Item 6: the step is marked and labelled on the heatmaps.
+    labels: [...document.querySelectorAll('.heatmap.headroom .annotation-text')]
+      .map((e) => e.textContent),
+  };
 })()"""
 
 # Item 7: a click on an inventory row opens the layer's history.
@@ -443,6 +448,7 @@ def test_views_link_to_each_other(server):
     assert page_errors(page) == []
     marker = page.values["marker"]
     assert marker["view"] == "numerics" and f"step={marker['step']}" in marker["hash"]
+    assert f"step {marker['step']}" in marker["labels"]
     # The first layer that overflowed at (or after) that step opens.
     assert page.values["marker_state"]["layer"] == OVERFLOW_LAYER
     row = page.values["row"]
@@ -508,13 +514,22 @@ def test_tensorboard_ui_shows_the_mpprof_tab(server):
         ".find((d) => d && d.querySelector('main.view[data-state=ready]'))"
     )
     url, _ = server
+    shared = urllib.parse.urlencode(
+        {"p.mpprof.view": "inventory", "p.mpprof.run": FLOAT16_RUN}, quote_via=urllib.parse.quote
+    )
     page = load_page(
-        url + "#mpprof",
+        f"{url}#mpprof&{shared}",
         wait_for=in_frame,
         evaluate={
             "tab": "document.body.innerText.includes('MPPROF') || "
             "document.body.innerText.toLowerCase().includes('mpprof')",
             "listing": "fetch('data/plugins_listing').then((r) => r.json())",
+            # Item 4: a TensorBoard link with the tab's state opens that state.
+            "opened": f"""(() => {{
+                const doc = {in_frame};
+                return {{ view: doc.querySelector('main.view').dataset.view,
+                          run: doc.querySelector('.run-picker select').value }};
+            }})()""",
             "loss_scale": f"""(async () => {{
                 const doc = {in_frame};
                 doc.querySelector('.tabs [data-view="loss_scale"]').click();
@@ -523,6 +538,7 @@ def test_tensorboard_ui_shows_the_mpprof_tab(server):
                   await new Promise((resolve) => setTimeout(resolve, 100));
                 return doc.querySelectorAll('.js-plotly-plot .main-svg').length;
             }})()""",
+            "host_hash": "decodeURIComponent(location.hash)",
             "light": f"getComputedStyle({in_frame}.body).backgroundColor",
             # Item 4: TensorBoard's reload button re-reads the runs in the tab.
             "host_reload": f"""(async () => {{
@@ -556,6 +572,11 @@ def test_tensorboard_ui_shows_the_mpprof_tab(server):
     assert page.values["tab"] is True
     assert page.values["listing"]["mpprof"]["enabled"] is True
     assert page.values["loss_scale"] >= 1
+    assert page.values["opened"] == {"view": "inventory", "run": FLOAT16_RUN}
+    # ...and the state shown goes back into TensorBoard's URL.
+    assert page.values["host_hash"].startswith("#mpprof&")
+    assert "p.mpprof.view=loss_scale" in page.values["host_hash"]
+    assert f"p.mpprof.run={FLOAT16_RUN}" in page.values["host_hash"]
     assert page.values["host_reload"]["after"] > page.values["host_reload"]["before"]
     # Item 5: the tab follows TensorBoard's theme, charts included.
     assert page.values["light"] == "rgb(255, 255, 255)"

@@ -45,6 +45,64 @@ export async function render() {
   await app.start();
 }
 
+/**
+ * The state in TensorBoard's own URL, so that its address bar can be shared:
+ * TensorBoard keeps a plugin's keys in its hash as `p.<plugin>.<key>`
+ * (`#mpprof&p.mpprof.view=numerics&...`), the format its plugin API reads.
+ */
+const hostState = {
+  PREFIX: "p.mpprof.",
+  host() {
+    try {
+      return window.parent !== window ? window.parent : null;
+    } catch {
+      return null;
+    }
+  },
+  /** TensorBoard's hash as [first part (the plugin), [key, value]...]. */
+  parse(hash) {
+    const [first = "", ...parts] = hash.replace(/^#/, "").split("&");
+    const pairs = parts.map((part) => part.split("=")).filter((pair) => pair.length === 2)
+      .map(([key, value]) => [decodeURIComponent(key), decodeURIComponent(value)]);
+    return [first, pairs];
+  },
+  /** Our keys as URLSearchParams text (compared runs as one JSON list). */
+  read() {
+    const host = this.host();
+    if (!host) return "";
+    try {
+      const [, pairs] = this.parse(host.location.hash);
+      const params = new URLSearchParams();
+      for (const [key, value] of pairs) {
+        if (!key.startsWith(this.PREFIX)) continue;
+        const name = key.slice(this.PREFIX.length);
+        if (name === "compare") for (const run of JSON.parse(value)) params.append(name, run);
+        else params.set(name, value);
+      }
+      return params.toString();
+    } catch {
+      return "";
+    }
+  },
+  write(params) {
+    const host = this.host();
+    if (!host) return;
+    try {
+      const [first, pairs] = this.parse(host.location.hash);
+      if (first && first !== "mpprof") return; // TensorBoard shows another tab
+      const kept = pairs.filter(([key]) => !key.startsWith(this.PREFIX));
+      const ours = [...new Set(params.keys())].map((name) => [
+        this.PREFIX + name,
+        name === "compare" ? JSON.stringify(params.getAll(name)) : params.get(name),
+      ]);
+      const hash = ["mpprof", ...[...kept, ...ours].map((pair) => pair.map(encodeURIComponent).join("="))].join("&");
+      host.history.replaceState(host.history.state, "", `#${hash}`);
+    } catch {
+      // another origin: this frame's own hash still holds the state
+    }
+  },
+};
+
 /** TensorBoard's own reload button (in its page, around this frame) reloads the tab too. */
 function followHostReload(reload) {
   let host = null;
@@ -128,9 +186,13 @@ class App {
     await this.reload();
   }
 
-  /** Reads view, focus run, compared runs, layer and step from the URL hash (or the session). */
+  /**
+   * Reads view, focus run, compared runs, layer and step from this frame's
+   * URL hash (a link to the tab alone), else from TensorBoard's URL (its
+   * `p.mpprof.*` keys), else from the session.
+   */
   restoreState() {
-    let text = location.hash.slice(1);
+    let text = location.hash.slice(1) || hostState.read();
     if (!text) {
       try {
         text = sessionStorage.getItem(STORED_STATE) || "";
@@ -161,6 +223,7 @@ class App {
     if (Number.isInteger(target.step)) params.set("step", String(target.step));
     const text = params.toString();
     history.replaceState(null, "", `${location.pathname}${location.search}#${text}`);
+    hostState.write(params);
     try {
       sessionStorage.setItem(STORED_STATE, text);
     } catch {

@@ -80,7 +80,7 @@ export async function show(container, context) {
     // float16's normal range is no underflow there. Shown, not judged.
     const judged = !FLOAT16_SHARES.has(stat) || payload.underflow_applies;
     await heatmap(context, secondChart, payload, {
-      title: judged ? `${label}: ${what}` : `${label}: ${what} (informative only: ${payload.dtype} keeps float32's range down to 2^-126, these values do not underflow)`,
+      title: judged ? `${label}: ${what}` : `${label}: ${what} (informative only: ${payload.dtype}'s smallest normal is 2^${Math.log2(payload.dtype_smallest_normal)}, these values do not underflow)`,
       colorbar: "share of values",
       colorscale: judged ? SHARE_COLORS : NEUTRAL_COLORS,
       zmin: 0,
