@@ -8,6 +8,7 @@ per step.
 
 from __future__ import annotations
 
+import collections.abc
 import math
 
 import tensorflow as tf
@@ -109,7 +110,7 @@ class PrecisionCollector:
 
 def _layer_record(name, layer, parent, *, is_leaf, mixed, call_index,
                   output_dtypes) -> dict:
-    policy = layer.dtype_policy
+    policy = own_policy(layer)
     dims = gemm_dims(layer)
     half = policy.compute_dtype in HALF_DTYPES
     misaligned = [d for d in dims or () if d % TENSOR_CORE_MULTIPLE]
@@ -132,6 +133,20 @@ def _layer_record(name, layer, parent, *, is_leaf, mixed, call_index,
             and policy.compute_dtype == "float32"
         ),
     }
+
+
+def own_policy(layer):
+    """The policy `layer` computes with.
+
+    A Keras 3 `DTypePolicyMap` given as a layer's dtype (and passed on to its
+    sublayers) holds one policy per layer path: `layer.dtype_policy` is the
+    whole map, `layer.compute_dtype` the entry for the layer's own path.
+    """
+    policy = layer.dtype_policy
+    if isinstance(policy, collections.abc.Mapping):
+        path = getattr(layer, "path", None)
+        return policy[path] if path else policy.default_policy
+    return policy
 
 
 def gemm_dims(layer) -> list[int] | None:
