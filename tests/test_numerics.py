@@ -190,7 +190,7 @@ def test_rnn_measured_at_its_boundary_and_its_cell_skipped(tmp_path, recurrent):
         assert numerics.layers == ["rnn", "head"]
         cell = f"rnn/{recurrent.lower()}_cell"
         assert [(s["layer"], s["measured_at"]) for s in skipped] == [(cell, "rnn")]
-    assert all("tf.while_loop body" in s["reason"] for s in skipped)
+    assert all("runs inside the recurrent layer" in s["reason"] for s in skipped)
     # Measured outside the loop: the whole [batch, units] output and the
     # gradient flowing into it, on every sample.
     for row in range(len(numerics.layers) - 1):
