@@ -32,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from mpprof import schema
-from mpprof.collectors.layer_calls import walk_layers
+from mpprof.collectors.layer_calls import control_flow_inside_caller, walk_layers
 from mpprof.tf_keras_support import variable_path
 
 _SMALLEST_NORMAL = schema.FLOAT16_SMALLEST_NORMAL
@@ -261,7 +261,7 @@ class NumericsCollector:
             return outputs
         if row not in self._measured_rows and not self._uncovered_below(row):
             return outputs
-        body = control_flow_body()
+        body = control_flow_inside_caller()
         if body is not None:
             self._skip(row, f"called inside {body}, where a gradient tap cannot "
                             "capture mpprof's tables")
@@ -449,24 +449,3 @@ def _sublayers(layer) -> list:
 def _is_recurrent(layer) -> bool:
     """Whether `layer` is a Keras 3 or tf-keras `RNN` (GRU, LSTM, ConvLSTM...)."""
     return any(cls.__name__ == "RNN" for cls in type(layer).__mro__)
-
-
-def control_flow_body() -> str | None:
-    """What control-flow body the op being traced is in ("a tf.while_loop
-    body", "a tf.cond branch"), or None outside any (or executing eagerly).
-
-    TensorFlow marks the FuncGraphs of `tf.while_loop` and `tf.cond` bodies
-    with `is_control_flow_graph`; a `tf.function` called inside one starts a
-    graph of its own, whose gradient is built within it.
-    """
-    if tf.executing_eagerly():
-        return None
-    graph = tf.compat.v1.get_default_graph()
-    if not getattr(graph, "is_control_flow_graph", False):
-        return None
-    kind = type(graph).__name__
-    if kind.startswith("While"):
-        return "a tf.while_loop body"
-    if kind.startswith("Cond"):
-        return "a tf.cond branch"
-    return f"a control-flow body ({kind})"

@@ -1,5 +1,6 @@
 """tf-keras (Keras 2) families of the real-model suite: a GRU with a
-Bidirectional LSTM, and a Conv2D with BatchNormalization.
+Bidirectional LSTM (with `steps_per_execution=2`, so the whole step runs in a
+`tf.while_loop`), and a Conv2D with BatchNormalization.
 
 The fits run in a subprocess (tests/models/tf_keras_models.py) with
 TF_USE_LEGACY_KERAS=1, which also reports each model's own view of its
