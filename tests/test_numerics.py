@@ -199,11 +199,16 @@ def test_rnn_measured_at_its_boundary_and_its_cell_skipped(tmp_path, recurrent):
         assert (numerics.backward["abs_max"][:, row] > 0).all()
 
 
-def test_layer_in_a_custom_while_loop_is_measured_at_the_enclosing_layer(tmp_path):
+@pytest.mark.parametrize("control_flow", ["while_loop", "cond"])
+def test_layer_in_custom_control_flow_is_measured_at_the_enclosing_layer(
+    tmp_path, control_flow
+):
+    """A gradient tap inside a tf.while_loop or tf.cond branch fails the fit's
+    trace; the enclosing layer is measured instead."""
     import tensorflow as tf
 
     class Repeated(keras.layers.Layer):
-        """Applies its Dense twice in a tf.while_loop."""
+        """Applies its Dense twice in a tf.while_loop, or once in a tf.cond branch."""
 
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
@@ -213,6 +218,9 @@ def test_layer_in_a_custom_while_loop_is_measured_at_the_enclosing_layer(tmp_pat
             self.inner.build(input_shape)
 
         def call(self, x):
+            if control_flow == "cond":
+                return tf.cond(tf.reduce_sum(x) > 0, lambda: self.inner(x),
+                               lambda: 2 * self.inner(x))
             return tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, self.inner(h)),
                                  (tf.constant(0), x))[1]
 
@@ -227,6 +235,8 @@ def test_layer_in_a_custom_while_loop_is_measured_at_the_enclosing_layer(tmp_pat
     assert run.numerics.layers == ["first", "repeated", "head"]
     [skipped] = run.latest(schema.NUMERICS_LAYOUT)["skipped"]
     assert skipped["layer"] == "repeated/inner" and skipped["measured_at"] == "repeated"
+    body = "a tf.cond branch" if control_flow == "cond" else "a tf.while_loop body"
+    assert skipped["reason"].startswith(f"called inside {body}")
     assert (run.numerics.backward["count"][:, 1] == 8 * 8).all()
 
 
