@@ -272,3 +272,30 @@ def test_samples_of_a_model_without_trainable_weights_have_their_own_steps(tmp_p
     x = np.ones((16, 4), "float32")
     numerics = _fit(model, x, x, tmp_path, numerics_every=1).numerics
     assert list(numerics.steps) == [1, 2, 3]  # every step but the first
+
+
+def test_layer_whose_taps_cannot_be_built_is_skipped_with_the_reason(tmp_path, monkeypatch):
+    from mpprof.collectors.numerics import NumericsCollector
+
+    gradient_tap = NumericsCollector._gradient_tap
+
+    def failing_tap(self, tensor, row):
+        if self.layer_names[row] == "second":
+            raise TypeError("injected: no tap here")
+        return gradient_tap(self, tensor, row)
+
+    monkeypatch.setattr(NumericsCollector, "_gradient_tap", failing_tap)
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([
+        keras.layers.Input((8,)), keras.layers.Dense(8, name="first"),
+        keras.layers.Dense(8, name="second"), keras.layers.Dense(1, dtype="float32", name="head"),
+    ])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((16, 8), "float32")
+    run = _fit(model, x, np.ones((16, 1), "float32"), tmp_path, numerics_every=1)
+    assert run.numerics.layers == ["first", "head"]
+    assert run.latest(schema.NUMERICS_LAYOUT)["skipped"] == [{
+        "layer": "second", "measured_at": None,
+        "reason": "its taps could not be built (TypeError: injected: no tap here)",
+    }]
+    assert (run.numerics.backward["count"] > 0).all()
