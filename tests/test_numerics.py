@@ -191,7 +191,7 @@ def test_rnn_measured_at_its_boundary_and_its_cell_skipped(tmp_path, recurrent):
         assert numerics.layers == ["rnn", "head"]
         cell = f"rnn/{recurrent.lower()}_cell"
         assert [(s["layer"], s["measured_at"]) for s in skipped] == [(cell, "rnn")]
-    assert all("tf.while_loop body" in s["reason"] for s in skipped)
+    assert all("runs inside the recurrent layer" in s["reason"] for s in skipped)
     # Measured outside the loop: the whole [batch, units] output and the
     # gradient flowing into it, on every sample.
     for row in range(len(numerics.layers) - 1):
@@ -200,11 +200,16 @@ def test_rnn_measured_at_its_boundary_and_its_cell_skipped(tmp_path, recurrent):
         assert (numerics.backward["abs_max"][:, row] > 0).all()
 
 
-def test_layer_in_a_custom_while_loop_is_measured_at_the_enclosing_layer(tmp_path):
+@pytest.mark.parametrize("control_flow", ["while_loop", "cond"])
+def test_layer_in_custom_control_flow_is_measured_at_the_enclosing_layer(
+    tmp_path, control_flow
+):
+    """A gradient tap inside a tf.while_loop or tf.cond branch fails the fit's
+    trace; the enclosing layer is measured instead."""
     import tensorflow as tf
 
     class Repeated(keras.layers.Layer):
-        """Applies its Dense twice in a tf.while_loop."""
+        """Applies its Dense twice in a tf.while_loop, or once in a tf.cond branch."""
 
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
@@ -214,6 +219,9 @@ def test_layer_in_a_custom_while_loop_is_measured_at_the_enclosing_layer(tmp_pat
             self.inner.build(input_shape)
 
         def call(self, x):
+            if control_flow == "cond":
+                return tf.cond(tf.reduce_sum(x) > 0, lambda: self.inner(x),
+                               lambda: 2 * self.inner(x))
             return tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, self.inner(h)),
                                  (tf.constant(0), x))[1]
 
@@ -228,6 +236,8 @@ def test_layer_in_a_custom_while_loop_is_measured_at_the_enclosing_layer(tmp_pat
     assert run.numerics.layers == ["first", "repeated", "head"]
     [skipped] = run.latest(schema.NUMERICS_LAYOUT)["skipped"]
     assert skipped["layer"] == "repeated/inner" and skipped["measured_at"] == "repeated"
+    body = "a tf.cond branch" if control_flow == "cond" else "a tf.while_loop body"
+    assert skipped["reason"].startswith(f"called inside {body}")
     assert (run.numerics.backward["count"][:, 1] == 8 * 8).all()
 
 
@@ -263,3 +273,30 @@ def test_samples_of_a_model_without_trainable_weights_have_their_own_steps(tmp_p
     x = np.ones((16, 4), "float32")
     numerics = _fit(model, x, x, tmp_path, numerics_every=1).numerics
     assert list(numerics.steps) == [1, 2, 3]  # every step but the first
+
+
+def test_layer_whose_taps_cannot_be_built_is_skipped_with_the_reason(tmp_path, monkeypatch):
+    from mpprof.collectors.numerics import NumericsCollector
+
+    gradient_tap = NumericsCollector._gradient_tap
+
+    def failing_tap(self, tensor, row):
+        if self.layer_names[row] == "second":
+            raise TypeError("injected: no tap here")
+        return gradient_tap(self, tensor, row)
+
+    monkeypatch.setattr(NumericsCollector, "_gradient_tap", failing_tap)
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([
+        keras.layers.Input((8,)), keras.layers.Dense(8, name="first"),
+        keras.layers.Dense(8, name="second"), keras.layers.Dense(1, dtype="float32", name="head"),
+    ])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((16, 8), "float32")
+    run = _fit(model, x, np.ones((16, 1), "float32"), tmp_path, numerics_every=1)
+    assert run.numerics.layers == ["first", "head"]
+    assert run.latest(schema.NUMERICS_LAYOUT)["skipped"] == [{
+        "layer": "second", "measured_at": None,
+        "reason": "its taps could not be built (TypeError: injected: no tap here)",
+    }]
+    assert (run.numerics.backward["count"] > 0).all()

@@ -8,11 +8,21 @@ traced (or on every call when the model runs eagerly).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import tensorflow as tf
+
 _PATCH_MARKER = "_mpprof_wrapped"
+
+# The graphs in which the calls of wrapped layers now under way started,
+# outermost first: a hook, run after its layer's call, finds its caller's
+# (the enclosing layer's) graph last.
+_CALL_GRAPHS: contextvars.ContextVar[tuple] = contextvars.ContextVar(
+    "mpprof_call_graphs", default=()
+)
 
 
 class CallHook(Protocol):
@@ -90,7 +100,12 @@ class LayerCallPatch:
         @functools.wraps(call)
         def wrapped_call(*args, **kwargs):
             self._patch_new_children(layer)
-            outputs = call(*args, **kwargs)
+            graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+            token = _CALL_GRAPHS.set((*_CALL_GRAPHS.get(), graph))
+            try:
+                outputs = call(*args, **kwargs)
+            finally:
+                _CALL_GRAPHS.reset(token)
             for hook in hooks:
                 outputs = hook.on_call(layer, args, kwargs, outputs)
             return outputs
@@ -107,3 +122,30 @@ def remove_patch(layer) -> None:
     """Removes mpprof's wrapper from `layer.call`, if there is one."""
     if is_patched(layer):
         del layer.call
+
+
+def control_flow_inside_caller() -> str | None:
+    """For a hook: the control-flow body its layer was called in, below the
+    graph its enclosing layer's call started in ("a tf.while_loop body", "a
+    tf.cond branch"), or None.
+
+    TensorFlow marks the FuncGraphs of `tf.while_loop` and `tf.cond` bodies
+    with `is_control_flow_graph`. Only control flow opened inside the
+    enclosing layer counts: a whole train step that runs in a loop (tf-keras
+    with `steps_per_execution > 1`) computes its gradients inside that loop.
+    """
+    if tf.executing_eagerly():
+        return None
+    callers = _CALL_GRAPHS.get()
+    caller = callers[-1] if callers else None
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None and graph is not caller:
+        if getattr(graph, "is_control_flow_graph", False):
+            kind = type(graph).__name__
+            if kind.startswith("While"):
+                return "a tf.while_loop body"
+            if kind.startswith("Cond"):
+                return "a tf.cond branch"
+            return f"a control-flow body ({kind})"
+        graph = getattr(graph, "outer_graph", None)
+    return None

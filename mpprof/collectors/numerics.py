@@ -12,15 +12,18 @@ A layer called several times in a step (a shared layer, or several steps in
 one execution with `steps_per_execution > 1`) is aggregated: counts add up and
 the abs-max is the maximum.
 
-A layer called inside a control-flow body (the cell of a GRU or LSTM runs in
-a `tf.while_loop`; a layer in a `tf.cond` branch) gets no taps: a gradient
-tap there cannot capture the tables ("... is in list of internal_captures but
-not in internal_capture_to_output" when the loop's gradient is built), and
-its per-iteration outputs are not what the next layer sees anyway. The layout
-lists it under "skipped" with the reason, and its nearest enclosing layer
-called outside control flow (the GRU itself) is measured at its boundary
-instead. A layer whose taps cannot be built for any other reason is skipped
-the same way: instrumenting never stops the user's training.
+A recurrent layer (GRU, LSTM, any `RNN`) is measured at its boundary, as if
+it were a leaf: its cell runs inside the layer's `tf.while_loop`, or not at
+all where a fused (cuDNN) kernel does the work. Any other layer called inside
+a control-flow body (a custom `tf.while_loop`, a `tf.cond` branch) gets no
+taps either: a gradient tap there cannot capture the tables ("... is in list
+of internal_captures but not in internal_capture_to_output" when the loop's
+gradient is built), and its per-iteration outputs are not what the next
+layer sees anyway. The layout lists such layers under "skipped" with the
+reason, and the nearest enclosing layer called outside control flow is
+measured at its boundary instead. A layer whose taps cannot be built for any
+other reason is skipped the same way: instrumenting never stops the user's
+training.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from mpprof import schema
-from mpprof.collectors.layer_calls import walk_layers
+from mpprof.collectors.layer_calls import control_flow_inside_caller, walk_layers
 from mpprof.tf_keras_support import variable_path
 
 _SMALLEST_NORMAL = schema.FLOAT16_SMALLEST_NORMAL
@@ -200,20 +203,28 @@ class NumericsCollector:
             row: row_of_name[parent] for row, (_, _, parent) in enumerate(entries)
             if parent is not None
         }
-        self._leaf_rows = {
-            row for row, (_, layer, _) in enumerate(entries)
-            # list(): tf-keras returns a generator, Keras 3 a list.
-            if not list(layer._flatten_layers(include_self=False, recursive=False))
-        }
         self._call_order: list[int] = []
         # Rows whose call could not be measured: row -> reason.
         self._skipped: dict[int, str] = {}
+        # Skipped row -> the row measured at its boundary instead.
+        self._measured_at: dict[int, int] = {}
+        # Rows measured whenever called: leaves, and recurrent layers in
+        # place of everything inside them.
+        self._measured_rows: set[int] = set()
+        for row, (_, layer, _) in enumerate(entries):
+            recurrent = self._recurrent_ancestor(row, entries)
+            if recurrent is not None:
+                self._skipped[row] = (
+                    f"runs inside the recurrent layer {entries[recurrent][0]!r} (its time "
+                    "loop or fused kernel)"
+                )
+                self._measured_at[row] = recurrent
+            elif _is_recurrent(layer) or not _sublayers(layer):
+                self._measured_rows.add(row)
         # Skipped rows of the trace under way that no enclosing layer
         # measures yet: the next enclosing layer called outside control flow
         # is measured at their boundary.
         self._uncovered: set[int] = set()
-        # Skipped row -> the row measured at its boundary instead.
-        self._measured_at: dict[int, int] = {}
         self._variables = list(model.trainable_variables)
         self.variable_names = [variable_path(v) for v in self._variables]
         self._variable_rows = {id(v): row for row, v in enumerate(self._variables)}
@@ -241,16 +252,16 @@ class NumericsCollector:
         output's shape, and that call alone is not the cell's numerics.
         """
         seen = [row for row in dict.fromkeys(self._call_order) if row not in self._skipped]
-        unseen = sorted(self._leaf_rows - set(self._call_order) - set(self._skipped))
+        unseen = sorted(self._measured_rows - set(self._call_order) - set(self._skipped))
         return seen + unseen
 
     def on_call(self, layer, args, kwargs, outputs):
         row = self._rows.get(id(layer))
         if not self.instrumenting or row is None:
             return outputs
-        if row not in self._leaf_rows and not self._uncovered_below(row):
+        if row not in self._measured_rows and not self._uncovered_below(row):
             return outputs
-        body = control_flow_body()
+        body = control_flow_inside_caller()
         if body is not None:
             self._skip(row, f"called inside {body}, where a gradient tap cannot "
                             "capture mpprof's tables")
@@ -272,6 +283,14 @@ class NumericsCollector:
         self._boundary_found(row)
         flat[position] = tapped
         return tf.nest.pack_sequence_as(outputs, flat)
+
+    def _recurrent_ancestor(self, row: int, entries) -> int | None:
+        parent = self._parent_rows.get(row)
+        while parent is not None:
+            if _is_recurrent(entries[parent][1]):
+                return parent
+            parent = self._parent_rows.get(parent)
+        return None
 
     def _skip(self, row: int, reason: str) -> None:
         """Leaves `row` unmeasured; its nearest enclosing layer measured
@@ -422,22 +441,11 @@ class NumericsCollector:
         }
 
 
-def control_flow_body() -> str | None:
-    """What control-flow body the op being traced is in ("a tf.while_loop
-    body", "a tf.cond branch"), or None outside any (or executing eagerly).
+def _sublayers(layer) -> list:
+    # list(): tf-keras returns a generator, Keras 3 a list.
+    return list(layer._flatten_layers(include_self=False, recursive=False))
 
-    TensorFlow marks the FuncGraphs of `tf.while_loop` and `tf.cond` bodies
-    with `is_control_flow_graph`; a `tf.function` called inside one starts a
-    graph of its own, whose gradient is built within it.
-    """
-    if tf.executing_eagerly():
-        return None
-    graph = tf.compat.v1.get_default_graph()
-    if not getattr(graph, "is_control_flow_graph", False):
-        return None
-    kind = type(graph).__name__
-    if kind.startswith("While"):
-        return "a tf.while_loop body"
-    if kind.startswith("Cond"):
-        return "a tf.cond branch"
-    return f"a control-flow body ({kind})"
+
+def _is_recurrent(layer) -> bool:
+    """Whether `layer` is a Keras 3 or tf-keras `RNN` (GRU, LSTM, ConvLSTM...)."""
+    return any(cls.__name__ == "RNN" for cls in type(layer).__mro__)

@@ -10,6 +10,7 @@ is recorded as None ("not measured"), never raised.
 
 from __future__ import annotations
 
+import collections.abc
 import math
 
 import tensorflow as tf
@@ -227,7 +228,7 @@ def _activation_name(layer) -> str | None:
 
 def _layer_record(name, layer, parent, *, is_leaf, mixed, call_index,
                   output_dtypes, inputs_from) -> dict:
-    policy = layer.dtype_policy
+    policy = own_policy(layer)
     # What the layer really computes in: under a DTypePolicyMap the layer's
     # own compute_dtype differs from dtype_policy's.
     compute_dtype = getattr(layer, "compute_dtype", None) or policy.compute_dtype
@@ -258,6 +259,20 @@ def _layer_record(name, layer, parent, *, is_leaf, mixed, call_index,
             and compute_dtype == "float32"
         ),
     }
+
+
+def own_policy(layer):
+    """The policy `layer` computes with.
+
+    A Keras 3 `DTypePolicyMap` given as a layer's dtype (and passed on to its
+    sublayers) holds one policy per layer path: `layer.dtype_policy` is the
+    whole map, `layer.compute_dtype` the entry for the layer's own path.
+    """
+    policy = layer.dtype_policy
+    if isinstance(policy, collections.abc.Mapping):
+        path = getattr(layer, "path", None)
+        return policy[path] if path else policy.default_policy
+    return policy
 
 
 def gemm_layout(layer) -> list[dict] | None:
