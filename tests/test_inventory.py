@@ -232,3 +232,10 @@ def test_dtype_policy_map_records_what_each_layer_computes_in(tmp_path):
     assert layers["head"]["output_dtypes"] == ["float32"]
     assert layers["head"]["float32_island"] is True
     assert layers["hidden"]["compute_dtype"] == "float16"
+
+
+def test_a_container_has_no_gemm_of_its_own(subclassed_inventory):
+    layers = _by_name(subclassed_inventory)
+    # "block" holds a Dense: its weights are the Dense's, not a GEMM of its own.
+    assert layers["block"]["is_leaf"] is False and layers["block"]["gemm_dims"] is None
+    assert layers["block"]["misaligned_dims"] == []

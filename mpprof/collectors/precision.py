@@ -233,7 +233,10 @@ def _layer_record(name, layer, parent, *, is_leaf, mixed, call_index,
     # own compute_dtype differs from dtype_policy's.
     compute_dtype = getattr(layer, "compute_dtype", None) or policy.compute_dtype
     variable_dtype = getattr(layer, "variable_dtype", None) or policy.variable_dtype
-    gemm = gemm_layout(layer)
+    # A container's weights are its children's: only leaves (and attention,
+    # whose head sizes are its own) have a GEMM of their own.
+    own_gemm = is_leaf or type(layer).__name__ == "MultiHeadAttention"
+    gemm = gemm_layout(layer) if own_gemm else None
     dims = [d["size"] for d in gemm] if gemm else None
     half = compute_dtype in HALF_DTYPES
     misaligned = [d for d in dims or () if d % TENSOR_CORE_MULTIPLE]
