@@ -574,7 +574,10 @@ def rewrite_run(log_dir: pathlib.Path, source: reader.Run, *, context=None,
     the context updated with `context`; `loss_watched=False` writes the health
     record's loss fields as null and the numerics "loss" as NaN."""
     writer = RecordWriter(log_dir / name)
-    for record, found in source.records.items():
+    for key, found in source.records.items():
+        # Keys of named series (a second optimizer's loss scale) are tags
+        # without their prefix: split them back into record and series.
+        record, series = schema.parse_tag(schema.TAG_PREFIX + key)
         for item in found:
             value = copy.deepcopy(item.value)
             if record == schema.RUN_CONTEXT:
@@ -588,7 +591,7 @@ def rewrite_run(log_dir: pathlib.Path, source: reader.Run, *, context=None,
             if isinstance(value, dict):
                 writer.write_json(record, value, item.step)
             else:
-                writer.write_array(record, value, item.step)
+                writer.write_array(record, value, item.step, series=series)
     writer.close()
 
 
