@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import urllib.parse
 
 import diagnosis_runs
@@ -133,6 +134,7 @@ def show_view(view: str) -> str:
 CLICK_HEATMAP = """(async () => {
   const chart = document.querySelector('main .heatmap.js-plotly-plot');
   if (!chart) return null;
+  chart.scrollIntoView({ block: 'center' });
   const area = chart.querySelector('.nsewdrag').getBoundingClientRect();
   const x = area.left + area.width * 0.1, y = area.top + area.height * 0.1;
   const target = document.elementFromPoint(x, y);
@@ -205,6 +207,7 @@ PAGE_STATE = """(async () => {
     run: document.querySelector('.run-picker select').value,
     layer: document.querySelector('.layer-history .layer-name')?.textContent ?? null,
     hash: decodeURIComponent(location.hash.replaceAll('+', ' ')),
+    navigation: performance.getEntriesByType('navigation')[0].type,
   };
 })()"""
 
@@ -244,6 +247,9 @@ def test_every_view_draws_without_errors(server):
             "loss_scale": show_view("loss_scale"),
             "gpu": show_view("gpu"),
             "histograms": show_view("histograms"),
+            # (A layer whose values were all non-finite has no cells to draw.)
+            "histogram_traces": "document.querySelector('.histogram-chart').data"
+            ".map((trace) => trace.type)",
             "histogram_lines": "[...document.querySelectorAll('main .annotation-text')]"
             ".map((e) => e.textContent)",
             "table": FILTER_AND_SORT,
@@ -310,7 +316,8 @@ def test_every_view_draws_without_errors(server):
     assert views["history"] == {"layer": numerics.layers[0], "plots": 2}
 
     # Item 9: the recorded histograms, with float16's limits as lines.
-    assert views["histograms"]["heatmaps"] == 1
+    assert views["histograms"]["plots"] >= 1
+    assert views["histogram_traces"] == ["heatmap"]
     assert any(t.startswith("float16 max") for t in views["histogram_lines"])
     assert any(t.startswith("float16 smallest subnormal") for t in views["histogram_lines"])
 
@@ -363,6 +370,7 @@ def test_state_in_the_url_survives_a_reload(server):
               setTimeout(() => location.reload(), 0);
               return location.hash;
             })()""",
+            "reloading": lambda: time.sleep(2),  # the old page is gone by then
             "reloaded": PAGE_STATE,
         },
     )
@@ -372,6 +380,7 @@ def test_state_in_the_url_survives_a_reload(server):
     assert linked["run"] == FLOAT16_RUN
     assert linked["layer"] == FIRST_LAYER
     reloaded = page.values["reloaded"]
+    assert reloaded["navigation"] == "reload"
     assert reloaded["view"] == "loss_scale" and reloaded["run"] == FLOAT16_RUN
     assert f"run={FLOAT16_RUN}" in reloaded["hash"]
 
@@ -383,6 +392,7 @@ CLICK_OVERFLOW_MARKER = """(async () => {
   while (!(main.dataset.view === 'loss_scale' && main.dataset.state === 'ready'))
     await new Promise((resolve) => setTimeout(resolve, 50));
   const chart = document.querySelector('.loss-scale-chart');
+  chart.scrollIntoView({ block: 'center' });
   const trace = chart.data.find((t) => t.meta?.kind === 'overflow');
   const xa = chart._fullLayout.xaxis, ya = chart._fullLayout.yaxis;
   const box = chart.querySelector('.nsewdrag').getBoundingClientRect();
@@ -442,8 +452,13 @@ def test_views_link_to_each_other(server):
             "marker_state": PAGE_STATE,
             "row": f"{CLICK_INVENTORY_ROW}({json.dumps(OVERFLOW_LAYER)})",
             "overflow": OVERFLOW_MARKERS,
+            "screenshot": "window.scrollTo(0, 0)",
+            # The layer opened last is the histograms view's layer too.
+            "histograms": show_view("histograms"),
+            "histogram_title": "document.querySelector('.histogram-chart .gtitle').textContent",
+            "elements": "document.querySelectorAll('img, [onerror], [onload]').length",
         },
-        screenshot="dashboard_linked_numerics.png",
+        screenshot="dashboard_histograms_hostile_layer.png",
     )
     assert page_errors(page) == []
     marker = page.values["marker"]
@@ -460,6 +475,9 @@ def test_views_link_to_each_other(server):
     assert overflow["text"] == [f"{100 * s:.1f}% non-finite" for s in share]
     assert any(c.startswith("overflowed: ") and "non-finite" in c for c in overflow["cells"])
     assert not any("-1.0 bits" in c for c in overflow["cells"])
+    assert page.values["histograms"]["state"] == "ready"
+    assert page.values["histogram_title"].startswith(f"{OVERFLOW_LAYER}: log2 |value|")
+    assert page.values["elements"] == 0
 
 
 def test_download_saves_the_views_data(server):
@@ -549,12 +567,19 @@ def test_tensorboard_ui_shows_the_mpprof_tab(server):
                 document.querySelector('.reload-button').click();
                 for (let i = 0; i < 100 && runsFetched() === before; i++)
                   await new Promise((resolve) => setTimeout(resolve, 50));
-                return {{ before, after: runsFetched() }};
+                const after = runsFetched();
+                const main = doc.querySelector('main.view');
+                for (let i = 0; i < 300 && main.dataset.state !== 'ready'; i++)
+                  await new Promise((resolve) => setTimeout(resolve, 50));
+                return {{ before, after }};
             }})()""",
             # TensorBoard's dark mode sets this class on its body.
             "dark": f"""(async () => {{
-                document.body.classList.add('dark-mode');
+                // TensorBoard may rebuild the tab's frame after its reload.
+                for (let i = 0; i < 300 && !({in_frame}); i++)
+                  await new Promise((resolve) => setTimeout(resolve, 100));
                 const doc = {in_frame};
+                document.body.classList.add('dark-mode');
                 for (let i = 0; i < 100 && !doc.body.classList.contains('dark'); i++)
                   await new Promise((resolve) => setTimeout(resolve, 50));
                 const main = doc.querySelector('main.view');

@@ -67,6 +67,9 @@ async function drawHistogram(chart, { plotly, focus, offerCsv }, { layer, direct
     shapes.push({ type: "line", xref: "paper", yref: "y", x0: 0, x1: 1, y0: value, y1: value, line: { color: colors.line, dash: label.endsWith("max") ? "solid" : "dash", width: 1.5 } });
     annotations.push({ xref: "paper", yref: "y", x: 1, y: value, xanchor: "right", yanchor: "bottom", text: `${label} (2^${value.toFixed(1)})`, showarrow: false, font: { color: colors.line, size: 11 } });
   }
+  if (payload.shares.every((row) => row.every((share) => share === null))) {
+    annotations.push({ xref: "paper", yref: "paper", x: 0.5, y: 0.5, text: "no finite non-zero value in any sample: all were zero or non-finite (see the Numerics view)", showarrow: false, bgcolor: colors.paper });
+  }
   await plot(plotly, chart, [
     {
       type: "heatmap",

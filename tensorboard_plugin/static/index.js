@@ -172,7 +172,8 @@ class App {
     );
     for (const [name, view] of Object.entries(VIEWS)) {
       this.tabs.append(
-        el("button", { type: "button", "data-view": name, onclick: () => this.show(name) }, view.title),
+        // The layer shown stays (the URL keeps it); a finding's step does not.
+        el("button", { type: "button", "data-view": name, onclick: () => this.show(name, this.keptLayer()) }, view.title),
       );
     }
     // Redraw the charts in the new theme.
@@ -287,6 +288,10 @@ class App {
     this.state.compare.add(name);
     this.drawRunPicker();
     this.show(this.state.view);
+  }
+
+  keptLayer() {
+    return this.state.target.layer ? { layer: this.state.target.layer } : {};
   }
 
   setCompared(name, checked) {
