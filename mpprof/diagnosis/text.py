@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from mpprof.diagnosis.core import SEVERITIES, Diagnosis, Finding
+from mpprof.terminal import printable
 
 
 def exceeds(findings: list[Finding], fail_on: str | None) -> bool:
@@ -32,8 +33,8 @@ def format_text(run, result: Diagnosis, *, color: bool = False) -> str:
     def paint(text: str, style: str) -> str:
         return f"{style}{text}{_RESET}" if color else text
 
-    lines = [paint(f"== run {_printable(run.name)} ==", _BOLD) + _run_line(run)]
-    lines += [f"  ! {_printable(w)}" for w in run.warnings]
+    lines = [paint(f"== run {printable(run.name)} ==", _BOLD) + _run_line(run)]
+    lines += [f"  ! {printable(w)}" for w in run.warnings]
     for severity in SEVERITIES:
         group = [f for f in result.findings if f.severity == severity]
         if not group:
@@ -41,10 +42,10 @@ def format_text(run, result: Diagnosis, *, color: bool = False) -> str:
         lines.append(paint(f"{severity.upper()} ({len(group)})", _COLORS[severity]))
         for finding in group:
             code = paint(finding.code, _COLORS[severity])
-            lines.append(f"  {code}  {_printable(finding.title)}")
+            lines.append(f"  {code}  {printable(finding.title)}")
             where = []
             if finding.layer is not None:
-                where.append(f"layer {_printable(finding.layer)}")
+                where.append(f"layer {printable(finding.layer)}")
             if finding.step is not None:
                 where.append(f"step {finding.step}")
             if where:
@@ -52,11 +53,11 @@ def format_text(run, result: Diagnosis, *, color: bool = False) -> str:
             lines.append(paint(f"         evidence: {_evidence_text(finding)}", _DIM))
             lines.append("         fix:")
             fix_lines = finding.fix.splitlines()
-            lines += [f"           {_printable(line)}" for line in fix_lines]
+            lines += [f"           {printable(line)}" for line in fix_lines]
     if not result.findings:
         lines.append("No findings.")
     for check in result.not_measured:
-        lines.append(paint(f"  not measured: {check.code}: {_printable(check.reason)}", _DIM))
+        lines.append(paint(f"  not measured: {check.code}: {printable(check.reason)}", _DIM))
     counts = [
         f"{sum(f.severity == s for f in result.findings)} {s}" for s in SEVERITIES
     ]
@@ -68,7 +69,11 @@ def _run_line(run) -> str:
     context = run.context or {}
     optimizers = context.get("optimizers")
     if isinstance(optimizers, list) and optimizers:
-        used = ", ".join(str(o.get("class")) for o in optimizers if isinstance(o, dict))
+        used = ", ".join(
+            f"{o.get('name')} {o.get('class')}" if o.get("name") != "optimizer"
+            else str(o.get("class"))
+            for o in optimizers if isinstance(o, dict)
+        )
     else:
         used = context.get("optimizer")
     parts = [context.get("model_policy"), used]
@@ -76,7 +81,10 @@ def _run_line(run) -> str:
     if loss_scale is not None:
         steps = loss_scale.steps_run - loss_scale.first_step
         parts.append(f"{steps} steps, {loss_scale.skipped_steps} skipped")
-    parts = [_printable(str(p)) for p in parts if p]
+    elif isinstance(run.health, dict) and isinstance(run.health.get("checked_step"), int):
+        # No loss scale to count steps and skips by: the last health check's.
+        parts.append(f"{run.health['checked_step']} steps")
+    parts = [printable(str(p)) for p in parts if p]
     return f"  ({', '.join(parts)})" if parts else ""
 
 
@@ -88,14 +96,5 @@ def _evidence_text(finding: Finding, limit: int = 300) -> str:
         elif not isinstance(value, (int, str)):
             value = json.dumps(value, separators=(",", ":"))
         items.append(f"{key}={value}")
-    text = _printable(", ".join(items))
+    text = printable(", ".join(items))
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _printable(text: str) -> str:
-    """`text` with control characters escaped, so a layer name cannot drive
-    the terminal (ANSI escape sequences, carriage returns)."""
-    return "".join(
-        c if c.isprintable() or c == " " else c.encode("unicode_escape").decode()
-        for c in str(text)
-    )
