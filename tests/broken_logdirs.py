@@ -91,7 +91,8 @@ def event_file(run_dir: pathlib.Path) -> pathlib.Path:
 
 def flip_loss_scale_step_bit(path: pathlib.Path) -> float:
     """Flips one bit of the last overflow's step in the first loss-scale
-    events record of `path`, where a float64 step of 20 becomes 20 * 2**64.
+    events record of `path` with a step of 2 or more, where a float64 step of
+    20 becomes 20 * 2**64.
 
     Returns the step as the flipped bit makes it read.
     """
@@ -106,7 +107,10 @@ def flip_loss_scale_step_bit(path: pathlib.Path) -> float:
             continue
         content = values[0].tensor.tensor_content
         rows = np.frombuffer(content, "<f8").reshape(-1, 4)
-        row = int(np.flatnonzero(rows[:, 0] >= 2)[-1])  # a step whose exponent is set
+        late = np.flatnonzero(rows[:, 0] >= 2)  # steps whose exponent is set
+        if not len(late):
+            continue
+        row = int(late[-1])
         start = frame.offset + 12 + frame.payload.index(content)
         top_byte = start + row * 32 + 7  # the float64's sign and exponent byte
         data[top_byte] ^= 0x04
