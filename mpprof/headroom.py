@@ -3,8 +3,8 @@
 One measure for every front end (the TensorBoard dashboard and the HTML
 report): headroom, the bits left between a layer's largest finite output
 magnitude and the largest value of its dtype, `log2(dtype max / abs max)`.
-Samples whose output overflowed (as `reader.Numerics.forward_overflowed`
-says) get `OVERFLOW_HEADROOM`, an all-zero output the most there is.
+Samples whose output overflowed (as `diagnosis.forward_overflow_mask`
+decides it) get `OVERFLOW_HEADROOM`, an all-zero output the most there is.
 """
 
 from __future__ import annotations

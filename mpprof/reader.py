@@ -184,21 +184,6 @@ class Numerics:
     variable_grads: dict[str, np.ndarray]
     unscaled_variable_grads: dict[str, np.ndarray]
 
-    def forward_overflowed(self) -> np.ndarray:
-        """[steps, layers] bool: output non-finite or beyond the policy's max."""
-        return (self.forward["nonfinite_frac"] > 0) | (self.forward["abs_max"] > self.policy_max)
-
-    def first_forward_offender(self, sample: int) -> int | None:
-        """The first layer in call order whose output overflowed at `sample`."""
-        hits = np.flatnonzero(self.forward_overflowed()[sample])
-        return int(hits[0]) if len(hits) else None
-
-    def first_backward_offender(self, sample: int) -> int | None:
-        """The first layer, from the loss backwards, whose incoming gradient
-        was non-finite at `sample`."""
-        hits = np.flatnonzero(self.backward["nonfinite_frac"][sample] > 0)
-        return int(hits[-1]) if len(hits) else None
-
 
 @dataclasses.dataclass
 class Gpu:

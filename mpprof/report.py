@@ -143,7 +143,7 @@ def _run_data(run: reader.Run) -> dict:
         data["loss_scale"] = _loss_scale_data(loss_scale)
     numerics = getattr(run, "numerics", None)
     if numerics is not None and len(numerics.steps) and len(numerics.layers):
-        data["numerics"] = _numerics_data(numerics)
+        data["numerics"] = _numerics_data(numerics, diagnosis.forward_overflow_mask(run))
     gpu = getattr(run, "gpu", None)
     if gpu is not None and getattr(gpu, "samples", None) is not None:
         tracks = _gpu_data(gpu)
@@ -202,14 +202,15 @@ def _markers(steps: np.ndarray, scales: np.ndarray) -> dict:
     }
 
 
-def _numerics_data(numerics) -> dict:
+def _numerics_data(numerics, overflowed: np.ndarray) -> dict:
+    """`overflowed`: [samples, layers], as the diagnosis decides it."""
     steps = np.asarray(numerics.steps, dtype=np.int64)
     groups = _column_groups(len(steps), MAX_HEATMAP_STEPS)
     forward_max = np.asarray(numerics.forward["abs_max"], dtype=np.float64)
     backward_max = np.asarray(numerics.backward["abs_max"], dtype=np.float64)
     dtype = headroom.dtype_range(numerics.policy_max)
     bits = headroom.headroom_bits(
-        numerics.policy_max, forward_max, numerics.forward_overflowed()
+        numerics.policy_max, forward_max, overflowed
     )
     maps = {
         # The worst (least) headroom of the samples a column merges.

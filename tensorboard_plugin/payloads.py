@@ -207,7 +207,8 @@ def numerics_payload(run: reader.Run, direction: str, stat: str, rows: int, colu
     extra = {}
     if stat == HEADROOM:
         overflowed = downsample.pool_max(
-            numerics.forward_overflowed().T.astype(np.float64), row_starts, column_starts
+            diagnosis.forward_overflow_mask(run).T.astype(np.float64), row_starts,
+            column_starts,
         )
         values = headroom.headroom_bits(numerics.policy_max, values, overflowed > 0)
         nonfinite = np.asarray(numerics.forward["nonfinite_frac"], dtype=np.float64).T
@@ -239,8 +240,9 @@ def numerics_payload(run: reader.Run, direction: str, stat: str, rows: int, colu
 def layer_history_payload(run: reader.Run, layer: str, points: int) -> dict:
     """Every recorded statistic of one layer over the sampled steps.
 
-    `overflowed` marks samples whose output overflowed (as the reader
-    decides it): their finite abs max says nothing, a view marks them.
+    `overflowed` marks samples whose output overflowed (as the diagnosis
+    decides it, by the dtype the layer computed in): their finite abs max
+    says nothing, a view marks them.
     """
     numerics = run.numerics
     if numerics is None:
@@ -255,7 +257,7 @@ def layer_history_payload(run: reader.Run, layer: str, points: int) -> dict:
             pooled = np.fmax.reduceat(column, starts) if len(column) else column
             series[f"{direction}/{stat}"] = downsample.json_floats(pooled)
     forensic = np.asarray(numerics.forensic, dtype=bool)
-    overflowed = np.asarray(numerics.forward_overflowed(), dtype=bool)[:, index]
+    overflowed = np.asarray(diagnosis.forward_overflow_mask(run), dtype=bool)[:, index]
     return {
         "available": True,
         "layer": layer,

@@ -443,7 +443,7 @@ def test_views_link_to_each_other(server):
     run = reader.read_run(logdir, OVERFLOW_RUN)
     numerics = run.numerics
     index = list(numerics.layers).index(OVERFLOW_LAYER)
-    overflowed = numerics.forward_overflowed()[:, index]
+    overflowed = diagnosis.forward_overflow_mask(run)[:, index]
     page = load_page(
         entry_url(url, run=OVERFLOW_RUN),
         wait_for=READY,

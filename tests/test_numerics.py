@@ -6,7 +6,7 @@ import pytest
 from conftest import overflow_data, overflow_model
 
 import mpprof
-from mpprof import reader, schema
+from mpprof import diagnosis, reader, schema
 
 
 def _fit(model, x, y, logdir, epochs=1, batch_size=8, **profiler_kwargs):
@@ -45,7 +45,7 @@ def test_first_forward_offender_and_exact_abs_max(tmp_path, compile_kwargs):
     assert len(numerics.steps) >= 2 and not numerics.forensic.any()
     assert numerics.policy_max == schema.FLOAT16_MAX
     for sample in range(len(numerics.steps)):
-        assert numerics.first_forward_offender(sample) == 1
+        assert diagnosis.first_forward_offender(run, sample) == 1
     # The same forward pass, eagerly: abs-max of "first" over the sampled batches.
     first = model.get_layer("first")
     steps_covered = int(numerics.steps_covered[0])
@@ -69,11 +69,11 @@ def test_gradient_storm_and_forensic_budget(tmp_path):
     assert set(numerics.steps) <= set(overflows + 1)
     assert numerics.forward["nonfinite_frac"].max() == 0
     assert numerics.forward["abs_max"].max() < schema.FLOAT16_MAX
-    assert all(numerics.first_forward_offender(i) is None for i in range(3))
+    assert all(diagnosis.first_forward_offender(run, i) is None for i in range(3))
     gradient_overflowed = numerics.backward["nonfinite_frac"] > 0
     assert gradient_overflowed.any()
     sample = int(np.flatnonzero(gradient_overflowed.any(axis=1))[0])
-    assert numerics.first_backward_offender(sample) is not None
+    assert diagnosis.first_backward_offender(run, sample) is not None
     assert numerics.variable_grads["nonfinite_frac"][sample].max() > 0
     assert run.context["collectors"]["numerics"]["forensic_used"] == 3
 

@@ -252,7 +252,7 @@ def test_headroom_is_bits_below_the_policy_max_and_marks_overflows(client, runs)
     assert numerics is not None
     values = np.array(payload["values"], dtype=float)  # [layers, steps]
     abs_max = numerics.forward["abs_max"].T
-    overflowed = numerics.forward_overflowed().T
+    overflowed = diagnosis.forward_overflow_mask(runs[FLOAT16_RUN]).T
     fine = ~overflowed & (abs_max > 0)
     np.testing.assert_allclose(
         values[fine], np.log2(numerics.policy_max / abs_max[fine]), atol=0.01
@@ -272,7 +272,7 @@ def test_overflowed_samples_are_marked_with_their_nonfinite_share():
     numerics = run.numerics
     index = list(numerics.layers).index("second")
     history = payloads.layer_history_payload(run, "second", 1000)
-    overflowed = numerics.forward_overflowed()[:, index]
+    overflowed = diagnosis.forward_overflow_mask(run)[:, index]
     assert overflowed.any()
     assert history["overflowed"] == overflowed.tolist()
     assert history["dtype"] == "float16"
