@@ -300,3 +300,25 @@ def test_layer_whose_taps_cannot_be_built_is_skipped_with_the_reason(tmp_path, m
         "reason": "its taps could not be built (TypeError: injected: no tap here)",
     }]
     assert (run.numerics.backward["count"] > 0).all()
+
+
+def test_optimizers_wrapped_once_each_and_restored():
+    """A GAN's two optimizers can each be wrapped; None (a model.optimizer
+    never built) and a repeat wrap nothing."""
+    import tensorflow as tf
+
+    from mpprof.collectors.numerics import NumericsCollector
+
+    model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2, name="dense")])
+    collector = NumericsCollector(model, tf.distribute.get_strategy())
+    first, second = keras.optimizers.SGD(), keras.optimizers.Adam()
+    collector.wrap_optimizer(None, lambda: 1.0)
+    for optimizer in (first, second, first):
+        collector.wrap_optimizer(optimizer, lambda: 1.0)
+    wrapped = vars(first)["apply"]
+    assert "apply" in vars(second) and wrapped.__closure__ is not None
+    # The repeat did not wrap the wrapper: its closure holds the bound method.
+    assert not any(getattr(c.cell_contents, "__name__", "") == "instrumented_apply"
+                   for c in wrapped.__closure__)
+    collector.remove()
+    assert "apply" not in vars(first) and "apply" not in vars(second)

@@ -3,7 +3,9 @@
 `Operation.__call__` looks up `self.call`, so an instance attribute shadows the
 class method for that layer alone; deleting the attribute restores it. The
 wrapper runs each hook after the original `call` while the train step is
-traced (or on every call when the model runs eagerly).
+traced (or on every call when the model runs eagerly), and keeps the graph
+each call started in, so that a hook can tell whether its layer was called
+inside control flow of its enclosing layer (`control_flow_inside_caller`).
 """
 
 from __future__ import annotations

@@ -336,7 +336,7 @@ class NumericsCollector:
         The step's loss comes from `LossHealthCollector`, which watches
         `scale_loss` on every step.
         """
-        if optimizer is None:
+        if optimizer is None or any(optimizer is o for o in self._optimizers):
             return
         apply = optimizer.apply
 

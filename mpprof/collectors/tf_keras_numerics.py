@@ -31,7 +31,7 @@ class TfKerasNumericsCollector(NumericsCollector):
         nothing. The step's loss comes from `TfKerasLossHealthCollector`,
         which watches `minimize` on every step.
         """
-        if optimizer is None:
+        if optimizer is None or any(optimizer is o for o in self._optimizers):
             return
         apply_gradients = optimizer.apply_gradients
 

@@ -33,8 +33,11 @@ def _rng():
 
 
 def test_keras_applications_mobilenet_v3_small(tmp_path, capsys):
+    # minimalistic: 110 layers instead of 164 (no squeeze-excite blocks), the
+    # suite's slowest test all the same (tracing two train steps).
     model = keras.applications.MobileNetV3Small(
         input_shape=(32, 32, 3), weights=None, classes=4, include_preprocessing=True,
+        minimalistic=True,
     )
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     x = _rng().uniform(0, 255, (8, 32, 32, 3)).astype("float32")
