@@ -261,17 +261,13 @@ def test_model_without_trainable_weights(tmp_path):
         assert numerics.forward["count"].shape[0] >= 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "callback._optimizer_step counts steps from optimizer.iterations, which never "
-    "moves without trainable weights: every sample is recorded at step 0 (issue 10, item 5)"
-))
 def test_samples_of_a_model_without_trainable_weights_have_their_own_steps(tmp_path):
     model = keras.Sequential([
         keras.layers.Input((4,)), keras.layers.Dense(4, trainable=False, name="frozen"),
     ])
     model.compile(optimizer="sgd", loss="mse")
     x = np.ones((16, 4), "float32")
-    numerics = _fit(model, x, x, tmp_path, numerics_every=1).numerics
+    numerics = _fit(model, x, x, tmp_path, batch_size=4, numerics_every=1).numerics
     assert list(numerics.steps) == [1, 2, 3]  # every step but the first
 
 

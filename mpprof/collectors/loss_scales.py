@@ -121,6 +121,14 @@ class LossScales(Collector):
             return tf.constant(1.0)
         return primary.scale_tensor()
 
+    def scale_of(self, name: str):
+        """A function giving optimizer `name`'s loss scale in-graph (1 for an
+        optimizer without loss scaling)."""
+        collector = self.by_name.get(name)
+        if collector is None:
+            return lambda: tf.constant(1.0)
+        return collector.scale_tensor
+
     def context(self) -> dict:
         """The run context's "loss_scale" collector state."""
         active = self.active()

@@ -55,9 +55,9 @@ class NumericsSamples(Collector):
         if self.collector is None:
             model = fit.model
             collector = self._collector_class(model, model.distribute_strategy)
-            primary = fit.usage.primary()
-            if primary is not None:
-                collector.wrap_optimizer(primary.optimizer, self._loss_scales.scale_tensor)
+            for use in fit.usage.used():
+                # Each optimizer's gradients are unscaled by its own scale.
+                collector.wrap_optimizer(use.optimizer, self._loss_scales.scale_of(use.name))
             self._inventory.add_hook(self.name, collector)
             self.collector = collector
         return True
