@@ -343,6 +343,16 @@ def _run_section(index: int, run: reader.Run, result: diagnosis.Diagnosis, data:
         parts.append(
             f'<div class="warnings"><b>Could not read everything:</b><ul>{items}</ul></div>'
         )
+    if not run.readable:
+        parts.append('<div class="warnings"><b>Nothing readable:</b> no record of this '
+                     "run could be read (see the warnings above).</div>")
+    stopped = run.cut_short
+    if stopped is not None:
+        parts.append(
+            f'<div class="warnings"><b>Cut short:</b> the fit never recorded its end '
+            f'(fit_state {_e(stopped["fit_state"])}); its records stop at step '
+            f'{int(stopped["step"])}.</div>'
+        )
     parts.append(_context_html(run))
     parts.append(_findings_html(index, result))
     parts.append(_inventory_html(run.inventory))

@@ -106,6 +106,11 @@ def run_summary(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
         "gpu_mode": getattr(run.gpu, "mode", None),
         "warnings": len(run.warnings),
         "findings": severity_counts(result),
+        # "running" | "ended" | "failed" (None in runs older than the key), and
+        # for a fit that never recorded its end, where its records stop.
+        "fit_state": context.get("fit_state"),
+        "cut_short": run.cut_short,
+        "readable": run.readable,
     }
 
 

@@ -367,3 +367,22 @@ print(json.dumps({{"codes": codes, "statuses": statuses,
     assert result.returncode == 0, result.stderr
     found = json.loads(result.stdout.splitlines()[-1])
     assert found == {"codes": [0, 0, 0], "statuses": [200, 200, 200], "loaded": []}
+
+
+def test_report_and_dashboard_say_a_run_was_cut_short(tmp_path):
+    from mpprof import report
+    from tensorboard_plugin_mpprof import payloads
+
+    run_dir = copy_run("healthy_mixed", tmp_path)
+    good = reader.read_run(tmp_path, "train")
+    last_step, _ = good.last_record
+    write_record(run_dir, schema.RUN_CONTEXT, {**good.context, "fit_state": "running"}, 0)
+    run = reader.read_run(tmp_path, "train")
+    page = report.build_report(tmp_path)
+    assert f"its records stop at step {last_step}" in page and "<b>Cut short:</b>" in page
+    summary_row = payloads.run_summary(run, diagnosis.evaluate(run))
+    assert summary_row["cut_short"]["step"] == last_step
+    assert summary_row["fit_state"] == "running"
+    # The healthy original says it ended, and neither shows a warning.
+    assert good.cut_short is None and "Cut short" not in report.build_report(
+        copy_run("healthy_mixed", tmp_path / "ended").parent)
