@@ -81,9 +81,11 @@ def _run_line(run) -> str:
     if loss_scale is not None:
         steps = loss_scale.steps_run - loss_scale.first_step
         parts.append(f"{steps} steps, {loss_scale.skipped_steps} skipped")
-    elif isinstance(run.health, dict) and isinstance(run.health.get("checked_step"), int):
+    else:
         # No loss scale to count steps and skips by: the last health check's.
-        parts.append(f"{run.health['checked_step']} steps")
+        health = getattr(run, "health", None)
+        if isinstance(health, dict) and isinstance(health.get("checked_step"), int):
+            parts.append(f"{health['checked_step']} steps")
     parts = [printable(str(p)) for p in parts if p]
     return f"  ({', '.join(parts)})" if parts else ""
 
