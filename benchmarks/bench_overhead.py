@@ -92,8 +92,11 @@ def _callbacks(config: str, logdir: str) -> list:
     return []
 
 
-def run_once(model_name: str, config: str, epochs: int, policy: str) -> tuple[list, float]:
-    """(timed epoch seconds, total fit seconds) of one fresh fit."""
+def run_once(model_name: str, config: str, epochs: int,
+             policy: str) -> tuple[list, float, float]:
+    """(timed epoch seconds, total fit seconds, warm-up epoch seconds) of one
+    fresh fit. The warm-up epoch holds the tracing and, on an overflowing run,
+    the overflows of the scale probing down (and their forensic samples)."""
     build, shape, samples, initial_scale = MODELS[model_name]
     keras.mixed_precision.set_dtype_policy(policy)
     rng = np.random.default_rng(0)
@@ -121,7 +124,7 @@ def run_once(model_name: str, config: str, epochs: int, policy: str) -> tuple[li
         finally:
             if debugger:
                 tf.debugging.experimental.disable_dump_debug_info()
-    return timer.times[1:], total
+    return timer.times[1:], total, timer.times[0]
 
 
 CONFIGS = (
@@ -146,24 +149,28 @@ def main() -> None:
     for model_name in args.models:
         epoch_times = {c: [] for c in args.configs}
         totals = {c: [] for c in args.configs}
+        warmups = {c: [] for c in args.configs}
         for _ in range(args.repeats):
             for config in args.configs:
-                epochs, total = run_once(model_name, config, args.epochs, args.policy)
+                epochs, total, warmup = run_once(model_name, config, args.epochs, args.policy)
                 epoch_times[config].extend(epochs)
                 totals[config].append(total)
+                warmups[config].append(warmup)
         plain_epoch = statistics.median(epoch_times["plain"])
         plain_fastest = min(epoch_times["plain"])
         plain_total = statistics.median(totals["plain"])
+        plain_warmup = statistics.median(warmups["plain"])
         print(f"\n{model_name} ({args.policy}, {args.repeats} repeats x {args.epochs} epochs)")
         print(f"{'configuration':30s} {'epoch s':>9s} {'ratio':>7s} {'added':>8s} "
-              f"{'fastest':>8s} {'ratio':>7s} {'fit ratio':>9s}")
+              f"{'fastest':>8s} {'ratio':>7s} {'fit ratio':>9s} {'warm-up ratio':>13s}")
         for config in args.configs:
             epoch = statistics.median(epoch_times[config])
             fastest = min(epoch_times[config])
             total = statistics.median(totals[config])
+            warmup = statistics.median(warmups[config])
             print(f"{config:30s} {epoch:9.3f} {epoch / plain_epoch:7.3f} "
                   f"{epoch - plain_epoch:+8.3f} {fastest:8.3f} {fastest / plain_fastest:7.3f} "
-                  f"{total / plain_total:9.3f}")
+                  f"{total / plain_total:9.3f} {warmup / plain_warmup:13.3f}")
 
 
 if __name__ == "__main__":
