@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 OnWarning = Callable[[str], None]
 
 
+_EVENT = schema.LOSS_SCALE_EVENT_COLUMN
+_PROGRESS = schema.LOSS_SCALE_PROGRESS_COLUMN
+_STEP = schema.NUMERICS_STEP_COLUMN
+
+
 class LogdirNotFoundError(FileNotFoundError):
     """The logdir does not exist."""
 
@@ -67,21 +72,22 @@ class LossScale:
     progress: np.ndarray
 
     def _kind(self, kind: float) -> np.ndarray:
-        return self.events[self.events[:, 3] == kind]
+        return self.events[self.events[:, _EVENT.kind] == kind]
 
     @property
     def overflows(self) -> np.ndarray:
-        """[k, 3]: step, scale before, scale after of each overflow."""
-        return self._kind(schema.EVENT_OVERFLOW)[:, :3]
+        """[k, 3]: step, scale before, scale after of each overflow (the
+        columns of `schema.LOSS_SCALE_EVENT_COLUMN` before "kind")."""
+        return self._kind(schema.EVENT_OVERFLOW)[:, : _EVENT.kind]
 
     @property
     def growths(self) -> np.ndarray:
         """[k, 3]: step, scale before, scale after of each growth."""
-        return self._kind(schema.EVENT_GROWTH)[:, :3]
+        return self._kind(schema.EVENT_GROWTH)[:, : _EVENT.kind]
 
     @property
     def overflow_steps(self) -> np.ndarray:
-        return self.overflows[:, 0].astype(np.int64)
+        return self.overflows[:, _EVENT.step].astype(np.int64)
 
     @property
     def skipped_steps(self) -> int:
@@ -89,29 +95,32 @@ class LossScale:
 
     @property
     def first_step(self) -> int:
-        return int(self.progress[0, 0]) if len(self.progress) else 0
+        return int(self.progress[0, _PROGRESS.steps_run]) if len(self.progress) else 0
 
     @property
     def steps_run(self) -> int:
         """Steps run up to the last read, skipped steps included."""
-        last = int(self.progress[-1, 0]) if len(self.progress) else 0
+        last = int(self.progress[-1, _PROGRESS.steps_run]) if len(self.progress) else 0
         if len(self.events):
-            last = max(last, int(self.events[-1, 0]) + 1)
+            last = max(last, int(self.events[-1, _EVENT.step]) + 1)
         return last
 
     @property
     def initial_scale(self) -> float:
         if len(self.progress):
-            return float(self.progress[0, 1])
-        return float(self.events[0, 1]) if len(self.events) else float("nan")
+            return float(self.progress[0, _PROGRESS.scale])
+        return float(self.events[0, _EVENT.scale_before]) if len(self.events) else float("nan")
 
     @property
     def final_scale(self) -> float:
         if len(self.events) and (
-            not len(self.progress) or self.events[-1, 0] >= self.progress[-1, 0]
+            not len(self.progress)
+            or self.events[-1, _EVENT.step] >= self.progress[-1, _PROGRESS.steps_run]
         ):
-            return float(self.events[-1, 2])
-        return float(self.progress[-1, 1]) if len(self.progress) else float("nan")
+            return float(self.events[-1, _EVENT.scale_after])
+        if not len(self.progress):
+            return float("nan")
+        return float(self.progress[-1, _PROGRESS.scale])
 
     @property
     def steps_since_last_overflow(self) -> int | None:
@@ -125,8 +134,8 @@ class LossScale:
         """
         steps = [self.first_step - 1]
         scales = [self.initial_scale]
-        steps.extend(self.events[:, 0].tolist())
-        scales.extend(self.events[:, 2].tolist())
+        steps.extend(self.events[:, _EVENT.step].tolist())
+        scales.extend(self.events[:, _EVENT.scale_after].tolist())
         if self.steps_run - 1 > steps[-1]:
             steps.append(self.steps_run - 1)
             scales.append(scales[-1])
@@ -211,7 +220,7 @@ class Gpu:
         values = self.samples[:, schema.GPU_SAMPLE_COLUMNS.index(name)]
         if device is None:
             return values
-        return values[self.samples[:, 2] == device]
+        return values[self.samples[:, schema.GPU_SAMPLE_COLUMN.device] == device]
 
 
 @dataclasses.dataclass
@@ -355,7 +364,7 @@ class Run:
             return None
         joined = {record: np.concatenate([b[record] for b in complete]) for record in shapes}
         # One sample per step, the last written, in step order.
-        sample_steps = joined[schema.NUMERICS_STEP][:, 0]
+        sample_steps = joined[schema.NUMERICS_STEP][:, _STEP.step]
         reversed_unique = np.unique(sample_steps[::-1], return_index=True)[1]
         keep = len(sample_steps) - 1 - reversed_unique
 
@@ -368,11 +377,11 @@ class Run:
             variables=list(layout["variables"]),
             policy_max=float(layout["policy_max"]),
             hist_edges=np.asarray(layout["hist_edges"], dtype=np.float64),
-            steps=step_rows[:, 0].astype(np.int64),
-            loss=step_rows[:, 1],
-            loss_scale=step_rows[:, 2],
-            forensic=step_rows[:, 3] > 0,
-            steps_covered=step_rows[:, 4].astype(np.int64),
+            steps=step_rows[:, _STEP.step].astype(np.int64),
+            loss=step_rows[:, _STEP.loss],
+            loss_scale=step_rows[:, _STEP.loss_scale],
+            forensic=step_rows[:, _STEP.forensic] > 0,
+            steps_covered=step_rows[:, _STEP.steps_covered].astype(np.int64),
             forward=_shares(stacked(schema.NUMERICS_FORWARD)),
             backward=_shares(stacked(schema.NUMERICS_BACKWARD)),
             forward_hist=stacked(schema.NUMERICS_FORWARD_HIST),

@@ -114,6 +114,24 @@ GPU_SAMPLE_COLUMNS = (
     "temperature_c", "clock_event_reasons",
 )
 
+class Columns:
+    """Column positions by name: `LOSS_SCALE_EVENT_COLUMN.step` is 0. Readers,
+    rules and payloads index records through these, never by a bare number."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = tuple(names)
+        for position, name in enumerate(self.names):
+            setattr(self, name, position)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+LOSS_SCALE_EVENT_COLUMN = Columns(LOSS_SCALE_EVENT_COLUMNS)
+LOSS_SCALE_PROGRESS_COLUMN = Columns(LOSS_SCALE_PROGRESS_COLUMNS)
+NUMERICS_STEP_COLUMN = Columns(NUMERICS_STEP_COLUMNS)
+GPU_SAMPLE_COLUMN = Columns(GPU_SAMPLE_COLUMNS)
+
 # Values of the "kind" column of LOSS_SCALE_EVENTS.
 EVENT_OVERFLOW = 0.0  # non-finite gradients: step skipped, scale halved
 EVENT_GROWTH = 1.0  # dynamic_growth_steps finite steps in a row: scale doubled

@@ -284,19 +284,23 @@ def _first(*checks) -> str | None:
 
 
 def _loss_scale_events(rows: np.ndarray) -> str | None:
-    kinds = rows[:, 3]
+    column = schema.LOSS_SCALE_EVENT_COLUMN
+    kinds = rows[:, column.kind]
     bad_kind = ~np.isin(kinds, (schema.EVENT_OVERFLOW, schema.EVENT_GROWTH))
     return _first(
-        _steps(rows[:, 0], "step"),
-        _scales(rows[:, 1]),
-        _scales(rows[:, 2]),
+        _steps(rows[:, column.step], "step"),
+        _scales(rows[:, column.scale_before]),
+        _scales(rows[:, column.scale_after]),
         f"has event kind {kinds[bad_kind][0]!r}" if bad_kind.any() else None,
     )
 
 
 def _loss_scale_progress(rows: np.ndarray) -> str | None:
+    column = schema.LOSS_SCALE_PROGRESS_COLUMN
     return _first(
-        _steps(rows[:, 0], "steps_run"), _scales(rows[:, 1]), _steps(rows[:, 2], "skipped_steps")
+        _steps(rows[:, column.steps_run], "steps_run"),
+        _scales(rows[:, column.scale]),
+        _steps(rows[:, column.skipped_steps], "skipped_steps"),
     )
 
 

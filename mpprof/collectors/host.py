@@ -76,7 +76,8 @@ class HostRecorder(Collector):
             return
         rows = self._sampler.drain()
         if len(rows):
-            fit.host_writer.write_array(schema.GPU_SAMPLES, rows, int(rows[-1, 1]))
+            step = int(rows[-1, schema.GPU_SAMPLE_COLUMN.step])
+            fit.host_writer.write_array(schema.GPU_SAMPLES, rows, step)
 
     def _write_kernel_stats(self, fit, result: dict | None) -> None:
         if result is not None:

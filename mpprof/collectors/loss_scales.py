@@ -88,7 +88,7 @@ class LossScales(Collector):
                 fit.writer.write_array(schema.LOSS_SCALE_PROGRESS, start, int(start[0]),
                                        series=series)
             events, progress = collector.read()
-            step = int(progress[0])
+            step = int(progress[schema.LOSS_SCALE_PROGRESS_COLUMN.steps_run])
             if len(events):
                 fit.writer.write_array(schema.LOSS_SCALE_EVENTS, events, step, series=series)
             fit.writer.write_array(schema.LOSS_SCALE_PROGRESS, progress, step, series=series)

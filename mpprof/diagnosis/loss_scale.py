@@ -7,9 +7,12 @@ import math
 
 import numpy as np
 
+from mpprof import schema
 from mpprof.diagnosis.core import NotApplicable, NotMeasured, finding, rule
 from mpprof.diagnosis.numerics import gradient_overflow_origin
 from mpprof.diagnosis.view import RunView, forward_overflow_mask
+
+_EVENT = schema.LOSS_SCALE_EVENT_COLUMN
 
 # MP001: Keras 3's LossScaleOptimizer has no floor. A scale below 1 means the
 # gradients overflow float16 even UNSCALED, so no loss scale can help.
@@ -70,30 +73,29 @@ def loss_scale_collapse(view: RunView) -> list:
     overflow starts when numerics were recorded (MP019)."""
     view.require_mixed()
     loss_scale = view.require_loss_scale()
-    overflows = loss_scale.overflows  # step, scale before, scale after
-    below = overflows[overflows[:, 2] < MIN_HEALTHY_LOSS_SCALE]
-    at_floor = overflows[
-        (overflows[:, 1] <= MIN_HEALTHY_LOSS_SCALE) & (overflows[:, 2] >= overflows[:, 1])
-    ]
+    overflows = loss_scale.overflows
+    before, after = overflows[:, _EVENT.scale_before], overflows[:, _EVENT.scale_after]
+    below = overflows[after < MIN_HEALTHY_LOSS_SCALE]
+    at_floor = overflows[(before <= MIN_HEALTHY_LOSS_SCALE) & (after >= before)]
     if len(below):
         first = below[0]
         evidence = {
-            "first_step_below_1": int(first[0]),
-            "scale_at_that_step": float(first[2]),
-            "lowest_scale": float(overflows[:, 2].min()),
+            "first_step_below_1": int(first[_EVENT.step]),
+            "scale_at_that_step": float(first[_EVENT.scale_after]),
+            "lowest_scale": float(after.min()),
             "final_scale": loss_scale.final_scale,
             "overflows_below_1": len(below),
             "overflows": loss_scale.skipped_steps,
         }
-        step = int(first[0])
+        step = int(first[_EVENT.step])
         what = f"the loss scale fell to {evidence['lowest_scale']:g}"
     elif len(at_floor) >= FLOOR_OVERFLOWS_LIMIT:
         evidence = {
             "overflows_at_floor": len(at_floor),
             "floor": MIN_HEALTHY_LOSS_SCALE,
-            "first_step_at_floor": int(at_floor[0, 0]),
+            "first_step_at_floor": int(at_floor[0, _EVENT.step]),
         }
-        step = int(at_floor[0, 0])
+        step = int(at_floor[0, _EVENT.step])
         what = f"{len(at_floor)} overflows with the loss scale at its floor of 1"
     else:
         return []
@@ -135,7 +137,8 @@ def overflow_share(view: RunView) -> list:
     if len(excess) < MIN_EXCESS_OVERFLOWS or len(excess) / steps < EXCESS_OVERFLOW_SHARE:
         return []
     descent = _initial_descent(loss_scale)
-    settled = float(loss_scale.overflows[descent - 1, 2]) if descent else loss_scale.final_scale
+    settled = (float(loss_scale.overflows[descent - 1, _EVENT.scale_after]) if descent
+               else loss_scale.final_scale)
     evidence = {
         "steps": steps,
         "overflows": loss_scale.skipped_steps,
@@ -201,7 +204,7 @@ def _excess_overflows(loss_scale) -> np.ndarray:
     the first overflow after it, if that comes before the next growth.
     """
     overflows = np.sort(loss_scale.overflow_steps)
-    growths = np.sort(loss_scale.growths[:, 0].astype(np.int64))
+    growths = np.sort(loss_scale.growths[:, _EVENT.step].astype(np.int64))
     if not len(overflows) or not len(growths):
         return overflows
     first_after = np.searchsorted(overflows, growths, side="right")
