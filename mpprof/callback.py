@@ -8,7 +8,6 @@ import posixpath
 import weakref
 
 import keras
-import tensorflow as tf
 
 from mpprof import arguments, schema, tf_keras_support
 from mpprof.collectors import gpu as gpu_collector
@@ -22,20 +21,18 @@ from mpprof.collectors.optimizers import OptimizerUsage
 from mpprof.collectors.run_health import RunHealth
 from mpprof.context import run_context
 from mpprof.distributed import (
-    DiscardingWriter,
-    WorkerRole,
     announce_keras_3_multi_worker,
     warn_if_keras_3_multi_worker,
     worker_role,
 )
 from mpprof.fit_state import FitState
-from mpprof.guard import Guard, GuardedWriter
+from mpprof.guard import Guard
 from mpprof.hard_stop import FlushClock, SigtermFlush
 from mpprof.keras_api import check_backend, keras_api_for
 from mpprof.patching import Patches
+from mpprof.routing import RecordRouting
 from mpprof.sampling import SampleSchedule
 from mpprof.train_functions import TrainFunctions
-from mpprof.writer import RecordWriter
 
 # The key under which the plain train step reports the skipped-step count in
 # its logs (taken out before Keras sees them): reading a tensor the step
@@ -185,7 +182,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             kernel_collector.ProfileWindow(*self.profile_steps, self.run_dir)
             if self.profile_steps else None
         )
-        self._writer: GuardedWriter | None = None
+        self._routing: RecordRouting | None = None
         self._fit_count = 0
         self._last_step: int | None = None
         # Collectors of earlier fits, by optimizer: their counters go on.
@@ -224,11 +221,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             if self._role.multi_worker and not api.fits_across_workers else None
         )
         self._guard = Guard()
-        writer, worker_writer = self._open_writers(self._role)
-        self._writer = GuardedWriter(writer, self._guard)
-        self._worker_writer = (
-            GuardedWriter(worker_writer, self._guard) if worker_writer is not None else None
-        )
+        self._routing = RecordRouting(self.run_dir, self._role, self._guard)
         self._patches = Patches()
         self._fit_state = schema.FIT_RUNNING
         self._fit_count += 1
@@ -248,15 +241,14 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         usage = OptimizerUsage(api, model)
         self._schedule.start_fit()
         fit = FitState(
-            model=model, guard=self._guard, writer=self._writer,
-            host_writer=self._worker_writer or self._writer, usage=usage,
+            model=model, guard=self._guard, writer=self._routing.model,
+            host_writer=self._routing.host, usage=usage,
             schedule=self._schedule,
         )
         capacity = 2 * (self.flush_every_steps + _steps_per_execution(model))
         self._inventory = Inventory(model, self._guard)
         self._loss_scales = LossScales(api, usage, strategy, capacity, self._earlier_loss_scales)
-        self._health = RunHealth(api, usage, strategy,
-                                 lambda name: self._graph_step_of(usage, name),
+        self._health = RunHealth(api, usage, strategy, self._loss_scales.graph_step_of,
                                  self._earlier_health)
         self._numerics = NumericsSamples(
             api.numerics_collector, self._inventory, self._loss_scales, self._health,
@@ -373,7 +365,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
     def _start_step(self, usage) -> int:
         if self._last_step is not None:
             return self._last_step
-        return self._step_of(usage.uses[0]) if usage.uses else 0
+        return self._loss_scales.step_of(usage.uses[0]) if usage.uses else 0
 
     def _measured_step(self) -> int:
         """Steps run so far: the primary optimizer's (iterations, plus skipped
@@ -383,36 +375,20 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         primary = fit.usage.primary() if fit.usage.traced else None
         if primary is None or (primary.loss_scale and not self._guard.ok("loss_scale")):
             return fit.step
-        return self._step_of(primary)
-
-    def _step_of(self, use) -> int:
-        collector = self._loss_scales.by_name.get(use.name)
-        if collector is not None:
-            return collector.current_step()
-        return int(use.optimizer.iterations.numpy())
-
-    def _graph_step_of(self, usage: OptimizerUsage, name: str):
-        """For an optimizer's name, a function giving its step in-graph."""
-        collector = self._loss_scales.by_name.get(name)
-        if collector is not None:
-            return collector.graph_step
-        optimizer = next(u.optimizer for u in usage.uses if u.name == name)
-        return lambda: tf.convert_to_tensor(optimizer.iterations)
+        return self._loss_scales.step_of(primary)
 
     # Writing.
 
     def _flush(self) -> None:
         """Reads the in-graph counters and writes every pending record."""
         fit = self._fit
-        if fit is None or self._writer is None:
+        if fit is None or self._routing is None:
             return
         fit.step = self._guard.run("profiler", self._measured_step) or fit.step
         for collector in self._collectors:
             self._guard.run(collector.name, collector.flush, fit)
         self._write_context()
-        self._writer.flush()
-        if self._worker_writer is not None:
-            self._worker_writer.flush()
+        self._routing.flush()
         self._steps_since_flush = 0
         self._flush_clock.reset()
 
@@ -429,7 +405,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._finish()
 
     def _finish(self) -> None:
-        if self._writer is None:
+        if self._routing is None:
             return
         atexit.unregister(self._finish_unended)
         self._sigterm.remove()
@@ -455,11 +431,8 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             for failure in self._patches.restore():
                 print(f"mpprof: could not undo a patch ({failure})")
             self._fit = None
-            self._writer.close()
-            self._writer = None
-            if self._worker_writer is not None:
-                self._worker_writer.close()
-                self._worker_writer = None
+            self._routing.close()
+            self._routing = None
             if _ACTIVE.get(self.model) is self:
                 del _ACTIVE[self.model]
 
@@ -523,54 +496,15 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._guard.run("run_context", self._write_contexts)
 
     def _write_contexts(self) -> None:
-        context = self._context()
         fit = self._fit
         step = fit.step if fit is not None else self._last_step or 0
-        if self._worker_writer is None:
-            self._writer.write_json(schema.RUN_CONTEXT, context, step)
-            return
-        # GPU samples belong to hosts: point the model run at every worker's.
-        gpu = context["collectors"].setdefault("gpu", {})
-        gpu["samples_in_runs"] = context["distributed"]["worker_runs"]
-        self._writer.write_json(schema.RUN_CONTEXT, context, step)
-        gpu["samples_in_runs"] = [context["distributed"]["worker_run"]]
-        context["run_role"] = "worker"
-        if fit is not None:
-            context["worker_evidence"] = {
-                "steps_run": step,
-                "skipped_steps": self._loss_scales.skipped_steps(),
-                **self._health.record(step),
-            }
-        self._worker_writer.write_json(schema.RUN_CONTEXT, context, step)
-
-    # Distribution: which process writes what (mpprof.distributed).
-
-    def _open_writers(
-        self, role: WorkerRole
-    ) -> tuple[RecordWriter | DiscardingWriter, RecordWriter | None]:
-        """(model-level writer, this worker's own writer or None)."""
-        model_writer = _open_writer(self.run_dir) if role.is_chief else DiscardingWriter()
-        if role.worker_run is None:
-            return model_writer, None
-        try:
-            return model_writer, _open_writer(posixpath.join(self.run_dir, role.worker_run))
-        except BaseException:
-            model_writer.close()
-            raise
+        evidence = None
+        if fit is not None and self._routing.worker is not None:
+            health = self._guard.run(self._health.name, self._health.record, step) or {}
+            evidence = {"steps_run": step, "skipped_steps": self._loss_scales.skipped_steps(),
+                        **health}
+        self._routing.write_context(self._context(), step, evidence)
 
 
 def _steps_per_execution(model) -> int:
     return tf_keras_support.steps_per_execution(model)
-
-
-def _open_writer(run_dir: str) -> RecordWriter:
-    try:
-        return RecordWriter(run_dir)
-    except (OSError, tf.errors.OpError) as e:
-        message = getattr(e, "message", None) or str(e)
-        raise OSError(
-            f"mpprof cannot write its records to {run_dir!r}: {message}. Pass "
-            "MixedPrecisionProfiler(log_dir=...) a directory you can write to."
-        ) from e
-
-

@@ -121,6 +121,22 @@ class LossScales(Collector):
             return tf.constant(1.0)
         return primary.scale_tensor()
 
+    def step_of(self, use) -> int:
+        """Steps optimizer `use` has run (a host read): its iterations, plus
+        its skipped steps under loss scaling (Keras 3 does not count them)."""
+        collector = self.by_name.get(use.name)
+        if collector is not None:
+            return collector.current_step()
+        return int(use.optimizer.iterations.numpy())
+
+    def graph_step_of(self, name: str):
+        """For an optimizer's name, a function giving its step in-graph."""
+        collector = self.by_name.get(name)
+        if collector is not None:
+            return collector.graph_step
+        optimizer = next(u.optimizer for u in self._usage.uses if u.name == name)
+        return lambda: tf.convert_to_tensor(optimizer.iterations)
+
     def scale_of(self, name: str):
         """A function giving optimizer `name`'s loss scale in-graph (1 for an
         optimizer without loss scaling)."""
