@@ -617,7 +617,7 @@ class GpuSampler:
         for sample in device.gpm_samples:
             try:
                 nvml.nvmlGpmSampleFree(sample)
-            except Exception:  # noqa: BLE001, S110 - freeing is best effort
+            except Exception:  # noqa: BLE001 - freeing is best effort
                 pass
         device.gpm_samples = []
 

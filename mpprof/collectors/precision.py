@@ -190,7 +190,7 @@ def compiled_losses(model, outputs: int) -> list[tuple[str | None, bool | None]]
         if isinstance(loss, (list, tuple)):
             return [_describe_loss(item) for item in loss]
         return [_describe_loss(loss)] * outputs
-    except Exception:  # private layouts differ across Keras versions: never raise
+    except Exception:  # noqa: BLE001 - private layouts differ across Keras versions: never raise
         return unknown
 
 
@@ -203,7 +203,7 @@ def _describe_loss(loss) -> tuple[str | None, bool | None]:
     if hasattr(loss, "get_config"):
         try:
             config = loss.get_config() or {}
-        except Exception:  # a user's loss may not serialise
+        except Exception:  # noqa: BLE001 - a user's loss may not serialise
             config = {}
     kwargs = getattr(loss, "_fn_kwargs", None) or {}
     from_logits = config.get("from_logits", kwargs.get("from_logits", False))
