@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from mpprof import dtypes
 from mpprof.collectors import gpu
 
 
@@ -79,8 +80,8 @@ def _tensorflow_gpus() -> list[dict]:
                 "uuid": None,
                 "architecture": gpu.architecture_name(None, capability),
                 "compute_capability": capability,
-                "fp16_tensor_cores": gpu.fp16_tensor_cores(capability),
-                "bf16": gpu.bf16_supported(capability),
+                "fp16_tensor_cores": dtypes.has_fp16_tensor_cores(capability),
+                "bf16": dtypes.has_native_bf16(capability),
                 "memory_total_bytes": None,
             }
         )

@@ -9,46 +9,16 @@ decides it) get `OVERFLOW_HEADROOM`, an all-zero output the most there is.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
 
-from mpprof import schema
+from mpprof.dtypes import DTYPE_RANGES, DtypeRange
 
 # Headroom given to a sample whose output overflowed (non-finite or beyond max).
 OVERFLOW_HEADROOM = -1.0
 # Above this many bits headroom is plenty in any dtype: colour scales end here.
 COLOR_MAX_BITS = 16.0
-
-
-@dataclasses.dataclass(frozen=True)
-class DtypeRange:
-    """The range of a floating-point dtype.
-
-    Attributes:
-        name: "float16", "bfloat16" or "float32".
-        max: the largest finite value.
-        smallest_normal: the smallest positive normal value.
-        smallest_subnormal: the smallest positive subnormal value.
-    """
-
-    name: str
-    max: float
-    smallest_normal: float
-    smallest_subnormal: float
-
-
-DTYPE_RANGES = (
-    DtypeRange(
-        "float16",
-        schema.FLOAT16_MAX,
-        schema.FLOAT16_SMALLEST_NORMAL,
-        schema.FLOAT16_SMALLEST_SUBNORMAL,
-    ),
-    DtypeRange("bfloat16", schema.BFLOAT16_MAX, 2.0**-126, 2.0**-133),
-    DtypeRange("float32", float(np.finfo(np.float32).max), 2.0**-126, 2.0**-149),
-)
 
 
 def dtype_range(policy_max: float) -> DtypeRange:

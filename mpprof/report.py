@@ -32,7 +32,8 @@ from collections.abc import Callable
 import numpy as np
 
 import mpprof
-from mpprof import diagnosis, headroom, reader, schema
+from mpprof import diagnosis, downsample, headroom, reader
+from mpprof.jsonsafe import json_floats
 
 # A plot is at most ~2,000 pixels wide: more points than this per line (the
 # loss-scale step function is kept as min/max per bucket) cannot be seen.
@@ -138,15 +139,13 @@ def _severity_key(result: diagnosis.Diagnosis) -> list[int]:
 def _run_data(run: reader.Run) -> dict:
     """What the plots of one run need, downsampled and JSON-ready."""
     data: dict = {"name": _label(run.name)}
-    loss_scale = run.loss_scale
-    if loss_scale is not None:
-        data["loss_scale"] = _loss_scale_data(loss_scale)
-    numerics = getattr(run, "numerics", None)
+    if run.loss_scale is not None:
+        data["loss_scale"] = _loss_scale_data(run.loss_scale)
+    numerics = run.numerics
     if numerics is not None and len(numerics.steps) and len(numerics.layers):
-        data["numerics"] = _numerics_data(numerics, diagnosis.forward_overflow_mask(run))
-    gpu = getattr(run, "gpu", None)
-    if gpu is not None and getattr(gpu, "samples", None) is not None:
-        tracks = _gpu_data(gpu)
+        data["numerics"] = _numerics_data(run)
+    if run.gpu is not None:
+        tracks = _gpu_data(run.gpu)
         if tracks:
             data["gpu"] = tracks
     return data
@@ -154,12 +153,12 @@ def _run_data(run: reader.Run) -> dict:
 
 def _loss_scale_data(loss_scale: reader.LossScale) -> dict:
     steps, scales = loss_scale.series()
-    steps, scales = _decimate_step_function(steps, scales, MAX_TIMELINE_POINTS)
+    kept = downsample.envelope(steps, scales, MAX_TIMELINE_POINTS)
     overflows = loss_scale.overflows
     growths = loss_scale.growths
     return {
-        "steps": steps.tolist(),
-        "scales": _finite_list(scales),
+        "steps": steps[kept].tolist(),
+        "scales": json_floats(scales[kept]),
         "overflows": _markers(overflows[:, 0], overflows[:, 1]),
         "growths": _markers(growths[:, 0], growths[:, 2]),
         "overflow_count": len(overflows),
@@ -167,29 +166,11 @@ def _loss_scale_data(loss_scale: reader.LossScale) -> dict:
     }
 
 
-def _decimate_step_function(steps: np.ndarray, values: np.ndarray, limit: int):
-    """At most ~`limit` vertices: per bucket of steps, its first, min and max."""
-    if len(steps) <= limit:
-        return steps, values
-    buckets = limit // 3
-    edges = np.linspace(steps[0], steps[-1] + 1, buckets + 1)
-    bucket = np.clip(np.searchsorted(edges, steps, side="right") - 1, 0, buckets - 1)
-    starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]])
-    ends = np.r_[starts[1:], len(steps)]
-    keep = set()
-    for start, end in zip(starts, ends, strict=True):
-        chunk = values[start:end]
-        keep.update((start, start + int(np.argmin(chunk)), start + int(np.argmax(chunk))))
-    keep.add(len(steps) - 1)
-    index = np.array(sorted(keep))
-    return steps[index], values[index]
-
-
 def _markers(steps: np.ndarray, scales: np.ndarray) -> dict:
     """Marker positions; beyond MAX_EVENT_MARKERS one per bucket, with counts."""
     steps = steps.astype(np.int64)
     if len(steps) <= MAX_EVENT_MARKERS:
-        return {"steps": steps.tolist(), "scales": _finite_list(scales), "counts": None}
+        return {"steps": steps.tolist(), "scales": json_floats(scales), "counts": None}
     edges = np.linspace(steps.min(), steps.max() + 1, MAX_EVENT_MARKERS + 1)
     bucket = np.clip(np.searchsorted(edges, steps, side="right") - 1, 0, MAX_EVENT_MARKERS - 1)
     used, first, counts = np.unique(bucket, return_index=True, return_counts=True)
@@ -197,41 +178,41 @@ def _markers(steps: np.ndarray, scales: np.ndarray) -> dict:
     np.maximum.at(peak, bucket, scales)
     return {
         "steps": steps[first].tolist(),
-        "scales": _finite_list(peak[used]),
+        "scales": json_floats(peak[used]),
         "counts": counts.tolist(),
     }
 
 
-def _numerics_data(numerics, overflowed: np.ndarray) -> dict:
-    """`overflowed`: [samples, layers], as the diagnosis decides it."""
+def _numerics_data(run: reader.Run) -> dict:
+    """The heatmaps (layer x merged samples) and their overflow markers."""
+    numerics = run.numerics
     steps = np.asarray(numerics.steps, dtype=np.int64)
-    groups = _column_groups(len(steps), MAX_HEATMAP_STEPS)
+    # Consecutive samples merged into columns; each keeps its worst value.
+    starts = downsample.group_starts(len(steps), MAX_HEATMAP_STEPS)
     forward_max = np.asarray(numerics.forward["abs_max"], dtype=np.float64)
     backward_max = np.asarray(numerics.backward["abs_max"], dtype=np.float64)
+    # Overflowed or not: the diagnosis decides, by each layer's own dtype.
+    forward_overflowed = diagnosis.forward_overflow_mask(run)
     dtype = headroom.dtype_range(numerics.policy_max)
-    bits = headroom.headroom_bits(
-        numerics.policy_max, forward_max, overflowed
-    )
+    bits = headroom.headroom_bits(numerics.policy_max, forward_max, forward_overflowed)
     maps = {
         # The worst (least) headroom of the samples a column merges.
-        "forward_headroom": _finite_list(
-            np.round(-_reduce_columns(-bits, groups, _nanmax), 2)
+        "forward_headroom": json_floats(-_worst_per_column(-bits, starts), decimals=2),
+        "backward_log10_abs_max": _log10_map(backward_max, starts),
+        "forward_nonfinite_frac": json_floats(
+            _worst_per_column(numerics.forward["nonfinite_frac"], starts), decimals=3
         ),
-        "backward_log10_abs_max": _log10_map(backward_max, groups),
-        "forward_nonfinite_frac": _worst_map(numerics.forward["nonfinite_frac"], groups),
-        "backward_underflow_frac": _worst_map(numerics.backward["underflow_frac"], groups),
+        "backward_underflow_frac": json_floats(
+            _worst_per_column(numerics.backward["underflow_frac"], starts), decimals=3
+        ),
     }
     overflow = {
-        "forward": _overflow_cells(
-            forward_max, numerics.forward["nonfinite_frac"], numerics.policy_max, groups
-        ),
-        "backward": _overflow_cells(
-            backward_max, numerics.backward["nonfinite_frac"], math.inf, groups
-        ),
+        "forward": _overflow_cells(forward_overflowed, starts),
+        "backward": _overflow_cells(diagnosis.backward_overflow_mask(run), starts),
     }
     return {
         "layers": [_label(name) for name in numerics.layers],
-        "steps": [int(steps[g[0]]) for g in groups],
+        "steps": steps[starts].tolist(),
         "policy_log10_max": round(math.log10(numerics.policy_max), 3),
         "dtype": dtype.name,
         "policy_max": numerics.policy_max,
@@ -246,82 +227,50 @@ def _numerics_data(numerics, overflowed: np.ndarray) -> dict:
     }
 
 
-def _column_groups(count: int, limit: int) -> list[np.ndarray]:
-    """Consecutive sample indices merged into at most `limit` columns."""
-    return np.array_split(np.arange(count), min(count, limit))
+def _worst_per_column(values, starts: np.ndarray) -> np.ndarray:
+    """[samples, layers] values as [layers, columns], each column the max of
+    the samples it merges (NaN ignored)."""
+    values = np.asarray(values, dtype=np.float64).T
+    return downsample.pool_max(values, np.arange(len(values)), starts)
 
 
-def _reduce_columns(values, groups, reduce) -> np.ndarray:
-    values = np.asarray(values, dtype=np.float64)
-    return np.stack([reduce(values[g], axis=0) for g in groups], axis=1)  # [L, C]
-
-
-def _log10_map(abs_max: np.ndarray, groups) -> list:
+def _log10_map(abs_max: np.ndarray, starts: np.ndarray) -> list:
     with np.errstate(all="ignore"):
         finite = np.where(np.isfinite(abs_max) & (abs_max > 0), abs_max, np.nan)
-        merged = _reduce_columns(finite, groups, _nanmax)
-        return _finite_list(np.round(np.log10(merged), 2))
+        return json_floats(np.log10(_worst_per_column(finite, starts)), decimals=2)
 
 
-def _worst_map(fractions, groups) -> list:
-    merged = _reduce_columns(fractions, groups, _nanmax)
-    return _finite_list(np.round(merged, 3))
-
-
-def _nanmax(values: np.ndarray, axis: int) -> np.ndarray:
-    with np.errstate(all="ignore"):
-        filled = np.where(np.isnan(values), -np.inf, values)
-        result = filled.max(axis=axis)
-    return np.where(np.isneginf(result), np.nan, result)
-
-
-def _overflow_cells(abs_max, nonfinite, limit, groups) -> dict:
-    """(step, layer) cells where values overflowed, for markers over a heatmap."""
-    abs_max = np.asarray(abs_max, dtype=np.float64)
-    with np.errstate(invalid="ignore"):
-        bad = (np.asarray(nonfinite) > 0) | ~np.isfinite(abs_max) | (abs_max > limit)
-    merged = np.stack([bad[g].any(axis=0) for g in groups], axis=1)  # [L, C]
+def _overflow_cells(overflowed: np.ndarray, starts: np.ndarray) -> dict:
+    """(layer, column) cells where any merged sample overflowed, for markers
+    over a heatmap."""
+    merged = np.logical_or.reduceat(np.asarray(overflowed, dtype=bool), starts, axis=0).T
     layer, column = np.nonzero(merged)
     keep = slice(0, MAX_EVENT_MARKERS)
     return {"layer": layer[keep].tolist(), "column": column[keep].tolist()}
 
 
-def _gpu_data(gpu) -> list[dict]:
-    columns = tuple(getattr(schema, "GPU_SAMPLE_COLUMNS", ()))
-    samples = np.asarray(gpu.samples, dtype=np.float64)
-    if not columns or samples.ndim != 2 or not len(samples):
+def _gpu_data(gpu: reader.Gpu) -> list[dict]:
+    """One track per recorded GPU_TRACKS column, a line per device (bucket
+    means over time), x in seconds since the first sample."""
+    tracks_by_device = downsample.device_tracks(gpu.samples, MAX_GPU_POINTS)
+    if not tracks_by_device:
         return []
-    samples = samples.reshape(len(samples), len(columns))
-    time = samples[:, columns.index("wall_time")] if "wall_time" in columns else None
-    x = time - np.nanmin(time) if time is not None else np.arange(len(samples))
-    devices = samples[:, columns.index("device")] if "device" in columns else np.zeros(len(samples))
+    with np.errstate(all="ignore"):
+        start = np.nanmin([np.nanmin(t["wall_time"]) for t in tracks_by_device.values()])
     tracks = []
     for column, title in GPU_TRACKS:
-        if column not in columns:
+        if not any(np.isfinite(t[column]).any() for t in tracks_by_device.values()):
             continue
-        values = samples[:, columns.index(column)]
-        if not np.isfinite(values).any():
-            continue
-        lines = []
-        for device in np.unique(devices[np.isfinite(devices)]):
-            mine = np.flatnonzero(devices == device)
-            stride = max(1, math.ceil(len(mine) / MAX_GPU_POINTS))
-            mine = mine[::stride]
-            lines.append(
-                {
-                    "name": f"GPU {int(device)}",
-                    "x": _finite_list(np.round(x[mine], 2)),
-                    "y": _finite_list(np.round(values[mine], 2)),
-                }
-            )
+        lines = [
+            {
+                "name": f"GPU {device}",
+                "x": json_floats(track["wall_time"] - start, decimals=2),
+                "y": json_floats(track[column], decimals=2),
+            }
+            for device, track in tracks_by_device.items()
+        ]
         tracks.append({"title": title, "lines": lines})
     return tracks
-
-
-def _finite_list(values) -> list:
-    """A list JSON can hold: NaN and inf become null."""
-    array = np.asarray(values, dtype=np.float64)
-    return np.where(np.isfinite(array), array, None).tolist()
 
 
 def _label(text) -> str:
@@ -420,9 +369,8 @@ def _context_html(run: reader.Run) -> str:
                 f"{loss.skipped_steps} overflows, {len(loss.growths)} growths",
             )
         )
-    health = getattr(run, "health", None)
-    if health:
-        rows.append(("health", health))
+    if run.health:
+        rows.append(("health", run.health))
     body = "".join(
         f"<tr><th>{_e(k)}</th><td>{_value_html(v)}</td></tr>" for k, v in rows if v is not None
     )
@@ -573,19 +521,18 @@ def _inventory_html(inventory: dict | None) -> str:
 
 
 def _gpu_html(run: reader.Run, data: dict, index: int) -> str:
-    gpu = getattr(run, "gpu", None)
+    gpu = run.gpu
     parts = ["<h3>GPU</h3>"]
     if gpu is None:
         parts.append("<p class=muted>No GPU data was recorded.</p>")
         return "\n".join(parts)
-    parts.append(f"<p>Sampler mode: {_e(getattr(gpu, 'mode', None))}</p>")
+    parts.append(f"<p>Sampler mode: {_e(gpu.mode)}</p>")
     for track in range(len(data.get("gpu", []))):
         parts.append(
             f'<div class="plot gpu" data-kind="gpu" data-track="{track}" data-run="{index}"></div>'
         )
-    kernels = getattr(gpu, "kernels", None)
-    if kernels:
-        parts.append(f"<h4>Kernels</h4>{_value_html(kernels)}")
+    if gpu.kernels:
+        parts.append(f"<h4>Kernels</h4>{_value_html(gpu.kernels)}")
     return "\n".join(parts)
 
 

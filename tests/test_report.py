@@ -17,7 +17,7 @@ from diagnosis_runs import (
     write_gpu_run,
 )
 
-from mpprof import cli, diagnosis, reader, report
+from mpprof import cli, diagnosis, downsample, reader, report
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,8 @@ def test_loss_scale_timeline_downsamples_but_keeps_extremes():
     scales = np.full(len(steps), 2.0**15)
     scales[123_457] = 1.0  # one dip must survive downsampling
     scales[987_654] = 2.0**24
-    kept_steps, kept = report._decimate_step_function(steps, scales, report.MAX_TIMELINE_POINTS)
+    index = downsample.envelope(steps, scales, report.MAX_TIMELINE_POINTS)
+    kept_steps, kept = steps[index], scales[index]
     assert len(kept) <= report.MAX_TIMELINE_POINTS + 2
     assert kept.min() == 1.0 and kept.max() == 2.0**24
     assert kept_steps[0] == 0 and kept_steps[-1] == steps[-1]

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from mpprof import arguments, schema
+from mpprof import arguments, dtypes, schema
 
 MODE_GPM = "gpm"
 MODE_BASIC = "basic"
@@ -94,20 +94,6 @@ _ARCHITECTURES_BY_CC = {
     10: "Blackwell",
     12: "Blackwell",
 }
-
-
-def fp16_tensor_cores(compute_capability) -> bool | None:
-    """Whether a GPU of this compute capability has fp16 Tensor Cores (>= 7.0)."""
-    if not compute_capability:
-        return None
-    return tuple(compute_capability) >= (7, 0)
-
-
-def bf16_supported(compute_capability) -> bool | None:
-    """Whether a GPU of this compute capability computes bfloat16 natively (>= 8.0)."""
-    if not compute_capability:
-        return None
-    return tuple(compute_capability) >= (8, 0)
 
 
 def architecture_name(
@@ -493,8 +479,8 @@ class GpuSampler:
                 _optional(nvml, nvml.nvmlDeviceGetArchitecture, handle), capability
             ),
             "compute_capability": capability,
-            "fp16_tensor_cores": fp16_tensor_cores(capability),
-            "bf16": bf16_supported(capability),
+            "fp16_tensor_cores": dtypes.has_fp16_tensor_cores(capability),
+            "bf16": dtypes.has_native_bf16(capability),
             "memory_total_bytes": int(memory.total) if memory is not None else None,
         }
 

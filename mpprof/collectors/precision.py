@@ -16,13 +16,8 @@ import math
 import tensorflow as tf
 
 from mpprof.collectors.layer_calls import walk_layers
+from mpprof.dtypes import HALF_DTYPES, TENSOR_CORE_MULTIPLE
 from mpprof.tf_keras_support import variable_short_name
-
-# Tensor Cores run float16/bfloat16 GEMMs at full speed only when the matrix
-# dimensions are multiples of 8 (NVIDIA's "Matrix Multiplication Background
-# User's Guide"; cuBLAS pads or falls back otherwise).
-TENSOR_CORE_MULTIPLE = 8
-HALF_DTYPES = ("float16", "bfloat16")
 
 
 class PrecisionCollector:
