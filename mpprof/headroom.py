@@ -26,6 +26,28 @@ def dtype_range(policy_max: float) -> DtypeRange:
     return min(DTYPE_RANGES, key=lambda d: abs(math.log2(d.max) - math.log2(policy_max)))
 
 
+def dtype_fields(policy_max: float) -> dict:
+    """What a view needs to judge values by the dtype the layers computed in.
+
+    Args:
+        policy_max: the largest value of that dtype (the numerics' record).
+
+    Returns:
+        {"policy_max", "dtype", "dtype_smallest_normal", "underflow_applies",
+        "headroom_color_max"}; JSON-ready (a non-finite policy_max as None).
+    """
+    dtype = dtype_range(policy_max)
+    return {
+        "policy_max": float(policy_max) if math.isfinite(policy_max) else None,
+        "dtype": dtype.name,
+        "dtype_smallest_normal": dtype.smallest_normal,
+        # The recorded underflow/subnormal shares count values below
+        # float16's normal/subnormal range: a judgement only for float16.
+        "underflow_applies": dtype.name == "float16",
+        "headroom_color_max": COLOR_MAX_BITS,
+    }
+
+
 def headroom_bits(policy_max: float, abs_max: np.ndarray, overflowed: np.ndarray) -> np.ndarray:
     """Bits of headroom of each sample (any shape; `overflowed` of the same).
 

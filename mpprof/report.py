@@ -24,7 +24,6 @@ from __future__ import annotations
 import datetime
 import html
 import json
-import math
 import os
 import pathlib
 from collections.abc import Callable
@@ -193,7 +192,6 @@ def _numerics_data(run: reader.Run) -> dict:
     backward_max = np.asarray(numerics.backward["abs_max"], dtype=np.float64)
     # Overflowed or not: the diagnosis decides, by each layer's own dtype.
     forward_overflowed = diagnosis.forward_overflow_mask(run)
-    dtype = headroom.dtype_range(numerics.policy_max)
     bits = headroom.headroom_bits(numerics.policy_max, forward_max, forward_overflowed)
     maps = {
         # The worst (least) headroom of the samples a column merges.
@@ -213,12 +211,7 @@ def _numerics_data(run: reader.Run) -> dict:
     return {
         "layers": [_label(name) for name in numerics.layers],
         "steps": steps[starts].tolist(),
-        "policy_log10_max": round(math.log10(numerics.policy_max), 3),
-        "dtype": dtype.name,
-        "policy_max": numerics.policy_max,
-        "headroom_color_max": headroom.COLOR_MAX_BITS,
-        # The recorded underflow share is float16's: no judgement otherwise.
-        "underflow_applies": dtype.name == "float16",
+        **headroom.dtype_fields(numerics.policy_max),
         "maps": maps,
         "overflow": overflow,
         "forensic_steps": steps[np.asarray(numerics.forensic, dtype=bool)].tolist()[

@@ -166,20 +166,6 @@ def loss_scale_payload(run: reader.Run, points: int) -> dict:
     }
 
 
-def _dtype_fields(numerics: reader.Numerics) -> dict:
-    """What a view needs to judge values by the dtype the layers computed in."""
-    dtype = headroom.dtype_range(numerics.policy_max)
-    return {
-        "policy_max": _null_nonfinite(numerics.policy_max),
-        "dtype": dtype.name,
-        "dtype_smallest_normal": dtype.smallest_normal,
-        # The recorded underflow/subnormal shares count values below
-        # float16's normal/subnormal range: a judgement only for float16.
-        "underflow_applies": dtype.name == "float16",
-        "headroom_color_max": headroom.COLOR_MAX_BITS,
-    }
-
-
 def numerics_payload(run: reader.Run, direction: str, stat: str, rows: int, columns: int) -> dict:
     """A layer x step matrix of one statistic, max-pooled to rows x columns.
 
@@ -219,7 +205,7 @@ def numerics_payload(run: reader.Run, direction: str, stat: str, rows: int, colu
         "available": True,
         "direction": direction,
         "stat": stat,
-        **_dtype_fields(numerics),
+        **headroom.dtype_fields(numerics.policy_max),
         "rows": [_row_label(layers, row_starts, i) for i in range(len(row_starts))],
         "row_layers": [layers[start] for start in row_starts.tolist()],
         "column_steps": steps[column_starts].tolist() if len(steps) else [],
@@ -257,7 +243,7 @@ def layer_history_payload(run: reader.Run, layer: str, points: int) -> dict:
     return {
         "available": True,
         "layer": layer,
-        **_dtype_fields(numerics),
+        **headroom.dtype_fields(numerics.policy_max),
         "step": steps[starts].tolist() if len(steps) else [],
         "forensic": np.logical_or.reduceat(forensic, starts).tolist() if len(steps) else [],
         "overflowed": np.logical_or.reduceat(overflowed, starts).tolist() if len(steps) else [],
@@ -292,7 +278,7 @@ def histogram_payload(run: reader.Run, layer: str, direction: str, columns: int)
         "available": True,
         "layer": layer,
         "direction": direction,
-        **_dtype_fields(numerics),
+        **headroom.dtype_fields(numerics.policy_max),
         "edges": numerics.hist_edges.tolist(),
         "column_steps": steps[starts].tolist(),
         "shares": json_floats(shares.T, decimals=4),
