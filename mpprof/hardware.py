@@ -11,7 +11,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from mpprof import dtypes
-from mpprof.collectors import gpu
+from mpprof.collectors import gpu, gpu_devices
 
 
 def hardware_facts(sampler: gpu.GpuSampler | None = None) -> dict:
@@ -78,7 +78,7 @@ def _tensorflow_gpus() -> list[dict]:
                 "index": index,
                 "name": details.get("device_name", device.name),
                 "uuid": None,
-                "architecture": gpu.architecture_name(None, capability),
+                "architecture": gpu_devices.architecture_name(None, capability),
                 "compute_capability": capability,
                 "fp16_tensor_cores": dtypes.has_fp16_tensor_cores(capability),
                 "bf16": dtypes.has_native_bf16(capability),
