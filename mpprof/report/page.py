@@ -16,6 +16,15 @@ from mpprof.report.sections import escape
 
 
 def render_page(logdir: str, summary: str, sections: list[str], data: list[dict]) -> str:
+    """The whole HTML file.
+
+    Args:
+        logdir: the logdir, as the user named it (shown in the header).
+        summary: `sections.summary_html`.
+        sections: each run's `sections.run_section`, in order.
+        data: each run's `plots.run_data`, in the same order (report.js draws
+            the plots from it).
+    """
     generated = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     payload = script_json(data)
     return f"""<!DOCTYPE html>

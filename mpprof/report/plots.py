@@ -15,10 +15,13 @@ import numpy as np
 from mpprof import diagnosis, downsample, headroom, reader
 from mpprof.jsonsafe import json_floats
 
+# A plot is at most ~2,000 pixels wide: more points than this per line (the
 # loss-scale step function is kept as min/max per bucket) cannot be seen.
 MAX_TIMELINE_POINTS = 4_000
+# Overflow/growth markers drawn one by one; beyond this, one marker per
 # bucket of steps, its hover text saying how many it stands for.
 MAX_EVENT_MARKERS = 2_000
+# Numerics heatmap columns (sampled steps); consecutive samples are merged
 # keeping the worst value, so an overflow never disappears.
 MAX_HEATMAP_STEPS = 300
 # GPU samples per line.

@@ -14,6 +14,7 @@ from mpprof import diagnosis, reader
 
 # Findings per run listed in the summary at the top (the rest: a link).
 MAX_SUMMARY_FINDINGS = 3
+# Tables longer than this start folded (a 200-layer inventory would bury the
 # plots below it).
 MAX_OPEN_TABLE_ROWS = 40
 
