@@ -30,11 +30,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # mixed_float16 steps), which would hide every overhead: use plain kernels.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import mpprof  # noqa: E402
+import mpprof
 
 
 class _EpochTimer(keras.callbacks.Callback):

@@ -18,10 +18,10 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from mpprof import schema  # noqa: E402
-from mpprof.writer import RecordWriter  # noqa: E402
+from mpprof import schema
+from mpprof.writer import RecordWriter
 
 FLUSH_EVERY_STEPS = 500
 GROWTH_STEPS = 2000

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from mpprof.collectors import gpu
+from mpprof import dtypes
+from mpprof.collectors import gpu, gpu_devices
 
 
 def hardware_facts(sampler: gpu.GpuSampler | None = None) -> dict:
@@ -77,10 +78,10 @@ def _tensorflow_gpus() -> list[dict]:
                 "index": index,
                 "name": details.get("device_name", device.name),
                 "uuid": None,
-                "architecture": gpu.architecture_name(None, capability),
+                "architecture": gpu_devices.architecture_name(None, capability),
                 "compute_capability": capability,
-                "fp16_tensor_cores": gpu.fp16_tensor_cores(capability),
-                "bf16": gpu.bf16_supported(capability),
+                "fp16_tensor_cores": dtypes.has_fp16_tensor_cores(capability),
+                "bf16": dtypes.has_native_bf16(capability),
                 "memory_total_bytes": None,
             }
         )

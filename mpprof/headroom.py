@@ -9,12 +9,11 @@ decides it) get `OVERFLOW_HEADROOM`, an all-zero output the most there is.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
 
-from mpprof import schema
+from mpprof.dtypes import DTYPE_RANGES, DtypeRange
 
 # Headroom given to a sample whose output overflowed (non-finite or beyond max).
 OVERFLOW_HEADROOM = -1.0
@@ -22,38 +21,31 @@ OVERFLOW_HEADROOM = -1.0
 COLOR_MAX_BITS = 16.0
 
 
-@dataclasses.dataclass(frozen=True)
-class DtypeRange:
-    """The range of a floating-point dtype.
-
-    Attributes:
-        name: "float16", "bfloat16" or "float32".
-        max: the largest finite value.
-        smallest_normal: the smallest positive normal value.
-        smallest_subnormal: the smallest positive subnormal value.
-    """
-
-    name: str
-    max: float
-    smallest_normal: float
-    smallest_subnormal: float
-
-
-DTYPE_RANGES = (
-    DtypeRange(
-        "float16",
-        schema.FLOAT16_MAX,
-        schema.FLOAT16_SMALLEST_NORMAL,
-        schema.FLOAT16_SMALLEST_SUBNORMAL,
-    ),
-    DtypeRange("bfloat16", schema.BFLOAT16_MAX, 2.0**-126, 2.0**-133),
-    DtypeRange("float32", float(np.finfo(np.float32).max), 2.0**-126, 2.0**-149),
-)
-
-
 def dtype_range(policy_max: float) -> DtypeRange:
     """The dtype whose largest value is `policy_max` (the numerics' own record)."""
     return min(DTYPE_RANGES, key=lambda d: abs(math.log2(d.max) - math.log2(policy_max)))
+
+
+def dtype_fields(policy_max: float) -> dict:
+    """What a view needs to judge values by the dtype the layers computed in.
+
+    Args:
+        policy_max: the largest value of that dtype (the numerics' record).
+
+    Returns:
+        {"policy_max", "dtype", "dtype_smallest_normal", "underflow_applies",
+        "headroom_color_max"}; JSON-ready (a non-finite policy_max as None).
+    """
+    dtype = dtype_range(policy_max)
+    return {
+        "policy_max": float(policy_max) if math.isfinite(policy_max) else None,
+        "dtype": dtype.name,
+        "dtype_smallest_normal": dtype.smallest_normal,
+        # The recorded underflow/subnormal shares count values below
+        # float16's normal/subnormal range: a judgement only for float16.
+        "underflow_applies": dtype.name == "float16",
+        "headroom_color_max": COLOR_MAX_BITS,
+    }
 
 
 def headroom_bits(policy_max: float, abs_max: np.ndarray, overflowed: np.ndarray) -> np.ndarray:

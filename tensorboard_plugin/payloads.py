@@ -14,8 +14,9 @@ import math
 import numpy as np
 from tensorboard import errors
 
-from mpprof import diagnosis, headroom, reader, schema
-from tensorboard_plugin_mpprof import downsample, metadata
+from mpprof import diagnosis, downsample, headroom, reader
+from mpprof.jsonsafe import json_floats, json_safe
+from tensorboard_plugin_mpprof import metadata
 
 NUMERICS_DIRECTIONS = ("forward", "backward")
 NUMERICS_STATS = (
@@ -58,19 +59,9 @@ def severity_counts(result: diagnosis.Diagnosis) -> dict[str, int]:
 
 
 def unchecked_notes(result: diagnosis.Diagnosis) -> list[dict]:
-    """The rules that could not look at the run, and why ("not measured"...).
-
-    Read from `Diagnosis.checks` (status "not measured"/"not applicable");
-    a diagnosis that carries `notes` instead gives those.
-    """
-    notes = getattr(result, "notes", None)
-    if notes is not None:
-        return [_jsonable(_as_dict(note)) for note in notes]
-    return [
-        {"code": check.code, "status": check.status, "reason": check.reason}
-        for check in getattr(result, "checks", [])
-        if check.status != "checked"
-    ]
+    """The rules that could not look at the run, and why ("not measured"...),
+    as `Diagnosis.notes` orders them."""
+    return [dataclasses.asdict(note) for note in result.notes]
 
 
 def run_summary(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
@@ -96,8 +87,8 @@ def run_summary(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
         "loss_scale": None
         if loss_scale is None
         else {
-            "initial": _finite_or_none(loss_scale.initial_scale),
-            "final": _finite_or_none(loss_scale.final_scale),
+            "initial": _null_nonfinite(loss_scale.initial_scale),
+            "final": _null_nonfinite(loss_scale.final_scale),
             "steps_run": loss_scale.steps_run,
             "overflows": loss_scale.skipped_steps,
             "growths": len(loss_scale.growths),
@@ -120,7 +111,7 @@ def context_payload(run: reader.Run) -> dict:
 
 def findings_payload(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
     """The findings of `run`, most severe first, and the rules not checked."""
-    findings = [_jsonable(finding.to_dict()) for finding in result.findings]
+    findings = [finding.to_dict() for finding in result.findings]
     return {
         "available": True,
         "findings": findings,
@@ -153,39 +144,25 @@ def loss_scale_payload(run: reader.Run, points: int) -> dict:
         "available": True,
         "series": {
             "step": steps[kept].tolist(),
-            "scale": downsample.json_floats(scales[kept]),
+            "scale": json_floats(scales[kept]),
         },
         "series_vertices": len(steps),
         "overflows": {
             "step": overflows[shown, 0].astype(np.int64).tolist(),
-            "scale_before": downsample.json_floats(overflows[shown, 1]),
-            "scale_after": downsample.json_floats(overflows[shown, 2]),
+            "scale_before": json_floats(overflows[shown, 1]),
+            "scale_after": json_floats(overflows[shown, 2]),
             "total": len(overflows),
         },
         "growths": {
             "step": growths[shown_growths, 0].astype(np.int64).tolist(),
-            "scale_after": downsample.json_floats(growths[shown_growths, 2]),
+            "scale_after": json_floats(growths[shown_growths, 2]),
             "total": len(growths),
         },
         "first_step": loss_scale.first_step,
         "steps_run": loss_scale.steps_run,
-        "initial_scale": _finite_or_none(loss_scale.initial_scale),
-        "final_scale": _finite_or_none(loss_scale.final_scale),
+        "initial_scale": _null_nonfinite(loss_scale.initial_scale),
+        "final_scale": _null_nonfinite(loss_scale.final_scale),
         "steps_since_last_overflow": loss_scale.steps_since_last_overflow,
-    }
-
-
-def _dtype_fields(numerics: reader.Numerics) -> dict:
-    """What a view needs to judge values by the dtype the layers computed in."""
-    dtype = headroom.dtype_range(numerics.policy_max)
-    return {
-        "policy_max": _finite_or_none(numerics.policy_max),
-        "dtype": dtype.name,
-        "dtype_smallest_normal": dtype.smallest_normal,
-        # The recorded underflow/subnormal shares count values below
-        # float16's normal/subnormal range: a judgement only for float16.
-        "underflow_applies": dtype.name == "float16",
-        "headroom_color_max": headroom.COLOR_MAX_BITS,
     }
 
 
@@ -219,7 +196,7 @@ def numerics_payload(run: reader.Run, direction: str, stat: str, rows: int, colu
         nonfinite = np.asarray(numerics.forward["nonfinite_frac"], dtype=np.float64).T
         extra = {
             "overflowed": (overflowed > 0).tolist(),
-            "nonfinite": downsample.json_floats(
+            "nonfinite": json_floats(
                 downsample.pool_max(nonfinite, row_starts, column_starts), decimals=4
             ),
         }
@@ -228,14 +205,14 @@ def numerics_payload(run: reader.Run, direction: str, stat: str, rows: int, colu
         "available": True,
         "direction": direction,
         "stat": stat,
-        **_dtype_fields(numerics),
+        **headroom.dtype_fields(numerics.policy_max),
         "rows": [_row_label(layers, row_starts, i) for i in range(len(row_starts))],
         "row_layers": [layers[start] for start in row_starts.tolist()],
         "column_steps": steps[column_starts].tolist() if len(steps) else [],
         "column_forensic": (
             np.logical_or.reduceat(forensic, column_starts).tolist() if len(steps) else []
         ),
-        "values": downsample.json_floats(values, decimals=_DECIMALS.get(stat)),
+        "values": json_floats(values, decimals=_DECIMALS.get(stat)),
         **extra,
         "layers_total": len(layers),
         "samples_total": len(steps),
@@ -260,13 +237,13 @@ def layer_history_payload(run: reader.Run, layer: str, points: int) -> dict:
         for stat, matrix in getattr(numerics, direction).items():
             column = np.asarray(matrix, dtype=np.float64)[:, index]
             pooled = np.fmax.reduceat(column, starts) if len(column) else column
-            series[f"{direction}/{stat}"] = downsample.json_floats(pooled)
+            series[f"{direction}/{stat}"] = json_floats(pooled)
     forensic = np.asarray(numerics.forensic, dtype=bool)
     overflowed = np.asarray(diagnosis.forward_overflow_mask(run), dtype=bool)[:, index]
     return {
         "available": True,
         "layer": layer,
-        **_dtype_fields(numerics),
+        **headroom.dtype_fields(numerics.policy_max),
         "step": steps[starts].tolist() if len(steps) else [],
         "forensic": np.logical_or.reduceat(forensic, starts).tolist() if len(steps) else [],
         "overflowed": np.logical_or.reduceat(overflowed, starts).tolist() if len(steps) else [],
@@ -301,10 +278,10 @@ def histogram_payload(run: reader.Run, layer: str, direction: str, columns: int)
         "available": True,
         "layer": layer,
         "direction": direction,
-        **_dtype_fields(numerics),
+        **headroom.dtype_fields(numerics.policy_max),
         "edges": numerics.hist_edges.tolist(),
         "column_steps": steps[starts].tolist(),
-        "shares": downsample.json_floats(shares.T, decimals=4),
+        "shares": json_floats(shares.T, decimals=4),
         "lines": {
             f"{dtype.name} max": math.log2(dtype.max),
             f"{dtype.name} smallest normal": math.log2(dtype.smallest_normal),
@@ -325,27 +302,19 @@ def gpu_payload(run: reader.Run, points: int) -> dict:
     gpu = run.gpu
     if gpu is None:
         return not_available("no GPU samples were recorded in this run")
-    kernels = _jsonable(gpu.kernels) if gpu.kernels else None
+    kernels = _null_nonfinite(gpu.kernels) if gpu.kernels else None
     payload = {
         "available": gpu.mode != "unavailable",
         "mode": gpu.mode,
         "reason": gpu.reason,
-        "devices": _jsonable(gpu.devices),
+        "devices": _null_nonfinite(gpu.devices),
         "tensor_source": _tensor_source(gpu.mode, kernels),
         "kernels": kernels,
         "tracks": {},
     }
-    columns = list(schema.GPU_SAMPLE_COLUMNS)
-    samples = np.asarray(gpu.samples, dtype=np.float64).reshape(-1, len(columns))
-    device_column = samples[:, columns.index("device")] if len(samples) else samples
-    for device in np.unique(device_column):
-        rows = samples[device_column == device]
-        rows = rows[np.argsort(rows[:, columns.index("wall_time")], kind="stable")]
-        starts = downsample.group_starts(len(rows), points)
-        payload["tracks"][str(int(device))] = {
-            name: downsample.json_floats(downsample.pool_mean(rows[:, i], starts), decimals=4)
-            for i, name in enumerate(columns)
-            if name != "device"
+    for device, track in downsample.device_tracks(gpu.samples, points).items():
+        payload["tracks"][str(device)] = {
+            name: json_floats(means, decimals=4) for name, means in track.items()
         }
     return payload
 
@@ -361,14 +330,6 @@ def _tensor_source(mode: str, kernels: dict | None) -> str | None:
     return None
 
 
-def _as_dict(note) -> dict:
-    if isinstance(note, dict):
-        return note
-    if dataclasses.is_dataclass(note):
-        return dataclasses.asdict(note)
-    return {"reason": str(note)}
-
-
 def _row_label(layers: list[str], starts: np.ndarray, i: int) -> str:
     first = int(starts[i])
     last = int(starts[i + 1]) - 1 if i + 1 < len(starts) else len(layers) - 1
@@ -377,20 +338,6 @@ def _row_label(layers: list[str], starts: np.ndarray, i: int) -> str:
     return f"{layers[first]} … {layers[last]} ({last - first + 1} layers)"
 
 
-def _finite_or_none(value) -> float | None:
-    return float(value) if value is not None and math.isfinite(value) else None
-
-
-def _jsonable(value):
-    """numpy values as Python ones, NaN and infinities as None."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, np.ndarray):
-        return _jsonable(value.tolist())
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
+def _null_nonfinite(value):
+    """`value` JSON-ready, NaN and infinities as None (a gap in a view)."""
+    return json_safe(value, nonfinite_as_null=True)

@@ -9,11 +9,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Eigen kernels (subprocesses inherit this).
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import keras
+import numpy as np
+import pytest
 
-import mpprof  # noqa: E402
+import mpprof
 
 
 @pytest.fixture(autouse=True)

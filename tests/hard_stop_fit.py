@@ -18,10 +18,10 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import mpprof  # noqa: E402
+import mpprof
 
 FLUSH_EVERY_SECONDS = 1.0
 

@@ -13,8 +13,8 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
-from logical_cpus import split_cpu_in_two  # noqa: E402
+import tensorflow as tf
+from logical_cpus import split_cpu_in_two
 
 split_cpu_in_two()
 

@@ -13,11 +13,11 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import mpprof  # noqa: E402
+import mpprof
 
 
 def main(logdir: str, with_mpprof: bool) -> None:

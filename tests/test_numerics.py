@@ -144,7 +144,7 @@ def test_shared_layer_aggregates_its_call_sites(tmp_path):
 
 
 def test_tensor_statistics_counts_and_log2_bins():
-    from mpprof.collectors.numerics import tensor_statistics
+    from mpprof.collectors.tensor_statistics import tensor_statistics
 
     values = np.array([0.0, -1e-9, 1e-5, 1.0, -3.0, 7e4, 2.0**-41, np.inf, np.nan], np.float32)
     counts, abs_max, histogram = (np.asarray(t) for t in tensor_statistics(values))

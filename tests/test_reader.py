@@ -68,7 +68,8 @@ def test_a_record_cut_in_half_keeps_what_came_before(overflow_logdir, tmp_path):
     shutil.copytree(overflow_logdir, tmp_path, dirs_exist_ok=True)
     (path,) = reader.event_files(tmp_path, "train")
     complete = reader.read_run(tmp_path, "train")
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     with open(path, "wb") as f:
         f.write(data[: len(data) - 7])
     cut = reader.read_run(tmp_path, "train")

@@ -17,7 +17,8 @@ from diagnosis_runs import (
     write_gpu_run,
 )
 
-from mpprof import cli, diagnosis, reader, report
+from mpprof import cli, diagnosis, downsample, reader, report
+from mpprof.report import page, plots
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,7 @@ def test_run_context_is_a_table_not_json(report_logdir):
 
 
 def test_embedded_json_cannot_close_its_script_element():
-    text = report._script_json({"name": "</script><script>alert(3)</script><!--"})
+    text = page.script_json({"name": "</script><script>alert(3)</script><!--"})
     assert "</" not in text and "<!--" not in text
     assert json.loads(text) == {"name": "</script><script>alert(3)</script><!--"}
 
@@ -132,16 +133,17 @@ def test_loss_scale_timeline_downsamples_but_keeps_extremes():
     scales = np.full(len(steps), 2.0**15)
     scales[123_457] = 1.0  # one dip must survive downsampling
     scales[987_654] = 2.0**24
-    kept_steps, kept = report._decimate_step_function(steps, scales, report.MAX_TIMELINE_POINTS)
-    assert len(kept) <= report.MAX_TIMELINE_POINTS + 2
+    index = downsample.envelope(steps, scales, plots.MAX_TIMELINE_POINTS)
+    kept_steps, kept = steps[index], scales[index]
+    assert len(kept) <= plots.MAX_TIMELINE_POINTS + 2
     assert kept.min() == 1.0 and kept.max() == 2.0**24
     assert kept_steps[0] == 0 and kept_steps[-1] == steps[-1]
 
 
 def test_event_markers_are_bucketed_with_counts():
     steps = np.arange(0, 500_000, 10)
-    markers = report._markers(steps, np.full(len(steps), 4.0))
-    assert len(markers["steps"]) <= report.MAX_EVENT_MARKERS
+    markers = plots.event_markers(steps, np.full(len(steps), 4.0))
+    assert len(markers["steps"]) <= plots.MAX_EVENT_MARKERS
     assert sum(markers["counts"]) == len(steps)
 
 

@@ -45,7 +45,7 @@ import sys
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
 MODES = sys.argv[1].split(",") if len(sys.argv) > 1 else ["single"]
 # Logical devices must exist before TensorFlow starts.

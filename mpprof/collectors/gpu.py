@@ -21,7 +21,6 @@ a machine that has only PyTorch or CuPy.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
@@ -30,6 +29,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from mpprof import arguments, schema
+from mpprof.collectors import gpu_devices
 
 MODE_GPM = "gpm"
 MODE_BASIC = "basic"
@@ -43,128 +43,6 @@ MIN_INTERVAL_S = 0.1
 DEFAULT_CAPACITY_ROWS = 4096
 
 COLUMNS = schema.GPU_SAMPLE_COLUMNS
-_COLUMN_INDEX = {name: i for i, name in enumerate(COLUMNS)}
-
-# GPM metric ids (pynvml's NVML_GPM_METRIC_* names) behind each GPM column.
-_GPM_METRICS = (
-    ("tensor_util", "NVML_GPM_METRIC_ANY_TENSOR_UTIL"),
-    ("hmma_tensor_util", "NVML_GPM_METRIC_HMMA_TENSOR_UTIL"),
-    ("imma_tensor_util", "NVML_GPM_METRIC_IMMA_TENSOR_UTIL"),
-    ("dfma_tensor_util", "NVML_GPM_METRIC_DFMA_TENSOR_UTIL"),
-    ("sm_util", "NVML_GPM_METRIC_SM_UTIL"),
-    ("sm_occupancy", "NVML_GPM_METRIC_SM_OCCUPANCY"),
-    ("dram_bw_util", "NVML_GPM_METRIC_DRAM_BW_UTIL"),
-    ("fp16_util", "NVML_GPM_METRIC_FP16_UTIL"),
-    ("fp32_util", "NVML_GPM_METRIC_FP32_UTIL"),
-)
-
-# NVML errors after which a device is gone for the rest of the run.
-_LOST_DEVICE_ERRORS = (
-    "NVML_ERROR_GPU_IS_LOST",
-    "NVML_ERROR_GPU_NOT_FOUND",
-    "NVML_ERROR_RESET_REQUIRED",
-)
-# NVML errors that say a query will never work on this device.
-_UNSUPPORTED_ERRORS = (
-    "NVML_ERROR_NOT_SUPPORTED",
-    "NVML_ERROR_NO_PERMISSION",
-    "NVML_ERROR_FUNCTION_NOT_FOUND",
-)
-
-_ARCHITECTURES = {
-    2: "Kepler",
-    3: "Maxwell",
-    4: "Pascal",
-    5: "Volta",
-    6: "Turing",
-    7: "Ampere",
-    8: "Ada",
-    9: "Hopper",
-    10: "Blackwell",
-    13: "Rubin",
-}
-# By compute capability major, for when NVML cannot name the architecture.
-_ARCHITECTURES_BY_CC = {
-    3: "Kepler",
-    5: "Maxwell",
-    6: "Pascal",
-    7: "Volta",
-    8: "Ampere",
-    9: "Hopper",
-    10: "Blackwell",
-    12: "Blackwell",
-}
-
-
-def fp16_tensor_cores(compute_capability) -> bool | None:
-    """Whether a GPU of this compute capability has fp16 Tensor Cores (>= 7.0)."""
-    if not compute_capability:
-        return None
-    return tuple(compute_capability) >= (7, 0)
-
-
-def bf16_supported(compute_capability) -> bool | None:
-    """Whether a GPU of this compute capability computes bfloat16 natively (>= 8.0)."""
-    if not compute_capability:
-        return None
-    return tuple(compute_capability) >= (8, 0)
-
-
-def architecture_name(
-    nvml_architecture: int | None, compute_capability=None
-) -> str | None:
-    if nvml_architecture in _ARCHITECTURES:
-        return _ARCHITECTURES[nvml_architecture]
-    if compute_capability:
-        if tuple(compute_capability) == (7, 5):
-            return "Turing"
-        if tuple(compute_capability) == (8, 9):
-            return "Ada"
-        return _ARCHITECTURES_BY_CC.get(compute_capability[0])
-    return None
-
-
-def visible_device_selectors(
-    environ: Mapping[str, str] | None = None,
-) -> list[str] | None:
-    """The entries of CUDA_VISIBLE_DEVICES, or None when it is not set.
-
-    Like CUDA, the list ends at the first entry that cannot name a device
-    ("-1" included), so "0,-1,1" makes only device 0 visible and "" or "-1"
-    none.
-    """
-    environ = os.environ if environ is None else environ
-    value = environ.get("CUDA_VISIBLE_DEVICES")
-    if value is None:
-        return None
-    selectors = []
-    for entry in value.split(","):
-        entry = entry.strip()
-        if (
-            not entry
-            or entry.startswith("-")
-            or (not entry.isdigit() and not entry.upper().startswith(("GPU-", "MIG-")))
-        ):
-            break
-        selectors.append(entry)
-    return selectors
-
-
-@dataclasses.dataclass
-class _Device:
-    """One GPU being sampled."""
-
-    index: int  # as TensorFlow/CUDA number it, after CUDA_VISIBLE_DEVICES
-    nvml_index: int
-    handle: object
-    name: str | None = None
-    gpm: bool = False
-    gpm_reason: str = ""
-    gpm_samples: list = dataclasses.field(default_factory=list)
-    lost: bool = False
-    # Queries that said "not supported" once: never asked again.
-    unsupported: set = dataclasses.field(default_factory=set)
-
 
 class _RowRing:
     """A fixed-size, thread-safe ring of sample rows; the oldest are overwritten."""
@@ -240,7 +118,7 @@ class GpuSampler:
         self._clock = clock
         self._ring = _RowRing(int(capacity_rows), len(COLUMNS))
         self._nvml = None
-        self._devices: list[_Device] = []
+        self._devices: list[gpu_devices.Device] = []
         self._device_facts: list[dict] = []
         self._system_facts: dict = {}
         self._metric_failures: dict[str, str] = {}
@@ -256,7 +134,7 @@ class GpuSampler:
             self._open()
         except Exception as e:  # noqa: BLE001 - the sampler must never break training
             self._close()
-            self._set_unavailable(f"the GPU sampler failed to start: {_describe(e)}")
+            self._set_unavailable(f"the GPU sampler failed to start: {gpu_devices.describe(e)}")
         if self.mode == MODE_UNAVAILABLE:
             return
         self._thread = threading.Thread(
@@ -269,7 +147,7 @@ class GpuSampler:
         try:
             self._open()
         except Exception as e:  # noqa: BLE001 - the sampler must never break training
-            self._set_unavailable(f"the GPU probe failed: {_describe(e)}")
+            self._set_unavailable(f"the GPU probe failed: {gpu_devices.describe(e)}")
         self._close()
 
     def stop(self) -> None:
@@ -316,9 +194,9 @@ class GpuSampler:
             row[0], row[1], row[2] = wall_time, step, device.index
             try:
                 if device.gpm:
-                    self._read_gpm(device, row)
-                self._read_basic(device, row)
-            except _DeviceLost as e:
+                    gpu_devices.read_gpm(self._nvml, device, row, self._note_failure)
+                gpu_devices.read_basic(self._nvml, device, row, self._note_failure)
+            except gpu_devices.DeviceLost as e:
                 device.lost = True
                 self.warnings.append(
                     f"GPU {device.index} ({device.name}) vanished at step {step}: {e}; "
@@ -374,7 +252,7 @@ class GpuSampler:
     # ---------------------------------------------------------------- opening
 
     def _open(self) -> None:
-        selectors = visible_device_selectors(self._environ)
+        selectors = gpu_devices.visible_device_selectors(self._environ)
         if selectors is not None and not selectors:
             value = self._environ.get("CUDA_VISIBLE_DEVICES")
             self._set_unavailable(f"CUDA_VISIBLE_DEVICES={value!r} hides every GPU")
@@ -389,14 +267,14 @@ class GpuSampler:
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as e:
-            self._set_unavailable(_init_failure(pynvml, e))
+            self._set_unavailable(gpu_devices.init_failure(pynvml, e))
             return
         self._nvml = pynvml
         try:
             self._open_devices(selectors)
         except pynvml.NVMLError as e:
             self._close()
-            self._set_unavailable(f"NVML could not list the GPUs: {_describe(e)}")
+            self._set_unavailable(f"NVML could not list the GPUs: {gpu_devices.describe(e)}")
             return
         if not self._devices:
             self._close()
@@ -407,7 +285,7 @@ class GpuSampler:
                 why = "NVML sees no GPU on this machine"
             self._set_unavailable(why)
             return
-        self._system_facts = self._read_system_facts()
+        self._system_facts = gpu_devices.system_facts(self._nvml)
         without_gpm = [d for d in self._devices if not d.gpm]
         if not without_gpm:
             self.mode = MODE_GPM
@@ -426,109 +304,17 @@ class GpuSampler:
 
     def _open_devices(self, selectors: list[str] | None) -> None:
         nvml = self._nvml
-        count = nvml.nvmlDeviceGetCount()
-        for index, nvml_index in enumerate(
-            self._visible_nvml_indices(selectors, count)
-        ):
+        visible = gpu_devices.visible_nvml_indices(
+            nvml, selectors, nvml.nvmlDeviceGetCount(), self.warnings
+        )
+        for index, nvml_index in enumerate(visible):
             handle = nvml.nvmlDeviceGetHandleByIndex(nvml_index)
-            device = _Device(index=index, nvml_index=nvml_index, handle=handle)
-            facts = self._read_device_facts(device)
+            device = gpu_devices.Device(index=index, nvml_index=nvml_index, handle=handle)
+            facts = gpu_devices.device_facts(nvml, device)
             device.name = facts["name"]
-            self._open_gpm(device)
+            gpu_devices.open_gpm(nvml, device)
             self._devices.append(device)
             self._device_facts.append(facts)
-
-    def _visible_nvml_indices(
-        self, selectors: list[str] | None, count: int
-    ) -> list[int]:
-        """NVML indices of the GPUs CUDA shows, in CUDA's order.
-
-        Assumes CUDA and NVML order devices alike, which holds with
-        CUDA_DEVICE_ORDER=PCI_BUS_ID and on machines with one GPU model.
-        """
-        if selectors is None:
-            return list(range(count))
-        uuids = None
-        chosen: list[int] = []
-        for selector in selectors:
-            if selector.isdigit():
-                found = int(selector) if int(selector) < count else None
-            elif selector.upper().startswith("MIG-"):
-                self.warnings.append(
-                    f"CUDA_VISIBLE_DEVICES entry {selector!r} is a MIG instance: "
-                    "not sampled (NVML samples MIG instances through their parent GPU)"
-                )
-                found = None
-            else:
-                if uuids is None:
-                    uuids = [self._uuid(i) for i in range(count)]
-                matches = [
-                    i for i, u in enumerate(uuids) if u and u.startswith(selector)
-                ]
-                found = matches[0] if len(matches) == 1 else None
-            if found is None or found in chosen:
-                break  # CUDA ignores this entry and every one after it
-            chosen.append(found)
-        return chosen
-
-    def _uuid(self, nvml_index: int) -> str | None:
-        try:
-            handle = self._nvml.nvmlDeviceGetHandleByIndex(nvml_index)
-            return self._nvml.nvmlDeviceGetUUID(handle)
-        except self._nvml.NVMLError:
-            return None
-
-    def _read_device_facts(self, device: _Device) -> dict:
-        nvml, handle = self._nvml, device.handle
-        name = _optional(nvml, nvml.nvmlDeviceGetName, handle)
-        capability = _optional(nvml, nvml.nvmlDeviceGetCudaComputeCapability, handle)
-        capability = list(capability) if capability else None
-        memory = _optional(nvml, nvml.nvmlDeviceGetMemoryInfo, handle)
-        return {
-            "index": device.index,
-            "nvml_index": device.nvml_index,
-            "name": name,
-            "uuid": _optional(nvml, nvml.nvmlDeviceGetUUID, handle),
-            "architecture": architecture_name(
-                _optional(nvml, nvml.nvmlDeviceGetArchitecture, handle), capability
-            ),
-            "compute_capability": capability,
-            "fp16_tensor_cores": fp16_tensor_cores(capability),
-            "bf16": bf16_supported(capability),
-            "memory_total_bytes": int(memory.total) if memory is not None else None,
-        }
-
-    def _read_system_facts(self) -> dict:
-        nvml = self._nvml
-        cuda = _optional(nvml, nvml.nvmlSystemGetCudaDriverVersion)
-        return {
-            "driver_version": _optional(nvml, nvml.nvmlSystemGetDriverVersion),
-            # NVML encodes CUDA 12.4 as 12040.
-            "cuda_driver_version": f"{cuda // 1000}.{cuda % 1000 // 10}"
-            if cuda
-            else None,
-        }
-
-    def _open_gpm(self, device: _Device) -> None:
-        nvml = self._nvml
-        try:
-            support = nvml.nvmlGpmQueryDeviceSupport(device.handle)
-        except nvml.NVMLError as e:
-            device.gpm_reason = f"GPM support cannot be queried ({_describe(e)})"
-            return
-        if not support.isSupportedDevice:
-            device.gpm_reason = "GPM is not supported (it needs Hopper or newer)"
-            return
-        try:
-            device.gpm_samples = [nvml.nvmlGpmSampleAlloc(), nvml.nvmlGpmSampleAlloc()]
-            # The first reading needs a sample from before it.
-            nvml.nvmlGpmSampleGet(device.handle, device.gpm_samples[0])
-        except nvml.NVMLError as e:
-            self._free_gpm_samples(device)
-            device.gpm_reason = f"GPM sampling failed ({_describe(e)})"
-            return
-        device.gpm = True
-        device.gpm_reason = "GPM supported"
 
     # --------------------------------------------------------------- sampling
 
@@ -539,61 +325,7 @@ class GpuSampler:
                 if all(d.lost for d in self._devices):
                     return
         except Exception as e:  # noqa: BLE001 - a sampler bug must not reach training
-            self.warnings.append(f"the GPU sampler stopped: {_describe(e)}")
-
-    def _read_gpm(self, device: _Device, row: np.ndarray) -> None:
-        nvml = self._nvml
-        previous, current = device.gpm_samples
-        try:
-            nvml.nvmlGpmSampleGet(device.handle, current)
-        except nvml.NVMLError as e:
-            self._failed(device, "gpm", e)
-            return
-        request = nvml.c_nvmlGpmMetricsGet_t()
-        request.version = nvml.NVML_GPM_METRICS_GET_VERSION
-        request.numMetrics = len(_GPM_METRICS)
-        request.sample1 = previous
-        request.sample2 = current
-        for i, (_, metric) in enumerate(_GPM_METRICS):
-            request.metrics[i].metricId = getattr(nvml, metric)
-        # The next reading starts where this one ends.
-        device.gpm_samples = [current, previous]
-        try:
-            nvml.nvmlGpmMetricsGet(request)
-        except nvml.NVMLError as e:
-            self._failed(device, "gpm", e)
-            return
-        for i, (column, _) in enumerate(_GPM_METRICS):
-            metric = request.metrics[i]
-            if metric.nvmlReturn == nvml.NVML_SUCCESS:
-                row[_COLUMN_INDEX[column]] = metric.value
-            else:
-                self._note_failure(column, _describe(nvml.NVMLError(metric.nvmlReturn)))
-
-    def _read_basic(self, device: _Device, row: np.ndarray) -> None:
-        nvml, handle = self._nvml, device.handle
-        for query, columns, read in _BASIC_QUERIES:
-            if query in device.unsupported:
-                continue
-            try:
-                values = read(nvml, handle)
-            except nvml.NVMLError as e:
-                self._failed(device, query, e)
-                continue
-            for column, value in zip(columns, values, strict=True):
-                row[_COLUMN_INDEX[column]] = value
-
-    def _failed(self, device: _Device, query: str, error) -> None:
-        nvml = self._nvml
-        if any(
-            error.value == getattr(nvml, name, None) for name in _LOST_DEVICE_ERRORS
-        ):
-            raise _DeviceLost(_describe(error))
-        if any(
-            error.value == getattr(nvml, name, None) for name in _UNSUPPORTED_ERRORS
-        ):
-            device.unsupported.add(query)
-        self._note_failure(query, _describe(error))
+            self.warnings.append(f"the GPU sampler stopped: {gpu_devices.describe(e)}")
 
     def _note_failure(self, metric: str, description: str) -> None:
         # First error per metric only: the context stays small on long runs.
@@ -606,71 +338,17 @@ class GpuSampler:
         if nvml is None:
             return
         for device in self._devices:
-            self._free_gpm_samples(device, nvml)
+            gpu_devices.free_gpm_samples(nvml, device)
         try:
             nvml.nvmlShutdown()
         except Exception as e:  # noqa: BLE001 - shutting down must not raise
-            self.warnings.append(f"nvmlShutdown failed: {_describe(e)}")
-
-    def _free_gpm_samples(self, device: _Device, nvml=None) -> None:
-        nvml = nvml or self._nvml
-        for sample in device.gpm_samples:
-            try:
-                nvml.nvmlGpmSampleFree(sample)
-            except Exception:  # noqa: BLE001, S110 - freeing is best effort
-                pass
-        device.gpm_samples = []
+            self.warnings.append(f"nvmlShutdown failed: {gpu_devices.describe(e)}")
 
     def _set_unavailable(self, reason: str) -> None:
         self.mode = MODE_UNAVAILABLE
         self.reason = reason
         self._devices = []
         self._device_facts = []
-
-
-class _DeviceLost(Exception):
-    pass
-
-
-def _read_utilization(nvml, handle):
-    rates = nvml.nvmlDeviceGetUtilizationRates(handle)
-    return rates.gpu, rates.memory
-
-
-def _read_memory(nvml, handle):
-    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-    return memory.used, memory.total
-
-
-def _read_clock_event_reasons(nvml, handle):
-    try:
-        return (nvml.nvmlDeviceGetCurrentClocksEventReasons(handle),)
-    except nvml.NVMLError_FunctionNotFound:
-        # Drivers before 535 know the same bits as "throttle reasons".
-        return (nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle),)
-
-
-# (query name, columns it fills, reader). A reader returns one value per column.
-_BASIC_QUERIES = (
-    ("utilization", ("gpu_util", "mem_util"), _read_utilization),
-    ("memory", ("mem_used_bytes", "mem_total_bytes"), _read_memory),
-    (
-        "power",
-        ("power_w",),
-        lambda nvml, h: (nvml.nvmlDeviceGetPowerUsage(h) / 1000.0,),
-    ),  # mW -> W
-    (
-        "sm_clock",
-        ("sm_clock_mhz",),
-        lambda nvml, h: (nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM),),
-    ),
-    (
-        "temperature",
-        ("temperature_c",),
-        lambda nvml, h: (nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU),),
-    ),
-    ("clock_event_reasons", ("clock_event_reasons",), _read_clock_event_reasons),
-)
 
 
 def validate_interval(interval_s) -> float:
@@ -681,28 +359,3 @@ def validate_interval(interval_s) -> float:
     )
 
 
-def _optional(nvml, query, *args):
-    """`query(*args)`, or None when NVML cannot answer it."""
-    try:
-        return query(*args)
-    except nvml.NVMLError:
-        return None
-
-
-def _init_failure(nvml, error) -> str:
-    if isinstance(error, nvml.NVMLError_LibraryNotFound):
-        return (
-            "the NVML library (libnvidia-ml.so.1) was not found: no NVIDIA driver "
-            "is installed, so no GPU can be sampled"
-        )
-    if isinstance(error, nvml.NVMLError_DriverNotLoaded):
-        return "the NVIDIA driver is not loaded (nvmlInit: Driver Not Loaded)"
-    return f"nvmlInit failed: {_describe(error)}"
-
-
-def _describe(error: BaseException) -> str:
-    try:
-        text = str(error)
-    except Exception:  # noqa: BLE001 - NVMLError.__str__ may call into NVML
-        text = ""
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -166,7 +166,7 @@ def _kernel_stats_rows(xplane_paths: list[str]) -> list[dict]:
         ) from e
     try:
         data, _ = raw_to_tool_data.xspace_to_tool_data(xplane_paths, "kernel_stats", {})
-    except Exception as e:  # noqa: BLE001 - the converter raises anything
+    except Exception as e:  # the converter raises anything
         raise KernelStatsError(f"XProf could not convert {xplane_paths}: {e}") from e
     if not data:
         raise KernelStatsError(f"XProf returned no kernel_stats for {xplane_paths}")

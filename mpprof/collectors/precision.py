@@ -16,13 +16,8 @@ import math
 import tensorflow as tf
 
 from mpprof.collectors.layer_calls import walk_layers
+from mpprof.dtypes import HALF_DTYPES, TENSOR_CORE_MULTIPLE
 from mpprof.tf_keras_support import variable_short_name
-
-# Tensor Cores run float16/bfloat16 GEMMs at full speed only when the matrix
-# dimensions are multiples of 8 (NVIDIA's "Matrix Multiplication Background
-# User's Guide"; cuBLAS pads or falls back otherwise).
-TENSOR_CORE_MULTIPLE = 8
-HALF_DTYPES = ("float16", "bfloat16")
 
 
 class PrecisionCollector:
@@ -190,7 +185,7 @@ def compiled_losses(model, outputs: int) -> list[tuple[str | None, bool | None]]
         if isinstance(loss, (list, tuple)):
             return [_describe_loss(item) for item in loss]
         return [_describe_loss(loss)] * outputs
-    except Exception:  # private layouts differ across Keras versions: never raise
+    except Exception:  # noqa: BLE001 - private layouts differ across Keras versions: never raise
         return unknown
 
 
@@ -203,7 +198,7 @@ def _describe_loss(loss) -> tuple[str | None, bool | None]:
     if hasattr(loss, "get_config"):
         try:
             config = loss.get_config() or {}
-        except Exception:  # a user's loss may not serialise
+        except Exception:  # noqa: BLE001 - a user's loss may not serialise
             config = {}
     kwargs = getattr(loss, "_fn_kwargs", None) or {}
     from_logits = config.get("from_logits", kwargs.get("from_logits", False))

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 from collections.abc import Callable
 
-import numpy as np
+from mpprof.jsonsafe import json_safe
 
 SEVERITIES = ("critical", "warning", "info")  # most severe first
 
@@ -183,19 +182,3 @@ class Diagnosis:
             "findings": [f.to_dict() for f in self.findings],
             "notes": [c.to_dict() for c in self.notes],
         }
-
-
-def json_safe(value):
-    """`value` with numpy scalars made Python and non-finite floats made strings.
-
-    Strict JSON has no NaN or Infinity, and an overflow's evidence is often inf.
-    """
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value

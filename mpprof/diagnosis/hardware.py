@@ -8,8 +8,13 @@ import numpy as np
 from mpprof import schema
 from mpprof.diagnosis.core import NotApplicable, NotMeasured, finding, rule
 from mpprof.diagnosis.numerics import quiet
-from mpprof.diagnosis.precision import TENSOR_CORE_MULTIPLE
 from mpprof.diagnosis.view import RunView
+from mpprof.dtypes import (
+    BF16_CAPABILITY,
+    DTYPE_MAX,
+    FP16_TENSOR_CORE_CAPABILITY,
+    TENSOR_CORE_MULTIPLE,
+)
 
 # MP010: share of GPU kernel time in Tensor Core kernels. Matmul/conv heavy
 # models in mixed precision spend most GPU time there; under 20% means the
@@ -20,11 +25,6 @@ LOW_TENSOR_UTIL_PERCENT = 5.0
 # MP010: a GPU sample counts as "busy" above this utilisation in percent, so
 # idle gaps (input pipeline, evaluation) do not dilute the Tensor Core figure.
 BUSY_GPU_UTIL_PERCENT = 20.0
-
-# MP011: Tensor Cores first shipped with compute capability 7.0 (Volta);
-# native bfloat16 with 8.0 (Ampere).
-FP16_TENSOR_CORE_CAPABILITY = (7, 0)
-BF16_CAPABILITY = (8, 0)
 
 
 @rule("MP010", "warning", "low Tensor Core use on the GPU", view="gpu",
@@ -202,7 +202,7 @@ def bfloat16_hint(view: RunView) -> list:
         evidence["overflows"] = view.loss_scale.skipped_steps
     fix = (
         f"{gpus[0].get('name')} supports bfloat16, which has float32's exponent range: "
-        "no overflows at 65504 and no loss scaling needed, at the same speed:\n"
+        f"no overflows at {DTYPE_MAX['float16']:g} and no loss scaling needed, at the same speed:\n"
         f"    {view.api.set_policy('mixed_bfloat16')}\n"
         "(set it before building the model; a LossScaleOptimizer is then unnecessary)"
     )

@@ -11,6 +11,7 @@ from mpprof import schema
 from mpprof.diagnosis.core import NotApplicable, NotMeasured, finding, rule
 from mpprof.diagnosis.numerics import gradient_overflow_origin
 from mpprof.diagnosis.view import RunView, forward_overflow_mask
+from mpprof.dtypes import DTYPE_MAX
 
 _EVENT = schema.LOSS_SCALE_EVENT_COLUMN
 
@@ -109,8 +110,8 @@ def loss_scale_collapse(view: RunView) -> list:
             "the weights NaN."
         )
     fix = (
-        "Gradients exceed float16's range (65504) even without scaling, so no loss "
-        "scale can help." + zero_note + " " + _origin_text(view)
+        f"Gradients exceed float16's range ({DTYPE_MAX['float16']:g}) even without "
+        "scaling, so no loss scale can help." + zero_note + " " + _origin_text(view)
         + "or shrink the loss and activations (normalise regression targets and "
         "inputs to unit scale, lower the learning rate), or train in bfloat16, which "
         "has float32's range:\n"

@@ -7,13 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from mpprof.diagnosis.core import REGISTRY, NotApplicable, NotMeasured, finding, rule
-from mpprof.diagnosis.view import (
-    DTYPE_MAX,
-    HALF_DTYPES,
-    RunView,
-    backward_overflow_mask,
-    forward_overflow_mask,
-)
+from mpprof.diagnosis.view import RunView, backward_overflow_mask, forward_overflow_mask
+from mpprof.dtypes import DTYPE_MAX, HALF_DTYPES
 
 # How many layers a rule names one by one before summarising the rest.
 MAX_LAYER_FINDINGS = 10

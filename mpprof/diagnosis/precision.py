@@ -10,12 +10,8 @@ import numpy as np
 
 from mpprof.diagnosis.core import NotApplicable, NotMeasured, finding, rule
 from mpprof.diagnosis.numerics import MAX_LAYER_FINDINGS
-from mpprof.diagnosis.view import HALF_DTYPES, RunView, layer_dtype
-
-# Tensor Cores run float16/bfloat16 GEMMs at full speed only when the matrix
-# dimensions are multiples of 8 (NVIDIA's "Matrix Multiplication Background
-# User's Guide"; cuBLAS pads or falls back otherwise).
-TENSOR_CORE_MULTIPLE = 8
+from mpprof.diagnosis.view import RunView, layer_dtype
+from mpprof.dtypes import HALF_DTYPES, TENSOR_CORE_MULTIPLE
 
 # Losses that expect probabilities unless from_logits=True, by the names
 # Keras gives their classes and functions.

@@ -16,25 +16,8 @@ import functools
 
 import numpy as np
 
-from mpprof import schema
 from mpprof.diagnosis.core import NotApplicable, NotMeasured
-
-HALF_DTYPES = ("float16", "bfloat16")
-
-# Largest finite value and smallest positive normal of each float dtype: the
-# thresholds a tensor is judged by come from the dtype it was computed in.
-DTYPE_MAX = {
-    "float16": schema.FLOAT16_MAX,
-    "bfloat16": schema.BFLOAT16_MAX,
-    "float32": float(np.finfo(np.float32).max),
-    "float64": float(np.finfo(np.float64).max),
-}
-DTYPE_SMALLEST_NORMAL = {
-    "float16": schema.FLOAT16_SMALLEST_NORMAL,
-    "bfloat16": float(np.finfo(np.float32).tiny),  # float32's exponent range
-    "float32": float(np.finfo(np.float32).tiny),
-    "float64": float(np.finfo(np.float64).tiny),
-}
+from mpprof.dtypes import DTYPE_MAX, HALF_DTYPES
 
 NUMERICS_HINT = (
     "per-layer numerics were not recorded: pass numerics_every=N to "

@@ -21,11 +21,11 @@ import sys
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tf_keras  # noqa: E402
+import numpy as np
+import tf_keras
 
-import mpprof  # noqa: E402
-from mpprof.tf_keras_support import variable_path  # noqa: E402
+import mpprof
+from mpprof.tf_keras_support import variable_path
 
 layers = tf_keras.layers
 

@@ -2,20 +2,24 @@
 
 A chart a few thousand pixels wide cannot show a million steps; averaging
 would hide the one overflow a user looks for, so series keep each bucket's
-extremes and matrices keep each cell's worst value.
+extremes and matrices keep each cell's worst value. The HTML report and the
+TensorBoard dashboard both draw through these.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
+
+from mpprof import schema
 
 
 def group_starts(length: int, groups: int) -> np.ndarray:
-    """Start indices of at most `groups` contiguous, equal-sized groups."""
-    size = max(1, math.ceil(length / max(1, groups)))
-    return np.arange(0, length, size)
+    """Start indices of min(`length`, `groups`) contiguous groups of `length`
+    items, their sizes differing by at most one."""
+    count = min(length, max(1, groups))
+    if not count:
+        return np.zeros(0, dtype=np.int64)
+    return np.arange(count, dtype=np.int64) * length // count
 
 
 def envelope(x: np.ndarray, y: np.ndarray, points: int) -> np.ndarray:
@@ -60,9 +64,29 @@ def pool_mean(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
         return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
 
 
-def json_floats(values: np.ndarray, decimals: int | None = None) -> list:
-    """A (nested) list of floats, NaN and infinities as None (JSON has neither)."""
-    values = np.asarray(values, dtype=np.float64)
-    if decimals is not None:
-        values = np.round(values, decimals)
-    return np.where(np.isfinite(values), values, None).tolist()
+
+def device_tracks(samples: np.ndarray, points: int) -> dict[int, dict[str, np.ndarray]]:
+    """GPU_SAMPLES rows per device, in time order, as at most `points` bucket
+    means per column.
+
+    Args:
+        samples: the run's GPU_SAMPLES rows (`schema.GPU_SAMPLE_COLUMNS`).
+        points: the most values per column and device.
+
+    Returns:
+        {device index: {column: means}} for every column but "device".
+    """
+    columns = list(schema.GPU_SAMPLE_COLUMNS)
+    samples = np.asarray(samples, dtype=np.float64).reshape(-1, len(columns))
+    devices = samples[:, columns.index("device")]
+    tracks = {}
+    for device in np.unique(devices[np.isfinite(devices)]):
+        rows = samples[devices == device]
+        rows = rows[np.argsort(rows[:, columns.index("wall_time")], kind="stable")]
+        starts = group_starts(len(rows), points)
+        tracks[int(device)] = {
+            name: pool_mean(rows[:, i], starts)
+            for i, name in enumerate(columns)
+            if name != "device"
+        }
+    return tracks

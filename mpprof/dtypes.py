@@ -1,0 +1,84 @@
+"""The floating-point dtypes of mixed precision and what hardware does with them.
+
+Defined once here: each dtype's range, which dtypes are half precision, the
+GEMM dimension multiple Tensor Cores want and the compute capabilities that
+bring fast float16 and bfloat16. The collectors, the diagnosis and the
+front ends import them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from mpprof import schema
+
+# The 16-bit floating-point dtypes Keras' mixed precision policies compute in.
+HALF_DTYPES = ("float16", "bfloat16")
+
+# Tensor Cores run float16/bfloat16 GEMMs at full speed only when the matrix
+# dimensions are multiples of 8 (NVIDIA's "Matrix Multiplication Background
+# User's Guide"; cuBLAS pads or falls back otherwise).
+TENSOR_CORE_MULTIPLE = 8
+
+# Tensor Cores first shipped with compute capability 7.0 (Volta); native
+# bfloat16 with 8.0 (Ampere).
+FP16_TENSOR_CORE_CAPABILITY = (7, 0)
+BF16_CAPABILITY = (8, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DtypeRange:
+    """The range of a floating-point dtype.
+
+    Attributes:
+        name: "float16", "bfloat16", "float32" or "float64".
+        max: the largest finite value.
+        smallest_normal: the smallest positive normal value.
+        smallest_subnormal: the smallest positive subnormal value.
+    """
+
+    name: str
+    max: float
+    smallest_normal: float
+    smallest_subnormal: float
+
+
+def _ieee(name: str) -> DtypeRange:
+    info = np.finfo(name)
+    return DtypeRange(name, float(info.max), float(info.tiny), float(info.smallest_subnormal))
+
+
+DTYPE_RANGES = (
+    DtypeRange(
+        "float16",
+        schema.FLOAT16_MAX,
+        schema.FLOAT16_SMALLEST_NORMAL,
+        schema.FLOAT16_SMALLEST_SUBNORMAL,
+    ),
+    # bfloat16 has float32's exponent range and 7 stored mantissa bits.
+    DtypeRange("bfloat16", schema.BFLOAT16_MAX, 2.0**-126, 2.0**-133),
+    _ieee("float32"),
+    _ieee("float64"),
+)
+
+# Largest finite value of each float dtype: the limit a tensor is judged by
+# comes from the dtype it was computed in.
+DTYPE_MAX = {d.name: d.max for d in DTYPE_RANGES}
+
+
+def has_fp16_tensor_cores(compute_capability) -> bool | None:
+    """Whether a GPU of this compute capability has float16 Tensor Cores
+    (None when the capability is unknown)."""
+    if not compute_capability:
+        return None
+    return tuple(compute_capability) >= FP16_TENSOR_CORE_CAPABILITY
+
+
+def has_native_bf16(compute_capability) -> bool | None:
+    """Whether a GPU of this compute capability computes bfloat16 natively
+    (None when the capability is unknown)."""
+    if not compute_capability:
+        return None
+    return tuple(compute_capability) >= BF16_CAPABILITY
