@@ -12,8 +12,10 @@ import html
 
 import numpy as np
 
-from mpprof import diagnosis, downsample, headroom, reader
+from mpprof import diagnosis, downsample, headroom, reader, schema
 from mpprof.jsonsafe import json_floats
+
+_EVENT = schema.LOSS_SCALE_EVENT_COLUMN
 
 # A plot is at most ~2,000 pixels wide: more points than this per line (the
 # loss-scale step function is kept as min/max per bucket) cannot be seen.
@@ -59,8 +61,8 @@ def _loss_scale_data(loss_scale: reader.LossScale) -> dict:
     return {
         "steps": steps[kept].tolist(),
         "scales": json_floats(scales[kept]),
-        "overflows": event_markers(overflows[:, 0], overflows[:, 1]),
-        "growths": event_markers(growths[:, 0], growths[:, 2]),
+        "overflows": event_markers(overflows[:, _EVENT.step], overflows[:, _EVENT.scale_before]),
+        "growths": event_markers(growths[:, _EVENT.step], growths[:, _EVENT.scale_after]),
         "overflow_count": len(overflows),
         "growth_count": len(growths),
     }
