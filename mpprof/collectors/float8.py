@@ -71,31 +71,32 @@ def replay(history_before: np.ndarray, scale_before: float, history_now: np.ndar
     if steps > length or steps < 0:
         return unknown
     new = chronological_now[length - steps:] if steps else chronological_now[:0]
-    window = chronological_before
-    scale = scale_before
-    # Whether the scale in use was set from an amax: Keras keeps the initial
-    # scale while the history holds only zeros (the first two steps). The
-    # scale read before was set from the history without its latest entry.
-    from_amax = bool(np.any(chronological_before[:-1] > 0))
-    warmup = saturated = underflowed = 0
-    peak = np.nan
-    for amax in new:
-        if not from_amax:
-            warmup += 1
-        elif amax > 0:
-            ratio = amax / (scale * fmax)
-            peak = ratio if np.isnan(peak) else max(peak, ratio)
-            saturated += ratio > 1
-            underflowed += amax / scale < tiny / 2
-        # The scale the next step quantizes with: from the history before
-        # this step's amax entered it.
-        window_max = float(window.max())
-        if window_max > 0 and np.isfinite(window_max):
-            scale, from_amax = window_max / fmax, True
-        window = np.append(window[1:], amax)
-    expected_now = np.roll(window, 1)
+    # The history before each new step: a sliding window over the amax of
+    # the steps before and the new ones. After each step Keras sets the scale
+    # the next step quantizes with from the window before that step's amax
+    # (and keeps the scale while the window holds no positive amax).
+    sequence = np.concatenate([chronological_before, new])
+    window_max = np.lib.stride_tricks.sliding_window_view(sequence, length)[:steps].max(axis=1)
+    set_here = (window_max > 0) & np.isfinite(window_max)
+    scale_set = np.where(set_here, window_max / fmax, np.nan)
+    # The scale read before was set from the history without its latest
+    # entry; the initial scale (history of zeros) is warm-up, not an amax's.
+    before_from_amax = bool(np.any(chronological_before[:-1] > 0))
+    candidates = np.concatenate([[scale_before], scale_set])
+    last_set = np.maximum.accumulate(np.where(~np.isnan(candidates), np.arange(steps + 1), 0))
+    scales = candidates[last_set]  # scales[j]: the scale step j (0-based) used; [-1]: now
+    from_amax = (last_set > 0) | before_from_amax
+    used, amax, real = scales[:-1], new, from_amax[:-1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = amax / (used * fmax)
+    judged = real & (amax > 0)
+    saturated = int(np.sum(judged & (ratio > 1)))
+    underflowed = int(np.sum(judged & (amax / used < tiny / 2)))
+    warmup = int(np.sum(~real))
+    peak = float(ratio[judged].max()) if judged.any() else np.nan
+    expected_now = np.roll(sequence[steps:], 1)
     if not (np.allclose(expected_now, history_now, rtol=1e-6, atol=0)
-            and np.isclose(scale, scale_now, rtol=1e-5)):
+            and np.isclose(scales[-1], scale_now, rtol=1e-5)):
         return unknown
     return np.array([steps, saturated, peak, underflowed, warmup], dtype=np.float64)
 
