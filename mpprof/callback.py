@@ -270,7 +270,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._host = HostRecorder(self.gpu_interval, self._profile_window, self, api)
         self._collectors = [
             self._inventory, self._loss_scales, self._health, self._numerics, self._host,
-            Float8State(model),
+            Float8State(model, self._loss_scales),
         ]
         fit.step = self._start_step(usage)
         self._fit_start_step = fit.step

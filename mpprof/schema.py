@@ -130,8 +130,9 @@ FLOAT8_FORMATS = {"inputs": "float8_e4m3fn", "kernel": "float8_e4m3fn",
 # when read (Keras quantizes x as x / scale); "amax_max" and "amax_last" the
 # amax history's largest and most recent entry. The rest covers the steps since
 # the previous flush, replayed from the amax history with Keras' own scale
-# rule: "steps" is how many were replayed (NaN when the replay did not
-# reproduce the scale read, e.g. a step that skipped its update);
+# rule: "steps" is how many were replayed (those whose update ran: a step a
+# LossScaleOptimizer skipped leaves the float8 state as it was; NaN when the
+# replay did not reproduce the history and scale read);
 # "saturated_steps" those whose largest value divided by the scale in use
 # exceeded the format's max (so Keras clipped it); "peak_over_max" the largest
 # such ratio over the format max; "underflowed_steps" those whose largest value

@@ -106,12 +106,17 @@ class Float8State(Collector):
 
     Args:
         model: the model being fit.
+        loss_scales: the fit's `LossScales`: a step a LossScaleOptimizer
+            skipped (non-finite gradients) leaves the float8 state untouched,
+            so the replay covers only the steps whose update ran.
     """
 
     name = "float8"
 
-    def __init__(self, model):
+    def __init__(self, model, loss_scales):
         self._layers = float8_layers(model)
+        self._loss_scales = loss_scales
+        self._previous_skipped = 0
         self._variables = [
             (getattr(layer, f"{tensor}_scale"), getattr(layer, f"{tensor}_amax_history"))
             for layer in self._layers for tensor in schema.FLOAT8_TENSORS
@@ -138,6 +143,11 @@ class Float8State(Collector):
         self._read_all = read_all
         self._previous = self._read()
         self._previous_step = fit.step
+        self._previous_skipped = self._skipped()
+
+    def _skipped(self) -> int:
+        """Steps the LossScaleOptimizers skipped so far (0 without one)."""
+        return self._loss_scales.skipped_steps() if self._loss_scales else 0
 
     def _read(self) -> list[tuple[float, np.ndarray]]:
         """(scale, amax history) per layer and tensor, in layout order."""
@@ -156,13 +166,15 @@ class Float8State(Collector):
         if not steps and self._layout_written:
             return  # flushed already at this step: nothing new to replay
         now = self._read()
+        skipped = self._skipped()
+        updates = steps - (skipped - self._previous_skipped)
         tensors = len(schema.FLOAT8_TENSORS)
         rows = np.zeros((len(self._layers), tensors, len(schema.FLOAT8_STATE_COLUMNS)))
         for index, ((scale, history), (scale_before, history_before)) in enumerate(
             zip(now, self._previous, strict=True)
         ):
             tensor = schema.FLOAT8_TENSORS[index % tensors]
-            replayed = replay(history_before, scale_before, history, scale, steps,
+            replayed = replay(history_before, scale_before, history, scale, updates,
                               schema.FLOAT8_FORMATS[tensor])
             amax_max = float(history.max()) if len(history) else 0.0
             amax_last = float(history[0]) if len(history) else 0.0
@@ -172,6 +184,7 @@ class Float8State(Collector):
             self._layout_written = True
         fit.writer.write_array(schema.FLOAT8_STATE, rows, fit.step)
         self._previous, self._previous_step = now, fit.step
+        self._previous_skipped = skipped
 
     def layout(self) -> dict:
         """The FLOAT8_LAYOUT record."""
