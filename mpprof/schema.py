@@ -136,7 +136,7 @@ FLOAT8_FORMATS = {"inputs": "float8_e4m3fn", "kernel": "float8_e4m3fn",
 # "saturated_steps" those whose largest value divided by the scale in use
 # exceeded the format's max (so Keras clipped it); "peak_over_max" the largest
 # such ratio over the format max; "underflowed_steps" those whose largest value
-# divided by the scale fell below half the format's smallest subnormal (every
+# divided by the scale was at most half the format's smallest subnormal (every
 # value quantized to zero); "warmup_steps" those quantized with a scale no amax
 # had set yet (the history held only zeros). Shares of individual values are
 # not measured: the step's amax is all Keras keeps.

@@ -11,13 +11,15 @@ of zeros keeps the scale). The scale a step quantizes with is thus set by the
 history up to two steps before it.
 
 At each flush the collector reads every scale and history in one batched
-read, and replays the steps since the previous read with that rule: the
+read, and replays the steps since the previous read with that rule (less
+those a LossScaleOptimizer skipped: they update nothing): the
 history holds each step's amax (index 0 the latest, then oldest to newest),
 so the scale each step used, and whether its largest value clipped
-(saturated) or fell below half the format's smallest subnormal (every value
-quantized to zero), follow. The replay must end at the scale read, or its
-counts are NaN. Shares of individual values are not measured: in-graph taps
-of the quantized tensors would be needed, and the amax is all Keras keeps.
+(saturated) or was at most half the format's smallest subnormal (every value
+quantized to zero: round to nearest even), follow. The replay must end at the
+history and scale read, or its counts are NaN. Shares of individual values
+are not measured: in-graph taps of the quantized tensors would be needed, and
+the amax is all Keras keeps.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def replay(history_before: np.ndarray, scale_before: float, history_now: np.ndar
         ratio = amax / (used * fmax)
     judged = real & (amax > 0)
     saturated = int(np.sum(judged & (ratio > 1)))
-    underflowed = int(np.sum(judged & (amax / used < tiny / 2)))
+    underflowed = int(np.sum(judged & (amax / used <= tiny / 2)))
     warmup = int(np.sum(~real))
     peak = float(ratio[judged].max()) if judged.any() else np.nan
     expected_now = np.roll(sequence[steps:], 1)
