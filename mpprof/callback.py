@@ -13,6 +13,7 @@ from mpprof import arguments, schema, tf_keras_support
 from mpprof.collectors import gpu as gpu_collector
 from mpprof.collectors import kernels as kernel_collector
 from mpprof.collectors.base import Collector
+from mpprof.collectors.float8 import Float8State
 from mpprof.collectors.host import HostRecorder
 from mpprof.collectors.inventory import Inventory
 from mpprof.collectors.loss_scales import LossScales
@@ -261,6 +262,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._host = HostRecorder(self.gpu_interval, self._profile_window, self, api)
         self._collectors = [
             self._inventory, self._loss_scales, self._health, self._numerics, self._host,
+            Float8State(model, self._loss_scales),
         ]
         fit.step = self._start_step(usage)
         self._fit_start_step = fit.step

@@ -195,6 +195,28 @@ class Numerics:
 
 
 @dataclasses.dataclass
+class Float8:
+    """The float8 layers' delayed scaling at each flush, as arrays ready to plot.
+
+    Every array of `state` is [flushes, layers, tensors] (layers as `layers`
+    names them, tensors as `tensors`); its keys are
+    `schema.FLOAT8_STATE_COLUMNS` ("scale", "amax_max", "amax_last", "steps",
+    "saturated_steps", "peak_over_max", "underflowed_steps",
+    "warmup_steps"); `steps` are the flushes' train steps.
+    """
+
+    layers: list[str]
+    policies: list[str]
+    amax_history_lengths: list[int]
+    tensors: list[str]
+    formats: dict[str, str]
+    format_max: dict[str, float]
+    format_min_subnormal: dict[str, float]
+    steps: np.ndarray
+    state: dict[str, np.ndarray]
+
+
+@dataclasses.dataclass
 class Gpu:
     """What the GPU sampler and the XProf window recorded.
 
@@ -388,6 +410,39 @@ class Run:
             backward_hist=stacked(schema.NUMERICS_BACKWARD_HIST),
             variable_grads=_shares(stacked(schema.NUMERICS_GRADIENTS)),
             unscaled_variable_grads=_shares(stacked(schema.NUMERICS_UNSCALED_GRADIENTS)),
+        )
+
+    @functools.cached_property
+    def float8(self) -> Float8 | None:
+        """The float8 layers' scales and amax; None for a run without float8
+        layers (or recorded before mpprof recorded them)."""
+        layout = self.latest(schema.FLOAT8_LAYOUT)
+        if layout is None or not layout.get("layers"):
+            return None
+        shape = (len(layout["layers"]), len(layout["tensors"]), len(schema.FLOAT8_STATE_COLUMNS))
+        # The last record of each step, in step order; records of another
+        # shape (a changed model) are left out.
+        records = self.records.get(schema.FLOAT8_STATE, [])
+        by_step = {
+            found.step: np.asarray(found.value) for found in records
+            if np.shape(found.value) == shape
+        }
+        steps = np.array(sorted(by_step), dtype=np.int64)
+        rows = np.stack([by_step[step] for step in steps]) if len(steps) else np.zeros((0, *shape))
+        return Float8(
+            layers=[layer["name"] for layer in layout["layers"]],
+            policies=[str(layer.get("policy")) for layer in layout["layers"]],
+            amax_history_lengths=[
+                int(layer.get("amax_history_length") or 0) for layer in layout["layers"]
+            ],
+            tensors=list(layout["tensors"]),
+            formats=dict(layout.get("formats") or {}),
+            format_max={k: float(v) for k, v in (layout.get("format_max") or {}).items()},
+            format_min_subnormal={
+                k: float(v) for k, v in (layout.get("format_min_subnormal") or {}).items()
+            },
+            steps=steps,
+            state={name: rows[..., i] for i, name in enumerate(schema.FLOAT8_STATE_COLUMNS)},
         )
 
     @functools.cached_property

@@ -65,12 +65,19 @@ NUMERICS_UNSCALED_GRADIENTS = "numerics/unscaled_gradients"
 # One JSON object: {"first_nonfinite_loss_step", "nonfinite_loss_steps",
 #  "nonfinite_weights": [...], "checked_step"}.
 HEALTH = "health"
+# One JSON object: {"layers": [{"name", "policy", "amax_history_length"}],
+#  "tensors": FLOAT8_TENSORS, "formats": {tensor: format}, "format_max":
+#  {format: largest finite}, "format_min_subnormal": {format: smallest positive}}:
+# the model's float8 layers, in the order of FLOAT8_STATE's rows.
+FLOAT8_LAYOUT = "float8/layout"
+# float64 [layers, len(FLOAT8_TENSORS), len(FLOAT8_STATE_COLUMNS)] at each flush.
+FLOAT8_STATE = "float8/state"
 
 RECORDS = (
     RUN_CONTEXT, INVENTORY, LOSS_SCALE_EVENTS, LOSS_SCALE_PROGRESS,
     GPU_SAMPLES, KERNEL_STATS, NUMERICS_LAYOUT, NUMERICS_STEP, NUMERICS_FORWARD,
     NUMERICS_BACKWARD, NUMERICS_FORWARD_HIST, NUMERICS_BACKWARD_HIST,
-    NUMERICS_GRADIENTS, NUMERICS_UNSCALED_GRADIENTS, HEALTH,
+    NUMERICS_GRADIENTS, NUMERICS_UNSCALED_GRADIENTS, HEALTH, FLOAT8_LAYOUT, FLOAT8_STATE,
 )
 
 # Records a run may hold several named series of (see `tag_for`).
@@ -114,6 +121,31 @@ GPU_SAMPLE_COLUMNS = (
     "temperature_c", "clock_event_reasons",
 )
 
+# The tensors of a Keras float8 layer that are quantized, each with its own
+# delayed scale and amax history, and the float8 format Keras gives each.
+FLOAT8_TENSORS = ("inputs", "kernel", "outputs_grad")
+FLOAT8_FORMATS = {"inputs": "float8_e4m3fn", "kernel": "float8_e4m3fn",
+                  "outputs_grad": "float8_e5m2"}
+# Columns of FLOAT8_STATE, per layer and tensor. "scale" is the scale variable
+# when read (Keras quantizes x as x / scale); "amax_max" and "amax_last" the
+# amax history's largest and most recent entry. The rest covers the steps since
+# the previous flush, replayed from the amax history with Keras' own scale
+# rule: "steps" is how many were replayed (those whose update ran: a step a
+# LossScaleOptimizer skipped leaves the float8 state as it was; NaN when the
+# replay did not reproduce the history and scale read);
+# "saturated_steps" those whose largest value divided by the scale in use
+# exceeded the format's max (so Keras clipped it); "peak_over_max" the largest
+# such ratio over the format max; "underflowed_steps" those whose largest value
+# divided by the scale was at most half the format's smallest subnormal (every
+# value quantized to zero); "warmup_steps" those quantized with a scale no amax
+# had set yet (the history held only zeros). Shares of individual values are
+# not measured: the step's amax is all Keras keeps.
+FLOAT8_STATE_COLUMNS = (
+    "scale", "amax_max", "amax_last", "steps", "saturated_steps", "peak_over_max",
+    "underflowed_steps", "warmup_steps",
+)
+
+
 class Columns:
     """Column positions by name: `LOSS_SCALE_EVENT_COLUMN.step` is 0. Readers,
     rules and payloads index records through these, never by a bare number."""
@@ -131,6 +163,7 @@ LOSS_SCALE_EVENT_COLUMN = Columns(LOSS_SCALE_EVENT_COLUMNS)
 LOSS_SCALE_PROGRESS_COLUMN = Columns(LOSS_SCALE_PROGRESS_COLUMNS)
 NUMERICS_STEP_COLUMN = Columns(NUMERICS_STEP_COLUMNS)
 GPU_SAMPLE_COLUMN = Columns(GPU_SAMPLE_COLUMNS)
+FLOAT8_STATE_COLUMN = Columns(FLOAT8_STATE_COLUMNS)
 
 # Values of the "kind" column of LOSS_SCALE_EVENTS.
 EVENT_OVERFLOW = 0.0  # non-finite gradients: step skipped, scale halved

@@ -247,6 +247,19 @@ _KERNEL_STATS = _typed(
     top_ops=_OBJECTS,
 )
 
+_FLOAT8_LAYER = _required(
+    "name",
+    then=_typed(name=_is(str, optional=False), policy=_TEXT, amax_history_length=_count),
+)
+
+_FLOAT8_LAYOUT = _typed(
+    layers=_list_of(lambda layer: _is(dict, optional=False)(layer) or _FLOAT8_LAYER(layer)),
+    tensors=_TEXTS,
+    formats=_dict_of(_TEXT),
+    format_max=_dict_of(_NUMBER),
+    format_min_subnormal=_dict_of(_NUMBER),
+)
+
 _JSON_RECORDS: dict[str, Check] = {
     schema.RUN_CONTEXT: _CONTEXT,
     schema.INVENTORY: _INVENTORY,
@@ -255,6 +268,7 @@ _JSON_RECORDS: dict[str, Check] = {
     ),
     schema.HEALTH: _HEALTH,
     schema.KERNEL_STATS: _KERNEL_STATS,
+    schema.FLOAT8_LAYOUT: _required("layers", "tensors", then=_FLOAT8_LAYOUT),
 }
 
 
@@ -326,6 +340,17 @@ def _numerics_stats(rows: np.ndarray) -> str | None:
     return _counts(rows[:, : len(schema.NUMERICS_COUNT_COLUMNS)])
 
 
+def _float8_state(rows: np.ndarray) -> str | None:
+    columns = schema.FLOAT8_STATE_COLUMNS
+    scales = rows[..., columns.index("scale")]
+    counted = rows[..., columns.index("steps"):]
+    return _first(
+        None if np.all(scales >= 0) else f"has float8 scale {scales[~(scales >= 0)][0]!r}",
+        # "steps" and its counts are NaN where the replay did not hold.
+        _counts(counted[~np.isnan(counted)]),
+    )
+
+
 _STATS = (len(schema.NUMERICS_STAT_COLUMNS), _numerics_stats)
 # A histogram has a bin per gap between the layout's edges, plus two open
 # ends: `Run.numerics` matches its width against the layout.
@@ -343,4 +368,5 @@ _ARRAY_RECORDS: dict[str, tuple[int | None, Callable[[np.ndarray], str | None]]]
     schema.NUMERICS_UNSCALED_GRADIENTS: _STATS,
     schema.NUMERICS_FORWARD_HIST: _HISTOGRAM,
     schema.NUMERICS_BACKWARD_HIST: _HISTOGRAM,
+    schema.FLOAT8_STATE: (len(schema.FLOAT8_STATE_COLUMNS), _float8_state),
 }

@@ -18,7 +18,15 @@ applicable". Codes are a public interface, documented in docs/findings.md.
 from __future__ import annotations
 
 # Importing the rule modules registers their rules.
-from mpprof.diagnosis import hardware, loss_scale, nonfinite, numerics, precision, underflow
+from mpprof.diagnosis import (
+    float8,
+    hardware,
+    loss_scale,
+    nonfinite,
+    numerics,
+    precision,
+    underflow,
+)
 from mpprof.diagnosis.core import (
     REGISTRY,
     SEVERITIES,
@@ -29,6 +37,12 @@ from mpprof.diagnosis.core import (
     NotApplicable,
     NotMeasured,
     Rule,
+)
+from mpprof.diagnosis.float8 import (
+    FLOAT8_STEP_SHARE,
+    MIN_FLOAT8_STEPS,
+    SATURATION_FACTOR,
+    WARMUP_STEPS,
 )
 from mpprof.diagnosis.hardware import (
     BF16_CAPABILITY,
@@ -67,14 +81,15 @@ CATALOGUE: dict[str, Rule] = dict(sorted(REGISTRY.items()))
 
 __all__ = [
     "BF16_CAPABILITY", "BUSY_GPU_UTIL_PERCENT", "CATALOGUE", "EXCESS_OVERFLOW_SHARE",
-    "FLOOR_OVERFLOWS_LIMIT", "FLUSH_GAP", "FLUSH_SHARE", "FP16_TENSOR_CORE_CAPABILITY",
+    "FLOAT8_STEP_SHARE", "FLOOR_OVERFLOWS_LIMIT", "FLUSH_GAP", "FLUSH_SHARE",
+    "FP16_TENSOR_CORE_CAPABILITY",
     "HEADROOM_FACTOR", "LOW_TENSOR_CORE_SHARE", "LOW_TENSOR_UTIL_PERCENT",
-    "MAX_LAYER_FINDINGS", "MIN_EXCESS_OVERFLOWS", "MIN_HEALTHY_LOSS_SCALE",
-    "MIN_UNDERFLOW_SAMPLES", "SEVERITIES", "TENSOR_CORE_MULTIPLE", "UNDERFLOW_SHARE",
-    "VIEWS", "Check", "Diagnosis", "Finding", "Rule", "RunView",
+    "MAX_LAYER_FINDINGS", "MIN_EXCESS_OVERFLOWS", "MIN_FLOAT8_STEPS", "MIN_HEALTHY_LOSS_SCALE",
+    "MIN_UNDERFLOW_SAMPLES", "SATURATION_FACTOR", "SEVERITIES", "TENSOR_CORE_MULTIPLE",
+    "UNDERFLOW_SHARE", "VIEWS", "WARMUP_STEPS", "Check", "Diagnosis", "Finding", "Rule", "RunView",
     "backward_overflow_mask", "diagnose", "evaluate", "exceeds",
     "first_backward_offender", "first_forward_offender", "format_text",
-    "forward_overflow_mask", "gradient_underflow_share", "hardware", "loss_scale",
+    "float8", "forward_overflow_mask", "gradient_underflow_share", "hardware", "loss_scale",
     "nonfinite", "numerics", "precision", "underflow",
 ]
 

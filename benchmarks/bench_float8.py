@@ -1,0 +1,144 @@
+"""Added cost of float8 recording on a float8 model.
+
+The seed's Dense(256)->Dense(10) quantized with `model.quantize("float8")`
+trains one warm-up epoch (tracing) and then `--epochs` timed epochs, under
+three interleaved configurations (each round in another order): plain fit;
+mpprof with its float8 collector switched off (it finds no float8 layers);
+mpprof with float8 recording.
+Reported: each configuration's median epoch time and the ratio of medians of
+float8 recording to mpprof without it (the cost of float8 recording alone)
+and to plain fit; and the time the float8 collector itself took per epoch
+(its batched reads of every scale and amax history plus the replays), the
+direct measure, which the noise of a shared machine does not blur.
+
+    python benchmarks/bench_float8.py --repeats 3 --flush-every-steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Plain kernels, as the tests and the other benchmarks use.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import mpprof  # noqa: E402
+from mpprof.collectors import float8 as float8_collector  # noqa: E402
+
+
+class _EpochTimer(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.times = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.times.append(time.perf_counter() - self._start)
+
+
+def float8_model() -> keras.Model:
+    model = keras.Sequential([
+        keras.layers.Input((784,)),
+        keras.layers.Dense(256, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+    model.quantize("float8")
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+class _CollectorClock:
+    """Seconds spent in the float8 collector's install and flushes."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._originals = {}
+
+    def __enter__(self):
+        for name in ("install", "flush"):
+            original = getattr(float8_collector.Float8State, name)
+            self._originals[name] = original
+
+            def timed(collector, *args, _original=original):
+                start = time.perf_counter()
+                try:
+                    return _original(collector, *args)
+                finally:
+                    self.seconds += time.perf_counter() - start
+
+            setattr(float8_collector.Float8State, name, timed)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._originals.items():
+            setattr(float8_collector.Float8State, name, original)
+
+
+def run(config: str, x, y, epochs: int, flush_every_steps: int) -> tuple[list[float], float]:
+    """Timed epoch times of one fresh fit under `config`, and the seconds its
+    float8 collector took (over all epochs, the warm-up one included)."""
+    model = float8_model()
+    timer = _EpochTimer()
+    callbacks = [timer]
+    find_layers = float8_collector.float8_layers
+    if config != "plain":
+        callbacks.append(mpprof.MixedPrecisionProfiler(
+            log_dir=tempfile.mkdtemp(), flush_every_steps=flush_every_steps,
+        ))
+    if config == "mpprof_no_float8":
+        float8_collector.float8_layers = lambda model: []
+    try:
+        with _CollectorClock() as clock:
+            model.fit(x, y, batch_size=32, epochs=epochs + 1, verbose=0, callbacks=callbacks)
+    finally:
+        float8_collector.float8_layers = find_layers
+    return timer.times[1:], clock.seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=8192)
+    parser.add_argument("--flush-every-steps", type=int, default=50)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    x = rng.random((args.samples, 784), dtype=np.float32)
+    y = rng.integers(0, 10, args.samples)
+    configs = ("plain", "mpprof_no_float8", "mpprof_float8")
+    times = {config: [] for config in configs}
+    collector_seconds = []
+    for repeat in range(args.repeats):
+        # Each round starts with another configuration: no order effect.
+        for config in configs[repeat % 3:] + configs[:repeat % 3]:
+            epoch_times, seconds = run(config, x, y, args.epochs, args.flush_every_steps)
+            times[config] += epoch_times
+            if config == "mpprof_float8":
+                collector_seconds.append(seconds / (args.epochs + 1))
+    medians = {config: statistics.median(t) for config, t in times.items()}
+    steps = args.samples // 32
+    print(f"float8 seed model, {steps} steps/epoch, flush every {args.flush_every_steps} "
+          f"steps, {args.repeats} x {args.epochs} timed epochs")
+    for config in configs:
+        print(f"  {config:18s} median epoch {medians[config] * 1e3:8.1f} ms")
+    print(f"  float8 recording / mpprof without it: "
+          f"{medians['mpprof_float8'] / medians['mpprof_no_float8']:.3f} (ratio of medians)")
+    print(f"  mpprof with float8 / plain fit:       "
+          f"{medians['mpprof_float8'] / medians['plain']:.3f}")
+    per_epoch = statistics.median(collector_seconds)
+    print(f"  float8 collector (install + flushes) per epoch: {per_epoch * 1e3:.1f} ms = "
+          f"{per_epoch / medians['mpprof_float8']:.2%} of the median epoch")
+
+
+if __name__ == "__main__":
+    main()

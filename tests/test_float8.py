@@ -1,0 +1,159 @@
+"""Float8 training health: Keras float8 layers' scales and amax histories
+recorded, read back as `Run.float8`, and judged (MP015-MP017), on real CPU
+training of tiny `model.quantize("float8")` models."""
+
+import keras
+import numpy as np
+import pytest
+
+import mpprof
+from mpprof import diagnosis, schema, validation
+from mpprof.reader import read_run
+
+BATCH = 8
+STEPS = 6
+FLOAT8_CODES = ("MP015", "MP016", "MP017")
+
+
+def _float8_model(policy: str = "float32") -> keras.Model:
+    """Dense -> LayerNormalization -> Dense, both Dense layers in float8; the
+    normalisation keeps the head's inputs steady whatever the first layer sees."""
+    keras.mixed_precision.set_dtype_policy(policy)
+    model = keras.Sequential([
+        keras.layers.Input((8,)),
+        keras.layers.Dense(16, activation="relu", name="hidden"),
+        keras.layers.LayerNormalization(name="norm"),
+        keras.layers.Dense(1, name="head", dtype="float32" if policy != "float32" else None),
+    ], name="f8")
+    model.quantize("float8", filters=lambda layer: isinstance(layer, keras.layers.Dense))
+    return model
+
+
+def _data(growth: float = 1.0):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH * STEPS, 8)).astype(np.float32)
+    x *= (growth ** np.repeat(np.arange(STEPS), BATCH))[:, None].astype(np.float32)
+    return x, rng.normal(size=(BATCH * STEPS, 1)).astype(np.float32)
+
+
+def _fit(tmp_path, model, x, y):
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[mpprof.MixedPrecisionProfiler(log_dir=str(tmp_path),
+                                                       flush_every_steps=2)])
+    keras.mixed_precision.set_dtype_policy("float32")
+    return read_run(tmp_path, "train")
+
+
+def _findings(run, code):
+    return [f for f in diagnosis.diagnose(run) if f.code == code]
+
+
+def test_a_healthy_float8_run_is_recorded_as_keras_scales_it_and_not_flagged(tmp_path):
+    x, y = _data()
+    run = _fit(tmp_path, _float8_model(), x, y)
+    float8 = run.float8
+    assert run.context["collectors"]["float8"] == {"state": "ok"}
+    assert float8.layers == ["f8/hidden", "f8/head"]
+    assert float8.policies == ["float8_from_float32"] * 2
+    assert float8.tensors == ["inputs", "kernel", "outputs_grad"]
+    assert float8.formats == {"inputs": "float8_e4m3fn", "kernel": "float8_e4m3fn",
+                              "outputs_grad": "float8_e5m2"}
+    assert float8.amax_history_lengths == [1024, 1024]
+    assert list(float8.steps) == [2, 4, 6]
+    state = float8.state
+    assert state["scale"].shape == (3, 2, 3)
+    # The first layer's input amax is the batch's own largest magnitude.
+    last_batch = x[-BATCH:]
+    assert state["amax_last"][-1, 0, 0] == pytest.approx(np.abs(last_batch).max(), rel=1e-6)
+    assert state["amax_max"][-1, 0, 0] == pytest.approx(np.abs(x).max(), rel=1e-6)
+    # The replay with Keras' scale rule reproduced every scale read (else NaN),
+    # and Keras' first two steps quantize with the initial scale.
+    assert np.all(state["steps"] == 2)
+    assert np.all(state["warmup_steps"][0] == 2) and np.all(state["warmup_steps"][1:] == 0)
+    # The scale Keras holds is the history's max over the e4m3 max, up to the
+    # last step's amax (which enters the history after the scale is set).
+    assert state["scale"][-1, 0, 0] * 448 <= state["amax_max"][-1, 0, 0] * (1 + 1e-6)
+    assert not [f for f in diagnosis.diagnose(run) if f.code in FLOAT8_CODES]
+    checked = diagnosis.evaluate(run)
+    assert not [n for n in checked.notes if n.code in FLOAT8_CODES]
+
+
+def test_growing_activations_saturate_the_delayed_scale_mp015(tmp_path):
+    x, y = _data(growth=4.0)
+    run = _fit(tmp_path, _float8_model(), x, y)
+    found = _findings(run, "MP015")
+    # The head's inputs come normalised: only the first layer saturates.
+    assert [f.layer for f in found] == ["f8/hidden"]
+    evidence = found[0].evidence["tensors"]["inputs"]
+    assert evidence["saturated_steps"] == evidence["judged_steps"] == STEPS - 2
+    assert evidence["worst_peak_over_format_max"] > 4
+    assert 'model.quantize("float8", filters=lambda layer: layer.name != \'hidden\')' \
+        in found[0].fix
+    assert not _findings(run, "MP016") and not _findings(run, "MP017")
+
+
+def test_a_wrong_amax_makes_the_e5m2_gradient_underflow_mp016(tmp_path):
+    model = _float8_model()
+    # An amax far beyond the gradients' (as from a reduction over the wrong
+    # group) holds the gradient scale up for the whole history.
+    hidden = model.get_layer("hidden")
+    hidden.outputs_grad_amax_history.assign(np.full(1024, 1e12, np.float32))
+    x, y = _data()
+    run = _fit(tmp_path, model, x, y)
+    found = _findings(run, "MP016")
+    assert [f.layer for f in found] == ["f8/hidden"]
+    assert list(found[0].evidence["tensors"]) == ["outputs_grad"]
+    assert found[0].evidence["tensors"]["outputs_grad"]["amax_history_max"] == pytest.approx(
+        1e12, rel=1e-6)
+    assert "amax_history_length=16" in found[0].fix
+    assert not _findings(run, "MP015") and not _findings(run, "MP017")
+
+
+def test_a_frozen_float8_layer_never_updates_its_scale_mp017(tmp_path):
+    model = _float8_model()
+    model.get_layer("hidden").trainable = False
+    x, y = _data()
+    run = _fit(tmp_path, model, x, y)
+    found = _findings(run, "MP017")
+    assert [f.layer for f in found] == ["f8/hidden"]
+    assert found[0].evidence["tensors"]["inputs"]["problem"] == "amax history of zeros"
+    assert found[0].evidence["tensors"]["inputs"]["scale"] == 1.0
+    assert not _findings(run, "MP015") and not _findings(run, "MP016")
+
+
+def test_float8_under_mixed_float16_is_recorded(tmp_path):
+    x, y = _data()
+    run = _fit(tmp_path, _float8_model("mixed_float16"), x, y)
+    float8 = run.float8
+    assert float8.policies == ["float8_from_mixed_float16", "float8_from_float32"]
+    assert list(float8.steps) == [2, 4, 6]
+    # Steps the LossScaleOptimizer skipped (its first scales overflow) leave
+    # the float8 state untouched: the replay covers the others and holds.
+    skipped = run.loss_scale.skipped_steps
+    assert skipped > 0
+    assert np.all(float8.state["steps"].sum(axis=0) == STEPS - skipped)
+    assert np.all(np.isfinite(float8.state["scale"])) and np.all(float8.state["scale"] > 0)
+    assert float8.state["amax_max"][-1, 0, 0] == pytest.approx(np.abs(x).max(), rel=1e-3)
+
+
+def test_a_run_without_float8_layers_has_no_float8_view(seed_logdir):
+    run = read_run(seed_logdir, "train")
+    assert run.float8 is None
+    assert run.context["collectors"]["float8"]["state"] == "absent"
+    notes = {n.code: n.status for n in diagnosis.evaluate(run).notes}
+    assert {code: notes.get(code) for code in FLOAT8_CODES} == dict.fromkeys(
+        FLOAT8_CODES, "not applicable"
+    )
+
+
+def test_a_float8_state_with_a_negative_scale_or_count_is_refused():
+    rows = np.zeros((2, 3, len(schema.FLOAT8_STATE_COLUMNS)))
+    assert validation.problem(schema.FLOAT8_STATE, rows) is None
+    rows[..., schema.FLOAT8_STATE_COLUMNS.index("steps")] = np.nan  # replay failed: allowed
+    assert validation.problem(schema.FLOAT8_STATE, rows) is None
+    rows[0, 0, 0] = -1.0
+    assert "scale" in validation.problem(schema.FLOAT8_STATE, rows)
+    rows[0, 0, 0] = 1.0
+    rows[1, 2, schema.FLOAT8_STATE_COLUMNS.index("saturated_steps")] = -2.0
+    assert "count" in validation.problem(schema.FLOAT8_STATE, rows)
