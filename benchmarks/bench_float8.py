@@ -26,11 +26,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Plain kernels, as the tests and the other benchmarks use.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import mpprof  # noqa: E402
-from mpprof.collectors import float8 as float8_collector  # noqa: E402
+import mpprof
+from mpprof.collectors import float8 as float8_collector
 
 
 class _EpochTimer(keras.callbacks.Callback):
