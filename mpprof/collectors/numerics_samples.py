@@ -15,16 +15,10 @@ import numpy as np
 
 from mpprof import schema
 from mpprof.collectors.base import Collector
+from mpprof.dtypes import DTYPE_MAX
 
 # Samples waiting for the next flush, at most.
 MAX_PENDING_SAMPLES = 64
-
-_POLICY_MAX = {
-    "float16": schema.FLOAT16_MAX,
-    "bfloat16": schema.BFLOAT16_MAX,
-    "float32": float(np.finfo(np.float32).max),
-}
-
 
 class NumericsSamples(Collector):
     """Turns the collector's readings into NUMERICS_* records.
@@ -73,7 +67,7 @@ class NumericsSamples(Collector):
         self._forensic_used = fit.schedule.forensic_used
         sample = self.collector.read()
         sample.pop("loss", None)  # the loss comes from the health watchers
-        max_value = _POLICY_MAX.get(fit.model.dtype_policy.compute_dtype, _POLICY_MAX["float32"])
+        max_value = DTYPE_MAX.get(fit.model.dtype_policy.compute_dtype, DTYPE_MAX["float32"])
         layout = self.collector.layout(max_value)
         if layout != self._layout_written:
             self.flush(fit)  # samples of the old layout go first
