@@ -69,13 +69,14 @@ def cnn_model() -> keras.Model:
 
 
 # name: (builder, input shape, samples, initial loss scale or None for the
-# default). "seed_overflowing" starts at a loss scale of 2**40: its first ~25
-# steps overflow, as a run whose scale must probe down does, which arms
+# default). The "_overflowing" ones start at a loss scale of 2**40: their first
+# ~25 steps overflow, as a run whose scale must probe down does, which arms
 # forensic numerics samples.
 MODELS = {
     "seed": (seed_model, (784,), 32768, None),
     "cnn": (cnn_model, (28, 28, 1), 2048, None),
     "seed_overflowing": (seed_model, (784,), 32768, 2.0**40),
+    "cnn_overflowing": (cnn_model, (28, 28, 1), 2048, 2.0**40),
 }
 
 
