@@ -28,21 +28,10 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import keras
 import numpy as np
+from bench_overhead import EpochTimer
 
 import mpprof
 from mpprof.collectors import float8 as float8_collector
-
-
-class _EpochTimer(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.times = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.times.append(time.perf_counter() - self._start)
 
 
 def float8_model() -> keras.Model:
@@ -88,7 +77,7 @@ def run(config: str, x, y, epochs: int, flush_every_steps: int) -> tuple[list[fl
     """Timed epoch times of one fresh fit under `config`, and the seconds its
     float8 collector took (over all epochs, the warm-up one included)."""
     model = float8_model()
-    timer = _EpochTimer()
+    timer = EpochTimer()
     callbacks = [timer]
     find_layers = float8_collector.float8_layers
     if config != "plain":

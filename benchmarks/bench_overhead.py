@@ -37,7 +37,7 @@ import tensorflow as tf
 import mpprof
 
 
-class _EpochTimer(keras.callbacks.Callback):
+class EpochTimer(keras.callbacks.Callback):
     def __init__(self):
         super().__init__()
         self.times = []
@@ -117,7 +117,7 @@ def run_once(model_name: str, config: str, epochs: int,
                                                     initial_scale=initial_scale))
             model.compile(optimizer=optimizer,
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-            timer = _EpochTimer()
+            timer = EpochTimer()
             start = time.perf_counter()
             model.fit(x, y, batch_size=128, epochs=epochs + 1, verbose=0,
                       callbacks=[*_callbacks(config, logdir), timer])

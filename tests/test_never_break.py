@@ -274,22 +274,10 @@ INJECTIONS = [
                          ids=[f"{o.__name__}.{m}" for _, o, m in INJECTIONS])
 def test_a_failing_collector_is_switched_off_and_training_goes_on(
         tmp_path, monkeypatch, collector, owner, method):
-    x, y = _small_data()
-    baseline = _small_model()
-    profiled = _small_model()
-    profiled.set_weights(baseline.get_weights())
-    baseline.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
-
-    def broken(*args, **kwargs):
-        raise RuntimeError(f"injected into {method}")
-
-    monkeypatch.setattr(owner, method, broken)
-    profiler = mpprof.MixedPrecisionProfiler(str(tmp_path), numerics_every=2)
-    with pytest.warns(RuntimeWarning, match=f"stopped recording {collector}"):
-        profiled.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False,
-                     callbacks=[profiler])
-    for expected, got in zip(baseline.get_weights(), profiled.get_weights(), strict=True):
-        np.testing.assert_array_equal(expected, got)
+    monkeypatch.setattr(owner, method, _raising(f"injected into {method}"))
+    profiled = _fit_as_without_the_profiler(
+        tmp_path, f"stopped recording {collector}", numerics_every=2
+    )
     context = reader.read_run(str(tmp_path), "train").context
     state = context["collectors"][collector]
     assert state["state"] == "failed" and f"injected into {method}" in state["reason"]
@@ -297,21 +285,8 @@ def test_a_failing_collector_is_switched_off_and_training_goes_on(
 
 
 def test_a_profiler_that_cannot_start_leaves_training_alone(tmp_path, monkeypatch):
-    x, y = _small_data()
-    baseline = _small_model()
-    profiled = _small_model()
-    profiled.set_weights(baseline.get_weights())
-    baseline.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("injected into install")
-
-    monkeypatch.setattr(TrainFunctions, "install", broken)
-    with pytest.warns(RuntimeWarning, match="stopped recording profiler"):
-        profiled.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False,
-                     callbacks=[mpprof.MixedPrecisionProfiler(str(tmp_path))])
-    for expected, got in zip(baseline.get_weights(), profiled.get_weights(), strict=True):
-        np.testing.assert_array_equal(expected, got)
+    monkeypatch.setattr(TrainFunctions, "install", _raising("injected into install"))
+    profiled = _fit_as_without_the_profiler(tmp_path, "stopped recording profiler")
     context = reader.read_run(str(tmp_path), "train").context
     assert "injected into install" in context["collectors"]["profiler"]["reason"]
     assert context["fit_state"] == schema.FIT_FAILED
@@ -349,6 +324,31 @@ def test_a_full_disk_stops_recording_not_training(tmp_path):
     assert "FIT COMPLETED" in result.stdout
     # What reached the disk before the failure still reads.
     assert reader.read_run(str(tmp_path), "train").context is not None
+
+
+def _raising(message: str):
+    def broken(*args, **kwargs):
+        raise RuntimeError(message)
+
+    return broken
+
+
+def _fit_as_without_the_profiler(tmp_path, warning: str, **profiler_kwargs) -> keras.Model:
+    """Trains twin models from the same weights, one plain and one with the
+    profiler (which must warn `warning`); asserts they end with the same
+    weights and returns the profiled one."""
+    x, y = _small_data()
+    baseline = _small_model()
+    profiled = _small_model()
+    profiled.set_weights(baseline.get_weights())
+    baseline.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    profiler = mpprof.MixedPrecisionProfiler(str(tmp_path), **profiler_kwargs)
+    with pytest.warns(RuntimeWarning, match=warning):
+        profiled.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False,
+                     callbacks=[profiler])
+    for expected, got in zip(baseline.get_weights(), profiled.get_weights(), strict=True):
+        np.testing.assert_array_equal(expected, got)
+    return profiled
 
 
 def _small_model(loss="mse") -> keras.Model:
