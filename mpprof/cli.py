@@ -113,16 +113,7 @@ def _warn(text: str) -> None:
 def _read(logdir: str, run: str | None) -> tuple[dict[str, reader.Run], bool]:
     """The selected runs of `logdir`, and whether they are big enough to say
     on stderr what is being done (said here for the reading)."""
-    names = reader.list_runs(logdir, on_warning=_warn)
-    if run is not None:
-        if run not in names:
-            raise reader.NoMpprofDataError(
-                f"No mpprof run {run!r} in {logdir}; its runs: "
-                f"{', '.join(names) or 'none'}"
-            )
-        names = [run]
-    if not names:
-        raise reader.no_runs_error(logdir)
+    names = reader.select_runs(logdir, run, on_warning=_warn)
     sizes = {name: _bytes(logdir, name) for name in names}
     chatty = sum(sizes.values()) > PROGRESS_BYTES
     runs = {}

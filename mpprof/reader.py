@@ -569,6 +569,26 @@ def read_logdir(logdir: str | os.PathLike, on_warning: OnWarning | None = None) 
     return read
 
 
+def select_runs(logdir: str | os.PathLike, run: str | None = None,
+                on_warning: OnWarning | None = None) -> list[str]:
+    """The runs of `logdir` (see `list_runs`), or only `run`.
+
+    Raises:
+        NoMpprofDataError: `run` is not among them, or there is none at all.
+    """
+    names = list_runs(logdir, on_warning=on_warning)
+    if run is not None:
+        if run not in names:
+            raise NoMpprofDataError(
+                f"No mpprof run {run!r} in {os.fspath(logdir)}; its runs: "
+                f"{', '.join(names) or 'none'}"
+            )
+        names = [run]
+    if not names:
+        raise no_runs_error(logdir)
+    return names
+
+
 def no_runs_error(logdir: str | os.PathLike) -> NoMpprofDataError:
     """The error for a logdir without mpprof runs, saying how to record one."""
     return NoMpprofDataError(

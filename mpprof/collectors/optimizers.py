@@ -61,6 +61,7 @@ class OptimizerUsage:
         ]
         self.watched = keras_api.apply_method is not None
         self.traced = False
+        self._used: list[OptimizerUse] = []
 
     def install(self, patches: Patches) -> None:
         if not self.watched:
@@ -90,13 +91,15 @@ class OptimizerUsage:
         not known (nothing traced yet, or a flavour that is not watched)."""
         if not self.watched or not self.traced:
             return list(self.uses)
-        used = [use for use in self.uses if use.apply_called]
-        # The compiled optimizer first, then in the order the step used them.
-        return sorted(used, key=lambda u: (u.name != "optimizer", u.first_called))
+        return self._used
 
     def mark_traced(self) -> None:
-        """The step has run (so has been traced) at least once."""
+        """The step has run (so has been traced) at least once: which
+        optimizers it applied is known, and asked after every step."""
         self.traced = True
+        used = [use for use in self.uses if use.apply_called]
+        # The compiled optimizer first, then in the order the step used them.
+        self._used = sorted(used, key=lambda u: (u.name != "optimizer", u.first_called))
 
     def primary(self) -> OptimizerUse | None:
         """The optimizer whose steps are the run's step axis: the compiled one

@@ -71,16 +71,7 @@ def build_report(
 ) -> str:
     """The report of `logdir` as one HTML string (see `write_report`)."""
     say = progress or (lambda message: None)
-    names = reader.list_runs(logdir)
-    if run is not None:
-        if run not in names:
-            raise reader.NoMpprofDataError(
-                f"No mpprof run {run!r} in {os.fspath(logdir)}; its runs: "
-                f"{', '.join(names) or 'none'}"
-            )
-        names = [run]
-    if not names:
-        reader.read_logdir(logdir)  # raises NoMpprofDataError with its advice
+    names = reader.select_runs(logdir, run)
     diagnosed = []
     for index, name in enumerate(names):
         say(f"reading run {name} ({index + 1}/{len(names)})")
