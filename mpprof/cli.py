@@ -205,10 +205,12 @@ def _report(args) -> int:
         if not args.quiet:
             _say([f"mpprof: {message}"], sys.stderr)
 
-    path = report.write_report(args.logdir, args.output, run=args.run, progress=progress)
+    runs, _ = _read(args.logdir, args.run)
+    path = report.save_report(
+        report.render_report(args.logdir, list(runs.values()), progress=progress), args.output)
     size = os.path.getsize(path) / 1e6
     _say([f"mpprof: wrote {path} ({size:.1f} MB)"], sys.stderr)
-    return EXIT_OK
+    return _unreadable_status(runs) or EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:

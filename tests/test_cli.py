@@ -303,6 +303,11 @@ def test_a_file_of_zeros_is_nothing_readable(tmp_path, capsys):
     assert "MP011" in healthy and "No findings" not in zeros
     code, out, _ = summary(capsys, tmp_path)
     assert code == cli.EXIT_UNREADABLE and "nothing readable" in out
+    report = tmp_path / "report.html"
+    code = cli.main(["report", str(tmp_path), "-o", str(report)])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_UNREADABLE and "run zeros/train: nothing readable" in err
+    assert "Nothing readable" in report.read_text() and "MP011" in report.read_text()
 
 
 def test_help_documents_the_exit_statuses():

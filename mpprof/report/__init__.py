@@ -56,7 +56,11 @@ def write_report(
     Raises:
         reader.LogdirNotFoundError, reader.NoMpprofDataError: as the reader.
     """
-    text = build_report(logdir, run=run, progress=progress)
+    return save_report(build_report(logdir, run=run, progress=progress), output)
+
+
+def save_report(text: str, output: str | os.PathLike) -> str:
+    """Writes a report's HTML to `output` (its directory is created); returns the path."""
     path = pathlib.Path(output)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
@@ -72,11 +76,24 @@ def build_report(
     """The report of `logdir` as one HTML string (see `write_report`)."""
     say = progress or (lambda message: None)
     names = reader.select_runs(logdir, run)
-    diagnosed = []
+    runs = []
     for index, name in enumerate(names):
         say(f"reading run {name} ({index + 1}/{len(names)})")
-        read = reader.read_run(logdir, name)
-        say(f"diagnosing run {name}")
+        runs.append(reader.read_run(logdir, name))
+    return render_report(logdir, runs, progress=progress)
+
+
+def render_report(
+    logdir: str | os.PathLike,
+    runs: list[reader.Run],
+    *,
+    progress: Progress | None = None,
+) -> str:
+    """The report of runs already read from `logdir` (see `write_report`)."""
+    say = progress or (lambda message: None)
+    diagnosed = []
+    for read in runs:
+        say(f"diagnosing run {read.name}")
         diagnosed.append((read, diagnosis.evaluate(read)))
     # Most severe first (the listing's order on a tie), as the dashboard.
     diagnosed.sort(key=lambda item: _severity_key(item[1]))
