@@ -13,7 +13,7 @@ import datetime
 import json
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from mpprof import diagnosis, filesystem, reader
 from mpprof.terminal import printable
@@ -110,20 +110,22 @@ def _warn(text: str) -> None:
     _say([f"mpprof: warning: {text}"], sys.stderr)
 
 
-def _read(logdir: str, run: str | None) -> tuple[dict[str, reader.Run], bool]:
+def _read(logdir: str, run: str | None,
+          progress: Callable[[str], None] | None = None) -> tuple[dict[str, reader.Run], bool]:
     """The selected runs of `logdir`, and whether they are big enough to say
-    on stderr what is being done (said here for the reading)."""
+    on stderr what is being done (said here for the reading, to `progress`
+    when given, else on stderr for big runs only)."""
     names = reader.select_runs(logdir, run, on_warning=_warn)
     sizes = {name: _bytes(logdir, name) for name in names}
     chatty = sum(sizes.values()) > PROGRESS_BYTES
+    if progress is None and chatty:
+        def progress(message: str) -> None:
+            _say([f"mpprof: {message}"], sys.stderr)
     runs = {}
     for index, name in enumerate(names):
-        if chatty:
-            _say(
-                [f"mpprof: reading run {name} ({index + 1}/{len(names)}, "
-                 f"{sizes[name] / 1e6:.0f} MB)"],
-                sys.stderr,
-            )
+        if progress is not None:
+            progress(f"reading run {name} ({index + 1}/{len(names)}, "
+                     f"{sizes[name] / 1e6:.0f} MB)")
         try:
             runs[name] = reader.read_run(logdir, name)
         except OSError as e:
@@ -205,7 +207,7 @@ def _report(args) -> int:
         if not args.quiet:
             _say([f"mpprof: {message}"], sys.stderr)
 
-    runs, _ = _read(args.logdir, args.run)
+    runs, _ = _read(args.logdir, args.run, progress)
     path = report.save_report(
         report.render_report(args.logdir, list(runs.values()), progress=progress), args.output)
     size = os.path.getsize(path) / 1e6
