@@ -19,6 +19,8 @@ from mpprof.collectors.inventory import Inventory
 from mpprof.collectors.loss_scales import LossScales
 from mpprof.collectors.numerics_samples import NumericsSamples
 from mpprof.collectors.optimizers import OptimizerUsage
+from mpprof.collectors.replay_capture import LOGS_KEY as _REPLAY_LOG
+from mpprof.collectors.replay_capture import ReplayCapture
 from mpprof.collectors.run_health import RunHealth
 from mpprof.context import run_context
 from mpprof.distributed import (
@@ -67,7 +69,13 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
       (forensic samples), up to `forensic_budget`;
     - the loss and weights health, and the run context: versions, policies,
       the optimizers the step used, strategy, devices, and each collector's
-      state.
+      state;
+    - replay captures: when a sampled step overflowed or had a non-finite
+      loss, its batch, the weights it ran with, the model's config and every
+      layer's dtype policy go to `log_dir/train/replay/step_<N>/` (up to
+      `replay_budget` per fit), for `mpprof replay LOG_DIR` to run that step
+      again offline: the first op that overflowed, float16 against float32
+      per layer, and a verified per-layer float32 fix.
 
     Steps that are not sampled run the model's own train function, untouched.
 
@@ -111,6 +119,10 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             (Tensor Core utilization on Hopper+ via GPM, otherwise kernel
             utilization, memory, power, clocks); >= 0.1, or None to turn
             the sampler off. Without NVML or a GPU the run context says so.
+        replay_budget: how many replay captures a fit may write (0: none).
+            Each holds one batch and one copy of the weights (Keras 3, one
+            replica; only sampled steps are checked, so `numerics_every=None`
+            captures nothing).
         profile_steps: (start, stop) train steps to capture an XProf trace
             of, inclusive; after the window mpprof records the share of GPU
             kernel time spent in Tensor Core kernels. None (default) traces
@@ -154,6 +166,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         flush_every_seconds: float | None = 30.0,
         gpu_interval: float | None = gpu_collector.DEFAULT_INTERVAL_S,
         profile_steps: tuple[int, int] | None = None,
+        replay_budget: int = 2,
     ):
         super().__init__()
         check_backend()
@@ -176,6 +189,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             None if gpu_interval is None else gpu_collector.validate_interval(gpu_interval)
         )
         self.profile_steps = kernel_collector.validate_profile_steps(profile_steps)
+        self.replay_budget = arguments.non_negative_int("replay_budget", replay_budget)
         self._schedule = SampleSchedule(
             self.numerics_every, self.forensic_budget, self.forensic_spacing
         )
@@ -260,9 +274,11 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             # Each worker traces its own host, into its own run.
             self._profile_window.run_dir = posixpath.join(self.run_dir, self._role.worker_run)
         self._host = HostRecorder(self.gpu_interval, self._profile_window, self, api)
+        replay = ReplayCapture(self.replay_budget, api, self._loss_scales, self._health,
+                               lambda: self._numerics.instrumenting)
         self._collectors = [
             self._inventory, self._loss_scales, self._health, self._numerics, self._host,
-            Float8State(model, self._loss_scales),
+            Float8State(model, self._loss_scales), replay,
         ]
         fit.step = self._start_step(usage)
         self._fit_start_step = fit.step
@@ -271,6 +287,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._batch_pending = False
         usage.install(self._patches)
         self._report_skips_in_logs(fit)
+        self._guard.run(replay.name, replay.wrap_train_step, fit, self._patches)
         self._functions = TrainFunctions(model, api, self.numerics_every is not None)
         self._functions.install(self._run_train_function, self._patches)
         self._fit = fit
@@ -320,6 +337,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         finally:
             numerics.instrument(False)
         fit.reported_skips = logs.pop(_SKIPPED_LOG, None) if isinstance(logs, dict) else None
+        fit.replay_outputs = logs.pop(_REPLAY_LOG, None) if isinstance(logs, dict) else None
         self._guard.run("profiler", self._after_call, fit)
         return logs
 
