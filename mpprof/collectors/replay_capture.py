@@ -170,6 +170,12 @@ class ReplayCapture(Collector):
             "layer_policies": {
                 name: layer.dtype_policy.name for name, layer, _ in walk_layers(model)
             },
+            # DTypePolicyMap keys: the paths of this model's layers, which
+            # a model rebuilt elsewhere may not share.
+            "layer_paths": {
+                name: layer.path for name, layer, _ in walk_layers(model)
+                if getattr(layer, "path", None)
+            },
             "model_config": {"saved": config is not None, "note": config_note},
             "jit_compile": bool(getattr(model, "jit_compile", False)),
             "versions": {

@@ -1,0 +1,262 @@
+"""Replay captures (the callback) and their replay (mpprof.replay): real CPU
+training of tiny models whose float16 step overflows in a known place."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+
+import mpprof
+from mpprof import reader
+from mpprof.replay import engine, files, replay
+
+TESTS = __file__.rsplit("/", 1)[0]
+
+
+def _constant(value):
+    return keras.initializers.Constant(value)
+
+
+def third_dense_model(third_kernel: float = 5000.0) -> keras.Model:
+    """Ones through Dense(0.1) twice reach the third Dense at 1.28: with a
+    kernel of 5000 its float16 MatMul gives 1.28 * 16 * 5000 > 65504. The
+    last layer's tiny kernel keeps the float32 loss and gradients small."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([
+        keras.layers.Input((8,)),
+        keras.layers.Dense(16, kernel_initializer=_constant(0.1), name="d1"),
+        keras.layers.Dense(16, kernel_initializer=_constant(0.1), name="d2"),
+        keras.layers.Dense(16, kernel_initializer=_constant(third_kernel), name="d3"),
+        keras.layers.Dense(1, kernel_initializer=_constant(1e-6), dtype="float32",
+                           name="out"),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(1e-6), loss="mse")
+    return model
+
+
+def _fit(model, logdir, x=None, y=None, **profiler_kwargs):
+    x = np.ones((32, 8), "float32") if x is None else x
+    y = np.ones((len(x), 1), "float32") if y is None else y
+    profiler_kwargs.setdefault("numerics_every", 2)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+              callbacks=[mpprof.MixedPrecisionProfiler(str(logdir), **profiler_kwargs)])
+    return reader.read_run(str(logdir), "train").context["collectors"]["replay_capture"]
+
+
+def test_third_dense_overflow_is_captured_and_replay_names_the_op_and_a_verified_fix(tmp_path):
+    model = third_dense_model()
+    state = _fit(model, tmp_path)
+    # Every step overflows (skipped, so the weights never change); the budget
+    # of 2 allows two captures, of sampled steps only.
+    assert state["state"] == "ok" and [c["step"] for c in state["captures"]] == [1, 2]
+    capture = files.select_capture(str(tmp_path), "train", None)
+    manifest = capture.manifest
+    assert manifest["step"] == 1 and manifest["weights_are_the_steps"] is True
+    assert "overflow: the loss scale skipped the step" in manifest["reasons"]
+    assert manifest["batch_shapes"] == [[8, 8], [8, 1]] and manifest["batch_size"] == 8
+    assert manifest["layer_policies"]["d3"] == "mixed_float16"
+    assert manifest["layer_policies"]["out"] == "float32"
+    # The skipped step ran with the weights the model still has.
+    for path, value in capture.weights().items():
+        trained = next(v for v in model.weights if v.path == path)
+        np.testing.assert_array_equal(value, trained.numpy())
+    x, y = capture.batch()
+    np.testing.assert_array_equal(x, np.ones((8, 8), "float32"))
+
+    result = replay(str(tmp_path))  # rebuilt from the config, in float16 as trained
+    assert result["run"] == "train" and result["step"] == 1
+    first = result["first_op"]
+    assert first["layer"] == "d3" and first["op"] in ("MatMul", "BiasAdd", "AddV2")
+    assert first["phase"] == "forward" and first["dtype"] == "float16"
+    assert first["input_abs_max"] == [pytest.approx(1.28, rel=1e-2), 5000.0]
+    assert "inf" in first["output"]
+    ranked = [row["layer"] for row in result["divergence"]]
+    assert set(ranked) == {"d1", "d2", "d3"} and ranked[0] == "d3"
+    d3 = result["divergence"][0]
+    assert d3["forward_rel_error"] == float("inf")
+    d1 = next(r for r in result["divergence"] if r["layer"] == "d1")
+    assert 0 < d1["forward_rel_error"] < 1e-2  # float16 rounding, no more
+    assert result["float32_layers"] == ["d3"]
+    assert result["policy_map"] == {"sequential/d3": "float32"}
+    assert result["dtype_lines"] == ['d3: Dense(..., name="d3", dtype="float32")']
+    assert result["verified"] is True
+    assert result["verified_detail"].startswith("verified: no overflow and max relative error")
+    # Saved beside the capture, as strict JSON apart from the infinities.
+    saved = files.select_capture(str(tmp_path), "train", 1).result()
+    assert saved["first_op"] == first and saved["verified"] is True
+
+    # The fix works in the model itself: d3 in float32, the same step is finite.
+    fixed = third_dense_model()
+    fixed.layers[2].dtype_policy = "float32"
+    fixed.set_weights(model.get_weights())
+    assert np.all(np.isfinite(fixed(x, training=True).numpy()))
+    assert not np.all(np.isfinite(model(x, training=True).numpy()))
+
+
+def test_the_healthy_twin_captures_nothing(tmp_path):
+    state = _fit(third_dense_model(third_kernel=0.1), tmp_path)
+    assert state == {"state": "ok", "budget": 2, "captures": []}
+    assert files.find_captures(str(tmp_path), "train") == []
+    with pytest.raises(files.NoCaptureError, match="holds no replay capture"):
+        replay(str(tmp_path))
+
+
+def test_replay_budget_0_captures_nothing(tmp_path):
+    state = _fit(third_dense_model(), tmp_path, replay_budget=0)
+    assert state["state"] == "off" and state["reason"] == "replay_budget=0"
+    assert files.find_captures(str(tmp_path), "train") == []
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_replay_budget_is_validated(bad):
+    with pytest.raises(ValueError, match="replay_budget must be a non-negative integer"):
+        mpprof.MixedPrecisionProfiler("logs", replay_budget=bad)
+
+
+class Block(keras.layers.Layer):
+    """Two Dense layers; the second's float16 output overflows."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(16, kernel_initializer=_constant(0.1), name="inner")
+        self.blowup = keras.layers.Dense(16, kernel_initializer=_constant(5000.0),
+                                         name="blowup")
+
+    def call(self, x):
+        return self.blowup(self.inner(x))
+
+
+class Net(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.block = Block(name="block")
+        self.head = keras.layers.Dense(1, kernel_initializer=_constant(1e-6),
+                                       dtype="float32", name="head")
+
+    def call(self, x):
+        return self.head(self.block(x))
+
+
+def test_subclassed_nested_block_trained_under_xla_replays_eagerly_in_process(tmp_path):
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = Net()
+    model.compile(optimizer=keras.optimizers.SGD(1e-6), loss="mse", jit_compile=True)
+    x = np.full((32, 8), 2.0, "float32")  # 1.6 * 16 * 5000 > 65504
+    state = _fit(model, tmp_path, x=x)
+    assert len(state["captures"]) == 2
+    manifest = files.select_capture(str(tmp_path), "train", None).manifest
+    assert manifest["jit_compile"] is True
+    assert manifest["layer_policies"]["block/blowup"] == "mixed_float16"
+    # Net's class lives here: a model rebuilt elsewhere cannot be, so say how.
+    with pytest.raises(engine.ReplayError, match="replay in-process"):
+        replay(str(tmp_path), save=False)
+    before = [w.numpy().copy() for w in model.weights]
+    result = replay(model, logdir=str(tmp_path))
+    assert result["replayed_eagerly"] is True
+    assert result["first_op"]["layer"] == "block/blowup"
+    assert result["first_op"]["op"] in ("MatMul", "BiasAdd", "AddV2")
+    assert "block/blowup" in result["float32_layers"] and result["verified"] is True
+    assert "net/block/blowup" in result["policy_map"]
+    # The user's model is left as found: weights and policies.
+    for expected, got in zip(before, model.weights, strict=True):
+        np.testing.assert_array_equal(expected, got.numpy())
+    assert model.block.blowup.dtype_policy.name == "mixed_float16"
+    assert "call" not in vars(model.block.blowup)
+
+
+def test_float16_attention_overflow_is_attributed_to_the_attention_layer(tmp_path):
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((4, 8))
+    hidden = keras.layers.Dense(8, kernel_initializer=_constant(1.0), name="proj")(inputs)
+    # Query and key reach 2560: their float16 scores (1280 * 2560 * 4) overflow
+    # and the softmax turns them into NaN.
+    attended = keras.layers.MultiHeadAttention(
+        2, 4, kernel_initializer=_constant(40.0), name="attention")(hidden, hidden)
+    outputs = keras.layers.Dense(1, dtype="float32", kernel_initializer=_constant(1e-6),
+                                 name="out")(keras.layers.Flatten()(attended))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(1e-6), loss="mse")
+    x = np.ones((16, 4, 8), "float32")
+    _fit(model, tmp_path, x=x)
+    result = replay(str(tmp_path))
+    assert result["first_op"]["layer"] == "attention"
+    assert result["first_op"]["op"] == "Einsum"
+    assert result["first_op"]["input_abs_max"] == [2560.0, 2560.0]
+    assert result["float32_clean"] is True and result["verified"] is True
+    assert any(layer.startswith("attention") for layer in result["float32_layers"])
+
+
+def test_a_dict_batch_with_sample_weights_round_trips(tmp_path):
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    inputs = {"a": keras.Input((4,), name="a"), "b": keras.Input((4,), name="b")}
+    joined = keras.layers.Concatenate()([inputs["a"], inputs["b"]])
+    # (4 * 3 + 4) * 5000 > 65504
+    hidden = keras.layers.Dense(16, kernel_initializer=_constant(5000.0), name="big")(joined)
+    model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32", name="out")(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(1e-6), loss="mse")
+    x = {"a": np.full((16, 4), 3.0, "float32"), "b": np.ones((16, 4), "float32")}
+    y = np.ones((16, 1), "float32")
+    model.fit(x, y, sample_weight=np.full(16, 0.5, "float32"), batch_size=8, epochs=1,
+              verbose=0, callbacks=[mpprof.MixedPrecisionProfiler(str(tmp_path),
+                                                                  numerics_every=1)])
+    capture = files.select_capture(str(tmp_path), "train", None)
+    batch_x, batch_y, weights = capture.batch()
+    np.testing.assert_array_equal(batch_x["a"], np.full((8, 4), 3.0, "float32"))
+    np.testing.assert_array_equal(batch_x["b"], np.ones((8, 4), "float32"))
+    np.testing.assert_array_equal(weights, np.full(8, 0.5, "float32"))
+    result = replay(str(tmp_path))
+    assert result["first_op"]["layer"] == "big" and result["verified"] is True
+
+
+def test_a_full_disk_during_a_capture_does_not_break_fit(tmp_path):
+    """The batch (64 x 512 float32, 131 kB) is beyond what the process may
+    write (the kernel answers EFBIG as it answers ENOSPC on a full disk)."""
+    script = textwrap.dedent(f"""
+        import resource, signal, sys, warnings
+        sys.path.insert(0, {TESTS!r})
+        import keras, numpy as np, mpprof
+        from test_replay import _constant
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        keras.mixed_precision.set_dtype_policy("mixed_float16")
+        model = keras.Sequential([
+            keras.layers.Input((512,)),
+            keras.layers.Dense(4, kernel_initializer=_constant(500.0), name="big"),
+            keras.layers.Dense(1, dtype="float32", name="out")])
+        model.compile(optimizer=keras.optimizers.SGD(1e-6), loss="mse")
+        x = np.ones((256, 512), "float32")
+        y = np.ones((256, 1), "float32")
+        resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, 60_000))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[
+                mpprof.MixedPrecisionProfiler({str(tmp_path)!r}, numerics_every=1)])
+        print([str(w.message) for w in caught if "mpprof" in str(w.message)])
+        print("FIT COMPLETED", int(model.optimizer.iterations.numpy()))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300, cwd=TESTS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "FIT COMPLETED" in result.stdout
+    assert "stopped recording recording" in result.stdout
+    assert "File too large" in result.stdout or "No space" in result.stdout
+    # The capture never got its manifest: it is not offered for replay.
+    assert files.find_captures(str(tmp_path), "train") == []
+    context = reader.read_run(str(tmp_path), "train").context
+    assert context is not None
+
+
+def test_result_json_is_what_the_issue_names(tmp_path):
+    _fit(third_dense_model(), tmp_path, replay_budget=1)
+    result = replay(str(tmp_path))
+    text = json.dumps(result)
+    decoded = json.loads(text)
+    for key in ("run", "step", "first_op", "divergence", "policy_map", "verified",
+                "verified_detail"):
+        assert key in decoded
+    assert set(decoded["first_op"]) >= {"layer", "op", "input_abs_max", "output"}
+    assert set(decoded["divergence"][0]) >= {"layer", "forward_rel_error",
+                                             "backward_rel_error"}
