@@ -15,6 +15,7 @@ from conftest import mnist_like, overflow_data, overflow_model, seed_model
 import mpprof
 from mpprof import reader, schema
 from mpprof.collectors.layer_calls import is_patched
+from mpprof.profiled_fit import ProfiledFit
 
 TESTS = os.path.dirname(__file__)
 
@@ -43,8 +44,7 @@ def _assert_model_left_as_found(model):
                          "_stateful_handle_non_finite_grads"} & set(vars(model.optimizer))
     assert not optimizer_patches
     assert "train_step" not in vars(model)
-    assert not isinstance(getattr(model.train_function, "__self__", None),
-                          mpprof.MixedPrecisionProfiler)
+    assert not isinstance(getattr(model.train_function, "__self__", None), ProfiledFit)
 
 
 def test_unwritable_log_dir_fails_at_train_begin(tmp_path):
