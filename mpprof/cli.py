@@ -16,6 +16,8 @@ import sys
 from collections.abc import Iterable
 
 from mpprof import diagnosis, filesystem, reader
+from mpprof.replay import files as replay_files
+from mpprof.replay import text as replay_text
 from mpprof.terminal import printable
 
 # Exit statuses, a public interface (CI gates read them): see `EXIT_STATUSES`.
@@ -211,6 +213,41 @@ def _report(args) -> int:
     return EXIT_OK
 
 
+def _replay(args) -> int:
+    names = reader.select_runs(args.logdir, args.run, on_warning=_warn)
+    with_captures = [name for name in names
+                     if replay_files.find_captures(args.logdir, name)]
+    if not with_captures:
+        raise replay_files.NoCaptureError(
+            f"no replay capture in {args.logdir} (runs: {', '.join(names)}): mpprof "
+            "captures a step only when a sampled step overflowed or had a non-finite "
+            "loss, with MixedPrecisionProfiler(replay_budget > 0)"
+        )
+    results = []
+    for name in with_captures:
+        capture = replay_files.select_capture(args.logdir, name, args.step)
+        result = None if args.again else capture.result()
+        if result is None:
+            if args.format != "json":
+                _say([f"mpprof: replaying run {name}, step {capture.step} (imports "
+                      "TensorFlow)"], sys.stderr)
+            result = _run_replay(args.logdir, name, capture.step)
+        results.append(result)
+    if args.format == "json":
+        # json.dumps escapes control characters (ensure_ascii).
+        print(json.dumps(results[0] if len(results) == 1 else results, indent=2))
+    else:
+        print("\n\n".join("\n".join(replay_text.result_lines(r)) for r in results))
+    return EXIT_OK
+
+
+def _run_replay(logdir: str, run: str, step: int) -> dict:
+    """Replays one capture (TensorFlow and Keras are imported only here)."""
+    from mpprof.replay import engine
+
+    return engine.replay(logdir, run, step)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpprof",
@@ -244,6 +281,18 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--run", help="only this run")
     report.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     report.set_defaults(handler=_report)
+    replay = command(
+        "replay",
+        "run a captured step again: the first op that overflowed, float16 vs float32 "
+        "per layer, and a verified per-layer float32 fix",
+    )
+    replay.add_argument("logdir")
+    replay.add_argument("--run", help="only this run (as `mpprof summary` names it)")
+    replay.add_argument("--step", type=int, help="the captured step (default: the first)")
+    replay.add_argument("--format", choices=("text", "json"), default="text")
+    replay.add_argument("--again", action="store_true",
+                        help="replay even when a saved result exists")
+    replay.set_defaults(handler=_replay)
     return parser
 
 
@@ -251,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (reader.LogdirNotFoundError, reader.NoMpprofDataError) as e:
+    except (reader.LogdirNotFoundError, reader.NoMpprofDataError,
+            replay_files.NoCaptureError) as e:
         _say([f"mpprof: {e}"], sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:

@@ -22,6 +22,7 @@ import keras
 import numpy as np
 
 from mpprof import dtypes, schema
+from mpprof.jsonsafe import json_safe
 from mpprof.replay import files
 from mpprof.replay.passes import LOSS, PassResult, layer_tree, run_pass, subtree
 
@@ -48,7 +49,8 @@ def replay(logdir_or_model, run: str | None = None, step: int | None = None, *,
         save: write the result beside the capture (`replay.json`).
 
     Returns:
-        The result: `run, step, first_op{layer, op, input_abs_max, output},
+        The result, strict JSON (infinities as "inf"): `run, step,
+        first_op{layer, op, input_abs_max, output},
         divergence[{layer, forward_rel_error, backward_rel_error}],
         policy_map, dtype_lines, verified, verified_detail`, and more.
 
@@ -74,6 +76,7 @@ def replay(logdir_or_model, run: str | None = None, step: int | None = None, *,
         finally:
             for variable, value in zip(model.weights, saved, strict=True):
                 variable.assign(value)
+    result = json_safe(result)
     if save:
         files.write_result(capture, result)
     return result
@@ -118,8 +121,7 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
         "capture_reasons": capture.manifest.get("reasons", []),
         "loss_scale": scale,
         "first_op": offender.to_dict() if offender else None,
-        "loss": {"run_policy": _finite_or_text(run_policy.loss),
-                 "float32": _finite_or_text(reference.loss)},
+        "loss": {"run_policy": run_policy.loss, "float32": reference.loss},
         "float32_clean": reference.forward_clean and reference.gradients_finite,
         "divergence": divergence,
         **fix,
@@ -237,7 +239,9 @@ def _find_fix(model, batch, scale: float, run_policy: PassResult, reference: Pas
         return _fix_result(chosen, tree, paths, False, (
             f"not verified: with {len(chosen)} layers in float32 the replay still "
             f"overflows ({_describe(last)})"), None)
-    for candidate in list(chosen[:-1]):
+    # The layers added before the last one may no longer be needed: drop
+    # them, latest first (the first offender's layer is tried last).
+    for candidate in reversed(chosen[:-1]):
         if replays >= MAX_FIX_REPLAYS:
             break
         trial = [c for c in chosen if c != candidate]
@@ -297,10 +301,6 @@ def _fix_result(chosen: list[str], tree: dict, paths: dict[str, str], verified: 
     return {"float32_layers": chosen, "policy_map": policy_map, "dtype_lines": lines,
             "verified": verified, "verified_detail": detail,
             "max_rel_error_with_fix": error}
-
-
-def _finite_or_text(value: float):
-    return value if math.isfinite(value) else str(value)
 
 
 def policy_map_object(result: dict, default_policy: str):
