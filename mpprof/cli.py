@@ -156,6 +156,7 @@ def _summary(args) -> int:
 
 def _diagnose(args) -> int:
     runs, chatty = _read(args.logdir, args.run)
+    replays = {name: _replays_of(args.logdir, name, args.replay) for name in runs}
     results = {}
     for name, run in runs.items():
         if run.readable:
@@ -167,7 +168,7 @@ def _diagnose(args) -> int:
             _warn(f"run {name}: {warning}")
     if args.format == "json":
         rows = [
-            {"run": name, **finding.to_dict()}
+            {"run": name, **finding.to_dict(), **_replay_field(finding, replays[name])}
             for name, result in results.items()
             for finding in result.findings
         ]
@@ -176,7 +177,7 @@ def _diagnose(args) -> int:
         print(json.dumps(rows, indent=2))
     else:
         color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
-        print("\n\n".join(_diagnosis_text(run, results.get(name), color)
+        print("\n\n".join(_diagnosis_text(run, results.get(name), color, replays[name])
                           for name, run in runs.items()))
     status = _unreadable_status(runs)
     if status is not None:
@@ -185,7 +186,26 @@ def _diagnose(args) -> int:
     return EXIT_FINDINGS if diagnosis.exceeds(findings, args.fail_on) else EXIT_OK
 
 
-def _diagnosis_text(run: reader.Run, result, color: bool) -> str:
+def _replays_of(logdir: str, run: str, replay_missing: bool) -> list[dict]:
+    """The run's replay results; with `replay_missing`, captures without one
+    are replayed first (imports TensorFlow)."""
+    captures = replay_files.find_captures(logdir, run)
+    if replay_missing:
+        for capture in captures:
+            if capture.result() is None:
+                _say([f"mpprof: replaying run {run}, step {capture.step}"], sys.stderr)
+                _run_replay(logdir, run, capture.step)
+    return [result for capture in captures if (result := capture.result()) is not None]
+
+
+def _replay_field(finding, replays: list[dict]) -> dict:
+    """The JSON row's "replay": the first replay, under the findings it bears on."""
+    if finding.code in replay_text.FINDING_CODES and replays:
+        return {"replay": replays[0]}
+    return {}
+
+
+def _diagnosis_text(run: reader.Run, result, color: bool, replays: list[dict]) -> str:
     """One run's section of `mpprof diagnose`'s text output."""
     if result is None:
         lines = [f"== run {run.name} ==", *(f"  ! {w}" for w in run.warnings),
@@ -193,7 +213,13 @@ def _diagnosis_text(run: reader.Run, result, color: bool) -> str:
         return "\n".join(printable(line) for line in lines)
     # format_text escapes what it prints from the run itself (and adds ANSI
     # colours of its own, so it is not escaped again here).
-    header, _, rest = diagnosis.format_text(run, result, color=color).partition("\n")
+    shown = {f.code for f in result.findings} & set(replay_text.FINDING_CODES)
+    notes = {code: replay_text.result_lines(replays[0], indent="         ")
+             for code in shown} if replays else {}
+    header, _, rest = diagnosis.format_text(run, result, color=color,
+                                            notes=notes).partition("\n")
+    if replays and not shown:
+        rest += "\n" + "\n".join(replay_text.result_lines(replays[0], indent="  "))
     stopped = _cut_short_text(run)
     if stopped:
         header += "\n" + printable(f"  ! {stopped}")
@@ -273,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     diagnose.add_argument(
         "--fail-on", choices=("critical", "warning"), default=None,
         help=f"exit with status {EXIT_FINDINGS} if a finding is at least this severe (for CI)",
+    )
+    diagnose.add_argument(
+        "--replay", action="store_true",
+        help="replay captured steps that have no replay result yet (imports TensorFlow)",
     )
     diagnose.set_defaults(handler=_diagnose)
     report = command("report", "write one self-contained HTML report of LOGDIR's runs")

@@ -196,6 +196,12 @@ def select_capture(logdir: str | os.PathLike, run: str, step: int | None) -> Cap
     )
 
 
+def saved_results(logdir: str | os.PathLike, run: str) -> list[dict]:
+    """The saved replay result of every capture of `run` that has one."""
+    return [result for capture in find_captures(logdir, run)
+            if (result := capture.result()) is not None]
+
+
 def write_result(capture: Capture, result: dict) -> None:
     """Saves a replay result beside its capture."""
     path = filesystem.join(capture.path, RESULT)

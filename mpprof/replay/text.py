@@ -13,6 +13,10 @@ from mpprof.terminal import printable
 # Layers of the float16-vs-float32 ranking shown (the JSON holds them all).
 RANKING_SHOWN = 5
 
+# The findings a replay bears on: forward overflow, non-finite loss,
+# gradient underflow. `mpprof diagnose` and the report show it under them.
+FINDING_CODES = ("MP003", "MP012", "MP005")
+
 
 def headline(result: dict) -> str:
     """One line: the first offending op and the verified fix."""
