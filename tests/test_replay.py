@@ -2,6 +2,7 @@
 training of tiny models whose float16 step overflows in a known place."""
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import mpprof
-from mpprof import reader
+from mpprof import cli, reader, report
 from mpprof.replay import engine, files, replay
 
 TESTS = __file__.rsplit("/", 1)[0]
@@ -260,3 +261,102 @@ def test_result_json_is_what_the_issue_names(tmp_path):
     assert set(decoded["first_op"]) >= {"layer", "op", "input_abs_max", "output"}
     assert set(decoded["divergence"][0]) >= {"layer", "forward_rel_error",
                                              "backward_rel_error"}
+
+
+@pytest.fixture(scope="module")
+def faulty_logdir(tmp_path_factory):
+    """A run whose third Dense overflows, with one capture, not yet replayed."""
+    root = tmp_path_factory.mktemp("faulty")
+    keras.mixed_precision.set_dtype_policy("float32")
+    _fit(third_dense_model(), root, replay_budget=1)
+    keras.mixed_precision.set_dtype_policy("float32")
+    return root
+
+
+def _copy(logdir, tmp_path, run="train"):
+    target = tmp_path / "logs"
+    shutil.copytree(logdir / "train", target / run)
+    return target
+
+
+def _cli(capsys, *args) -> tuple[int, str, str]:
+    code = cli.main([*map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_replay_prints_the_op_and_the_fix_then_reuses_the_saved_result(
+        faulty_logdir, tmp_path, capsys):
+    logdir = _copy(faulty_logdir, tmp_path)
+    code, out, err = _cli(capsys, "replay", logdir)
+    assert code == cli.EXIT_OK
+    assert "replaying run train, step 1" in err
+    assert "first op: MatMul in layer d3 (forward, float16)" in out
+    assert 'd3: Dense(..., name="d3", dtype="float32")' in out
+    assert "verified: no overflow" in out
+    # Saved beside the capture: printing it again needs no TensorFlow.
+    script = (
+        "import sys; sys.modules['tensorflow'] = None; sys.modules['keras'] = None\n"
+        "from mpprof import cli\n"
+        f"sys.exit(cli.main(['replay', {str(logdir)!r}, '--format', 'json']))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert result["first_op"]["layer"] == "d3" and result["verified"] is True
+    assert result["policy_map"] == {"sequential/d3": "float32"}
+
+
+def test_cli_replay_errors_say_what_to_do(faulty_logdir, tmp_path, capsys):
+    logdir = _copy(faulty_logdir, tmp_path)
+    code, _, err = _cli(capsys, "replay", logdir, "--step", 7)
+    assert code == cli.EXIT_USAGE and "has no capture of step 7; captured steps: 1" in err
+    healthy = tmp_path / "healthy"
+    _fit(third_dense_model(third_kernel=0.1), healthy)
+    code, _, err = _cli(capsys, "replay", healthy)
+    assert code == cli.EXIT_USAGE and "no replay capture in" in err
+    assert "replay_budget" in err
+    code, _, err = _cli(capsys, "replay", tmp_path / "missing")
+    assert code == cli.EXIT_USAGE
+
+
+def test_hostile_run_names_are_escaped_where_a_replay_is_printed(
+        faulty_logdir, tmp_path, capsys):
+    hostile = "evil\x1b]0;pwned\x07"
+    logdir = _copy(faulty_logdir, tmp_path, run=f"{hostile}/train")
+    code, out, _ = _cli(capsys, "replay", logdir)
+    assert code == cli.EXIT_OK
+    assert "\x1b" not in out and "\x07" not in out and "evil\\x1b]0;pwned\\x07" in out
+    code, out, _ = _cli(capsys, "replay", logdir, "--format", "json")
+    assert "\x1b" not in out and json.loads(out)["run"] == f"{hostile}/train"
+
+
+def test_diagnose_shows_the_replay_under_the_overflow_finding(faulty_logdir, tmp_path, capsys):
+    logdir = _copy(faulty_logdir, tmp_path)
+    code, out, _ = _cli(capsys, "diagnose", logdir)
+    assert "replay of run" not in out  # none yet, and diagnose alone does not run one
+    code, out, err = _cli(capsys, "diagnose", logdir, "--replay")
+    assert "replaying run train, step 1" in err
+    lines = out.splitlines()
+    mp003 = next(i for i, line in enumerate(lines) if "MP003" in line)
+    below = lines[mp003:]
+    replay_line = next(i for i, line in enumerate(below) if "replay of run train" in line)
+    assert below[replay_line + 1].strip().startswith("first op: MatMul in layer d3")
+    assert not any("MP0" in line for line in below[1:replay_line])  # under MP003 itself
+    code, out, _ = _cli(capsys, "diagnose", logdir, "--format", "json")
+    rows = json.loads(out)
+    mp003 = next(row for row in rows if row["code"] == "MP003")
+    assert mp003["replay"]["first_op"]["layer"] == "d3"
+    assert all("replay" not in row for row in rows if row["code"] == "MP011")
+
+
+def test_the_html_report_includes_the_replay(faulty_logdir, tmp_path):
+    hostile = "<script>alert(1)</script>"
+    logdir = _copy(faulty_logdir, tmp_path, run=f"{hostile}/train")
+    replay(str(logdir), f"{hostile}/train")
+    html = report.build_report(logdir)
+    assert "Replays of captured steps (1)" in html
+    assert "first op: MatMul in layer d3" in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;/train, step 1" in html
+    assert "<script>alert(1)" not in html
