@@ -267,6 +267,18 @@ def _replay(args) -> int:
     return EXIT_OK
 
 
+def _bundle(args) -> int:
+    from mpprof.replay import bundle
+
+    written = bundle.write_bundle(args.logdir, args.output, run=args.run, step=args.step,
+                                  include_batch=args.include_batch)
+    held = "with the batch and weights" if args.include_batch else (
+        "statistics and shapes only (no batch, no weights: --include-batch adds them)")
+    _say([f"mpprof: wrote {written['path']} ({written['bytes'] / 1e3:.0f} kB): run "
+          f"{written['run']}, step {written['step']}, {held}"], sys.stderr)
+    return EXIT_OK
+
+
 def _run_replay(logdir: str, run: str, step: int) -> dict:
     """Replays one capture (TensorFlow and Keras are imported only here)."""
     from mpprof.replay import engine
@@ -323,6 +335,18 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--again", action="store_true",
                         help="replay even when a saved result exists")
     replay.set_defaults(handler=_replay)
+    bundle = command(
+        "bundle",
+        "write a repro zip of a captured step for a bug report (statistics and shapes; "
+        "the batch and weights only with --include-batch)",
+    )
+    bundle.add_argument("logdir")
+    bundle.add_argument("-o", "--output", default="mpprof-bundle.zip")
+    bundle.add_argument("--run", help="only this run")
+    bundle.add_argument("--step", type=int, help="the captured step (default: the first)")
+    bundle.add_argument("--include-batch", action="store_true",
+                        help="also the step's batch and weights (they may be private)")
+    bundle.set_defaults(handler=_bundle)
     return parser
 
 
@@ -331,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except (reader.LogdirNotFoundError, reader.NoMpprofDataError,
-            replay_files.NoCaptureError) as e:
+            replay_files.NoCaptureError, replay_files.ReplayError) as e:
         _say([f"mpprof: {e}"], sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import keras
 import numpy as np
@@ -360,3 +361,47 @@ def test_the_html_report_includes_the_replay(faulty_logdir, tmp_path):
     assert "first op: MatMul in layer d3" in html
     assert "&lt;script&gt;alert(1)&lt;/script&gt;/train, step 1" in html
     assert "<script>alert(1)" not in html
+
+
+def test_bundle_without_the_batch_holds_statistics_and_the_saved_replay(
+        faulty_logdir, tmp_path, capsys):
+    logdir = _copy(faulty_logdir, tmp_path)
+    replay(str(logdir))
+    output = tmp_path / "bug.zip"
+    code, _, err = _cli(capsys, "bundle", logdir, "-o", output)
+    assert code == cli.EXIT_OK and "statistics and shapes only" in err
+    with zipfile.ZipFile(output) as archive:
+        names = set(archive.namelist())
+        statistics = json.loads(archive.read("batch_statistics.json"))
+        findings = json.loads(archive.read("findings.json"))
+        versions = json.loads(archive.read("versions.json"))
+        archive.extractall(tmp_path / "unzipped")
+    capture = "logdir/train/replay/step_1"
+    assert {f"{capture}/manifest.json", f"{capture}/model.json", f"{capture}/replay.json",
+            "replay_bug.py", "README.txt"} <= names
+    assert not any(n.endswith(("batch.npz", "weights.npz")) for n in names)
+    assert statistics["batch"][0] == {"shape": [8, 8], "dtype": "float32", "nonfinite": 0,
+                                      "min": 1.0, "max": 1.0, "mean": 1.0, "abs_max": 1.0}
+    assert statistics["weights"]["sequential/d3/kernel"]["abs_max"] == 5000.0
+    assert any(f["code"] == "MP003" and f["layer"] == "d3" for f in findings)
+    assert versions["tensorflow"] and versions["keras"] and "gpus" in versions
+    # The script prints the saved result; without the batch it cannot replay.
+    done = subprocess.run([sys.executable, "replay_bug.py"], cwd=tmp_path / "unzipped",
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "without --include-batch" in done.stdout
+    assert "first op: MatMul in layer d3" in done.stdout
+    code, _, err = _cli(capsys, "replay", tmp_path / "unzipped" / "logdir", "--again")
+    assert code == cli.EXIT_USAGE and "holds only statistics" in err
+
+
+def test_bundle_with_the_batch_replays_anew(faulty_logdir, tmp_path, capsys):
+    logdir = _copy(faulty_logdir, tmp_path)
+    output = tmp_path / "bug.zip"
+    assert _cli(capsys, "bundle", logdir, "-o", output, "--include-batch")[0] == cli.EXIT_OK
+    with zipfile.ZipFile(output) as archive:
+        archive.extractall(tmp_path / "unzipped")
+    done = subprocess.run([sys.executable, "replay_bug.py"], cwd=tmp_path / "unzipped",
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "first op: MatMul in layer d3" in done.stdout and "verified: no overflow" in done.stdout

@@ -24,14 +24,11 @@ import numpy as np
 from mpprof import dtypes, schema
 from mpprof.jsonsafe import json_safe
 from mpprof.replay import files
+from mpprof.replay.files import ReplayError
 from mpprof.replay.passes import LOSS, PassResult, layer_tree, run_pass, subtree
 
 # Replays a fix search may run at most (each is one forward and backward).
 MAX_FIX_REPLAYS = 24
-
-
-class ReplayError(ValueError):
-    """A capture cannot be replayed (the message says what to do)."""
 
 
 def replay(logdir_or_model, run: str | None = None, step: int | None = None, *,

@@ -46,6 +46,10 @@ class NoCaptureError(LookupError):
     """No replay capture where one was asked for (the message says what to do)."""
 
 
+class ReplayError(ValueError):
+    """A capture cannot be replayed (the message says what to do)."""
+
+
 def step_folder(step: int) -> str:
     """The capture's folder for `step`, relative to its run directory."""
     return f"{REPLAY_FOLDER}/{STEP_FOLDER_PREFIX}{int(step)}"
@@ -121,13 +125,41 @@ class Capture:
         return int(self.manifest["step"])
 
     def batch(self):
-        """The step's batch, as the train step received it (numpy arrays)."""
+        """The step's batch, as the train step received it (numpy arrays).
+
+        Raises:
+            ReplayError: the capture holds no batch (a bundle made without
+                `--include-batch`), or it cannot be read.
+        """
+        try:
+            return self._batch()
+        except (OSError, ValueError, KeyError) as e:
+            raise ReplayError(
+                f"the capture of step {self.step} in {self.path} has no readable batch "
+                f"({e}); a bundle made without --include-batch holds only statistics: "
+                "its replay result is printed by `mpprof replay` without --again"
+            ) from e
+
+    def _batch(self):
         with np.load(io.BytesIO(_read(filesystem.join(self.path, BATCH)))) as arrays:
             leaves = [arrays[f"leaf_{i}"] for i in range(len(arrays.files))]
         return decode_structure(self.manifest["batch_structure"], leaves)
 
     def weights(self) -> dict[str, np.ndarray]:
-        """Every model variable's value, by its path."""
+        """Every model variable's value, by its path.
+
+        Raises:
+            ReplayError: the capture holds no weights, or they cannot be read.
+        """
+        try:
+            return self._weights()
+        except (OSError, ValueError, KeyError) as e:
+            raise ReplayError(
+                f"the capture of step {self.step} in {self.path} has no readable weights "
+                f"({e}); a bundle made without --include-batch holds only statistics"
+            ) from e
+
+    def _weights(self) -> dict[str, np.ndarray]:
         with np.load(io.BytesIO(_read(filesystem.join(self.path, WEIGHTS)))) as arrays:
             values = [arrays[f"weight_{i}"] for i in range(len(arrays.files))]
         return dict(zip(self.manifest["weight_paths"], values, strict=True))
