@@ -30,7 +30,8 @@ EXIT_STATUSES = f"""\
 exit status:
   {EXIT_OK}  success
   {EXIT_FINDINGS}  diagnose --fail-on: a finding at least that severe
-  {EXIT_USAGE}  bad arguments, no such logdir or run, or no mpprof records in it
+  {EXIT_USAGE}  bad arguments, no such logdir or run, or no mpprof records in it;
+     replay, bundle: no such capture, or one that cannot be replayed
   {EXIT_UNREADABLE}  nothing readable: a run none of whose records could be read
      (corrupt files, or written by a newer mpprof); the warnings say why"""
 
