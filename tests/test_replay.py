@@ -35,7 +35,7 @@ def third_dense_model(third_kernel: float = 5000.0) -> keras.Model:
         keras.layers.Dense(16, kernel_initializer=_constant(third_kernel), name="d3"),
         keras.layers.Dense(1, kernel_initializer=_constant(1e-6), dtype="float32",
                            name="out"),
-    ])
+    ], name="third_dense")
     model.compile(optimizer=keras.optimizers.SGD(1e-6), loss="mse")
     return model
 
@@ -83,7 +83,7 @@ def test_third_dense_overflow_is_captured_and_replay_names_the_op_and_a_verified
     d1 = next(r for r in result["divergence"] if r["layer"] == "d1")
     assert 0 < d1["forward_rel_error"] < 1e-2  # float16 rounding, no more
     assert result["float32_layers"] == ["d3"]
-    assert result["policy_map"] == {"sequential/d3": "float32"}
+    assert result["policy_map"] == {"third_dense/d3": "float32"}
     assert result["dtype_lines"] == ['d3: Dense(..., name="d3", dtype="float32")']
     assert result["verified"] is True
     assert result["verified_detail"].startswith("verified: no overflow and max relative error")
@@ -306,7 +306,7 @@ def test_cli_replay_prints_the_op_and_the_fix_then_reuses_the_saved_result(
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     assert result["first_op"]["layer"] == "d3" and result["verified"] is True
-    assert result["policy_map"] == {"sequential/d3": "float32"}
+    assert result["policy_map"] == {"third_dense/d3": "float32"}
 
 
 def test_cli_replay_errors_say_what_to_do(faulty_logdir, tmp_path, capsys):
@@ -382,7 +382,7 @@ def test_bundle_without_the_batch_holds_statistics_and_the_saved_replay(
     assert not any(n.endswith(("batch.npz", "weights.npz")) for n in names)
     assert statistics["batch"][0] == {"shape": [8, 8], "dtype": "float32", "nonfinite": 0,
                                       "min": 1.0, "max": 1.0, "mean": 1.0, "abs_max": 1.0}
-    assert statistics["weights"]["sequential/d3/kernel"]["abs_max"] == 5000.0
+    assert statistics["weights"]["third_dense/d3/kernel"]["abs_max"] == 5000.0
     assert any(f["code"] == "MP003" and f["layer"] == "d3" for f in findings)
     assert versions["tensorflow"] and versions["keras"] and "gpus" in versions
     # The script prints the saved result; without the batch it cannot replay.

@@ -160,7 +160,8 @@ class ReplayCapture(Collector):
             "weight_bytes": int(sum(w.nbytes for w in weights)),
             "weights_are_the_steps": skipped,
             "weights_note": (
-                "the step was skipped: the weights after it are the ones it ran with"
+                "the step was skipped: the weights after it are the ones it ran with "
+                "(non-trainable state, such as moving statistics, is as the step left it)"
                 if skipped else
                 "the step was not skipped (no loss scaling, or its gradients were "
                 "finite): its update was applied, so these are the weights after it"

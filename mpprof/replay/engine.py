@@ -105,7 +105,14 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(capture.batch())
     batch = (x, y, sample_weight)
     scale = float(capture.manifest.get("loss_scale") or 1.0)
-    run_policy = run_pass(model, batch, scale, None)
+    try:
+        run_policy = run_pass(model, batch, scale, None)
+    except Exception as e:
+        raise ReplayError(
+            f"the step could not be run eagerly as model(x, training=True) and "
+            f"model.compute_loss ({type(e).__name__}: {str(e)[:300]}); a model whose "
+            "train_step computes its loss otherwise cannot be replayed yet"
+        ) from e
     reference = run_pass(model, batch, scale, None, all_float32=True)
     tree = layer_tree(model)
     divergence = _divergence(run_policy, reference, tree)
