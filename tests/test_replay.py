@@ -14,7 +14,7 @@ import pytest
 
 import mpprof
 from mpprof import cli, reader, report
-from mpprof.replay import engine, files, replay
+from mpprof.replay import engine, files, passes, replay
 
 TESTS = __file__.rsplit("/", 1)[0]
 
@@ -405,3 +405,21 @@ def test_bundle_with_the_batch_replays_anew(faulty_logdir, tmp_path, capsys):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "first op: MatMul in layer d3" in done.stdout and "verified: no overflow" in done.stdout
+
+
+def test_an_overflowing_input_cast_is_the_receiving_layers():
+    """A float32 layer's output beyond 65504 overflows where the next,
+    float16 layer casts its input: that layer's, not "between layers"."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([
+        keras.layers.Input((8,)),
+        keras.layers.Dense(4, kernel_initializer=_constant(10_000.0), dtype="float32",
+                           name="wide"),
+        keras.layers.Dense(1, name="half"),
+    ], name="casts")
+    model.compile(optimizer="sgd", loss="mse")
+    batch = (np.ones((2, 8), "float32"), np.ones((2, 1), "float32"), None)
+    result = passes.run_pass(model, batch, 1.0, None)
+    assert result.offender.layer == "half" and result.offender.op == "Cast"
+    assert result.offender.input_abs_max == [80_000.0]
+    assert passes.run_pass(model, batch, 1.0, ["half"]).forward_clean

@@ -27,8 +27,9 @@ from mpprof.collectors.layer_calls import walk_layers
 from mpprof.dtypes import DTYPE_MAX
 
 # Where ops outside any layer run: the loss and its gradient, and inside the
-# model but between its layers (a layer's input cast runs in its `__call__`,
-# before its `call`).
+# model but between its layers. A layer's input cast runs in its `__call__`,
+# just before its `call`: an offending Cast right before a layer's call is
+# that layer's.
 LOSS = "(loss)"
 BETWEEN_LAYERS = "(between layers)"
 
@@ -143,6 +144,7 @@ class _Watch:
         self.offenders: dict[str, Offender] = {}
         self._inside = False
         self._outside = LOSS
+        self._cast_offended = False
         self._wrapped: list = []
         self._callback_added = False
 
@@ -187,6 +189,7 @@ class _Watch:
         watch = self
 
         def watched_call(*args, **kwargs):
+            watch._claim_input_cast(name)
             index = watch._calls.get(name, 0)
             watch._calls[name] = index + 1
             watch._stack.append(name)
@@ -223,10 +226,18 @@ class _Watch:
             self._inside = False
         return tf.nest.pack_sequence_as(outputs, flat)
 
+    def _claim_input_cast(self, name: str) -> None:
+        """A layer's call begins: an offending Cast just before it was its
+        input cast."""
+        if self._cast_offended:
+            self.offenders["forward"].layer = name
+            self._cast_offended = False
+
     def _on_op(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         if graph is not None or self._inside or op_type in _OWN_OPS \
                 or op_type in _OWN_OPS_BYTES:
             return None
+        self._cast_offended = False
         phase = self._phase
         if phase == "done" or phase in self.offenders:
             return None
@@ -243,6 +254,7 @@ class _Watch:
                 input_abs_max=[_abs_max(t) for t in inputs or () if _is_float(t)],
                 output=problem, dtype=output.dtype.name,
             )
+            self._cast_offended = phase == "forward" and op_type == "Cast"
             break
         return None
 
