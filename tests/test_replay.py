@@ -113,6 +113,12 @@ def test_replay_budget_0_captures_nothing(tmp_path):
     assert files.find_captures(str(tmp_path), "train") == []
 
 
+def test_without_numerics_samples_nothing_is_captured_and_the_context_says_why(tmp_path):
+    state = _fit(third_dense_model(), tmp_path, numerics_every=None)
+    assert state["state"] == "off" and "numerics_every=None" in state["reason"]
+    assert files.find_captures(str(tmp_path), "train") == []
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
 def test_replay_budget_is_validated(bad):
     with pytest.raises(ValueError, match="replay_budget must be a non-negative integer"):

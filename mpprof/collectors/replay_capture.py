@@ -72,7 +72,7 @@ class ReplayCapture(Collector):
         batch; called before the train functions are made (they hold the
         `train_step` they were made with)."""
         model = fit.model
-        self._unavailable = self._why_unavailable(model)
+        self._unavailable = self._why_unavailable(model, fit.schedule.every)
         if self._unavailable is not None:
             return
         train_step = model.train_step
@@ -100,9 +100,11 @@ class ReplayCapture(Collector):
 
         patches.set(model, "train_step", train_step_returning_batch)
 
-    def _why_unavailable(self, model) -> str | None:
+    def _why_unavailable(self, model, sample_every: int | None) -> str | None:
         if self.budget == 0:
             return "replay_budget=0"
+        if sample_every is None:
+            return "numerics_every=None: only sampled (instrumented) steps are captured"
         if self._api.flavor != tf_keras_support.KERAS_3:
             return "replay captures need Keras 3 (this model is tf-keras)"
         replicas = int(model.distribute_strategy.num_replicas_in_sync)
@@ -208,7 +210,8 @@ class ReplayCapture(Collector):
 
     def context(self) -> dict:
         if self._unavailable is not None:
-            state = "off" if self.budget == 0 else "unavailable"
+            off = self.budget == 0 or self._unavailable.startswith("numerics_every")
+            state = "off" if off else "unavailable"
             return {"state": state, "reason": self._unavailable, "budget": self.budget}
         return {"state": "ok", "budget": self.budget, "captures": self.captured}
 
