@@ -332,8 +332,6 @@ class ProfiledFit:
         finally:
             if fit is not None:
                 self._host.release()
-                self._inventory.remove()
-                self._numerics.remove()
                 self._functions.release()
             for failure in self._patches.restore():
                 print(f"mpprof: could not undo a patch ({failure})")
