@@ -1,8 +1,8 @@
 """One eager pass of a captured step: forward, loss, scaled backward, watched.
 
 Every layer's `call` is wrapped at instance level for the length of the pass
-(`Operation.__call__` looks `self.call` up; deleting the attribute restores
-the class's method), so that each TensorFlow op TensorFlow's eager op
+(`Operation.__call__` looks `self.call` up; `mpprof.patching.Patches` puts
+back what was there), so that each TensorFlow op TensorFlow's eager op
 callbacks see is attributed to the innermost layer running it, and each
 layer's output and the gradient flowing into it are kept. The pass runs
 eagerly whatever the model was compiled with (`jit_compile=True` included):
@@ -25,6 +25,7 @@ from tensorflow.python.framework import op_callbacks
 
 from mpprof.collectors.layer_calls import walk_layers
 from mpprof.dtypes import DTYPE_MAX
+from mpprof.patching import Patches
 
 # Where ops outside any layer run: the loss and its gradient, and inside the
 # model but between its layers. A layer's input cast runs in its `__call__`,
@@ -145,13 +146,12 @@ class _Watch:
         self._inside = False
         self._outside = LOSS
         self._cast_offended = False
-        self._wrapped: list = []
+        self._patches = Patches()
         self._callback_added = False
 
     def install(self) -> None:
         for name, layer in self._tree.items():
-            layer.call = self._wrap(name, layer.call)
-            self._wrapped.append(layer)
+            self._patches.set(layer, "call", self._wrap(name, layer.call))
         op_callbacks.add_op_callback(self._on_op)
         self._callback_added = True
 
@@ -159,8 +159,7 @@ class _Watch:
         if self._callback_added:
             op_callbacks.remove_op_callback(self._on_op)
             self._callback_added = False
-        while self._wrapped:
-            del self._wrapped.pop().call
+        self._patches.restore()
 
     def run(self, model, batch, loss_scale: float) -> PassResult:
         x, y, sample_weight = batch
