@@ -200,10 +200,9 @@ def _replays_of(logdir: str, run: str, replay_missing: bool) -> list[dict]:
 
 
 def _replay_field(finding, replays: list[dict]) -> dict:
-    """The JSON row's "replay": the first replay, under the findings it bears on."""
-    if finding.code in replay_text.FINDING_CODES and replays:
-        return {"replay": replays[0]}
-    return {}
+    """The JSON row's "replay", under the findings it bears on."""
+    result = replay_text.replay_for(finding.code, replays)
+    return {} if result is None else {"replay": result}
 
 
 def _diagnosis_text(run: reader.Run, result, color: bool, replays: list[dict]) -> str:
@@ -214,12 +213,12 @@ def _diagnosis_text(run: reader.Run, result, color: bool, replays: list[dict]) -
         return "\n".join(printable(line) for line in lines)
     # format_text escapes what it prints from the run itself (and adds ANSI
     # colours of its own, so it is not escaped again here).
-    shown = {f.code for f in result.findings} & set(replay_text.FINDING_CODES)
-    notes = {code: replay_text.result_lines(replays[0], indent="         ")
-             for code in shown} if replays else {}
+    notes = {f.code: replay_text.result_lines(shown, indent="         ")
+             for f in result.findings
+             if (shown := replay_text.replay_for(f.code, replays)) is not None}
     header, _, rest = diagnosis.format_text(run, result, color=color,
                                             notes=notes).partition("\n")
-    if replays and not shown:
+    if replays and not notes:
         rest += "\n" + "\n".join(replay_text.result_lines(replays[0], indent="  "))
     stopped = _cut_short_text(run)
     if stopped:

@@ -429,3 +429,18 @@ def test_an_overflowing_input_cast_is_the_receiving_layers():
     assert result.offender.layer == "half" and result.offender.op == "Cast"
     assert result.offender.input_abs_max == [80_000.0]
     assert passes.run_pass(model, batch, 1.0, ["half"]).forward_clean
+
+
+def test_the_dashboard_shows_the_replay_under_the_overflow_finding(faulty_logdir, tmp_path):
+    from test_plugin_routes import get_json, tensorboard_client
+
+    logdir = _copy(faulty_logdir, tmp_path)
+    client = tensorboard_client(logdir)
+    before = get_json(client, "findings", run="train")["findings"]
+    assert all("replay" not in f for f in before)
+    replay(str(logdir))
+    after = get_json(tensorboard_client(logdir), "findings", run="train")["findings"]
+    mp003 = next(f for f in after if f["code"] == "MP003")
+    assert mp003["replay"]["headline"].startswith("replay of step 1: MatMul in d3 (forward)")
+    assert any("verified: no overflow" in line for line in mp003["replay"]["lines"])
+    assert all("replay" not in f for f in after if f["code"] != "MP003")

@@ -18,6 +18,12 @@ RANKING_SHOWN = 5
 FINDING_CODES = ("MP003", "MP012", "MP005")
 
 
+def replay_for(code: str, results: list[dict]) -> dict | None:
+    """The replay shown under a finding of `code`: the run's first, for the
+    codes a replay bears on; else None."""
+    return results[0] if code in FINDING_CODES and results else None
+
+
 def headline(result: dict) -> str:
     """One line: the first offending op and the verified fix."""
     first = result.get("first_op")
