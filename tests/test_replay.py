@@ -11,6 +11,7 @@ import zipfile
 import keras
 import numpy as np
 import pytest
+from browser import load_page, require_chromium, serve_tensorboard
 
 import mpprof
 from mpprof import cli, reader, report
@@ -444,3 +445,27 @@ def test_the_dashboard_shows_the_replay_under_the_overflow_finding(faulty_logdir
     assert mp003["replay"]["headline"].startswith("replay of step 1: MatMul in d3 (forward)")
     assert any("verified: no overflow" in line for line in mp003["replay"]["lines"])
     assert all("replay" not in f for f in after if f["code"] != "MP003")
+
+
+@pytest.mark.browser
+def test_the_dashboard_overview_draws_the_replay_in_chromium(faulty_logdir, tmp_path):
+    require_chromium()
+    hostile = "<img src=x onerror=alert(1)>"
+    logdir = _copy(faulty_logdir, tmp_path, run=f"{hostile}/train")
+    replay(str(logdir), f"{hostile}/train")
+    with serve_tensorboard(logdir) as url:
+        page = load_page(
+            url + "data/plugin_entry.html?name=mpprof",
+            wait_for="document.querySelector('main.view[data-state=ready] details.replay')",
+            evaluate={
+                "summary": "document.querySelector('details.replay summary').textContent",
+                "lines": "document.querySelector('details.replay pre').textContent",
+                "images": "document.querySelectorAll('img').length",
+            },
+            screenshot="dashboard_replay.png",
+        )
+    assert [e for e in page.errors if not e.endswith("/favicon.ico")] == []
+    assert page.values["summary"].startswith("replay of step 1: MatMul in d3 (forward)")
+    assert f"replay of run {hostile}/train, step 1" in page.values["lines"]
+    assert "verified: no overflow" in page.values["lines"]
+    assert page.values["images"] == 0
