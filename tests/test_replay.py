@@ -469,3 +469,24 @@ def test_the_dashboard_overview_draws_the_replay_in_chromium(faulty_logdir, tmp_
     assert f"replay of run {hostile}/train, step 1" in page.values["lines"]
     assert "verified: no overflow" in page.values["lines"]
     assert page.values["images"] == 0
+
+
+def test_a_non_finite_loss_without_loss_scaling_is_captured_and_not_blamed_on_precision(
+        tmp_path):
+    keras.mixed_precision.set_dtype_policy("float32")
+    model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2, name="dense"),
+                              keras.layers.Dense(1, name="head")], name="nan_input")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    x = np.ones((16, 4), "float32")
+    x[:, 0] = np.nan  # the data itself
+    state = _fit(model, tmp_path, x=x, numerics_every=1)
+    assert [c["step"] for c in state["captures"]] == [1]  # the first call is never sampled
+    manifest = files.select_capture(str(tmp_path), "train", None).manifest
+    assert manifest["reasons"] == ["non-finite loss"]
+    assert manifest["weights_are_the_steps"] is False
+    assert "its update was applied" in manifest["weights_note"]
+    result = replay(str(tmp_path))
+    assert result["first_op"]["layer"] == "dense" and result["first_op"]["dtype"] == "float32"
+    assert result["float32_clean"] is False and result["verified"] is False
+    assert result["verified_detail"].startswith("not verified: the step overflows in float32 too")
+    assert result["policy_map"] == {} and result["divergence"] == []
