@@ -490,3 +490,13 @@ def test_a_non_finite_loss_without_loss_scaling_is_captured_and_not_blamed_on_pr
     assert result["float32_clean"] is False and result["verified"] is False
     assert result["verified_detail"].startswith("not verified: the step overflows in float32 too")
     assert result["policy_map"] == {} and result["divergence"] == []
+
+
+def test_with_steps_per_execution_a_call_s_last_step_is_captured(tmp_path):
+    model = third_dense_model()
+    model.compile(optimizer=keras.optimizers.SGD(1e-6), loss="mse", steps_per_execution=2)
+    state = _fit(model, tmp_path, x=np.ones((64, 8), "float32"))
+    # Calls run steps (0, 1) plain, then (2, 3) sampled, ...: the logs are the
+    # last step's, and its number is read in the graph.
+    assert [c["step"] for c in state["captures"]] == [3, 5]
+    assert replay(str(tmp_path), step=5)["first_op"]["layer"] == "d3"
