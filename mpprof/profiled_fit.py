@@ -72,8 +72,9 @@ def start(profiler: MixedPrecisionProfiler, across_fits: AcrossFits) -> Profiled
 
 
 def _take_over(profiler, model, keras_api) -> None:
-    """Refuses a second profiler in the same fit; finishes a fit left behind
-    by a fit that another callback's exception ended."""
+    """Refuses a second profiler in the same fit; finishes the model's
+    earlier profiled fit if it never ended (another callback's exception
+    stopped that fit before `on_train_end`)."""
     other = _ACTIVE.get(model)
     if other is None:
         return
