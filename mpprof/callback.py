@@ -60,7 +60,13 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
       (forensic samples), up to `forensic_budget`;
     - the loss and weights health, and the run context: versions, policies,
       the optimizers the step used, strategy, devices, and each collector's
-      state.
+      state;
+    - replay captures: when a sampled step overflowed or had a non-finite
+      loss, its batch, the weights it ran with, the model's config and every
+      layer's dtype policy go to `log_dir/train/replay/step_<N>/` (up to
+      `replay_budget` per fit), for `mpprof replay LOG_DIR` to run that step
+      again offline: the first op that overflowed, float16 against float32
+      per layer, and a verified per-layer float32 fix.
 
     Steps that are not sampled run the model's own train function, untouched.
 
@@ -104,6 +110,10 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             (Tensor Core utilization on Hopper+ via GPM, otherwise kernel
             utilization, memory, power, clocks); >= 0.1, or None to turn
             the sampler off. Without NVML or a GPU the run context says so.
+        replay_budget: how many replay captures a fit may write (0: none).
+            Each holds one batch and one copy of the weights (Keras 3, one
+            replica; only sampled steps are checked, so `numerics_every=None`
+            captures nothing).
         profile_steps: (start, stop) train steps to capture an XProf trace
             of, inclusive; after the window mpprof records the share of GPU
             kernel time spent in Tensor Core kernels. None (default) traces
@@ -147,6 +157,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         flush_every_seconds: float | None = 30.0,
         gpu_interval: float | None = gpu_collector.DEFAULT_INTERVAL_S,
         profile_steps: tuple[int, int] | None = None,
+        replay_budget: int = 2,
     ):
         super().__init__()
         check_backend()
@@ -169,6 +180,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             None if gpu_interval is None else gpu_collector.validate_interval(gpu_interval)
         )
         self.profile_steps = kernel_collector.validate_profile_steps(profile_steps)
+        self.replay_budget = arguments.non_negative_int("replay_budget", replay_budget)
         self._across_fits = AcrossFits(
             schedule=SampleSchedule(
                 self.numerics_every, self.forensic_budget, self.forensic_spacing

@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable, Iterable
 
 from mpprof import diagnosis, filesystem, reader
+from mpprof.replay import files as replay_files
+from mpprof.replay import text as replay_text
 from mpprof.terminal import printable
 
 # Exit statuses, a public interface (CI gates read them): see `EXIT_STATUSES`.
@@ -28,7 +30,8 @@ EXIT_STATUSES = f"""\
 exit status:
   {EXIT_OK}  success
   {EXIT_FINDINGS}  diagnose --fail-on: a finding at least that severe
-  {EXIT_USAGE}  bad arguments, no such logdir or run, or no mpprof records in it
+  {EXIT_USAGE}  bad arguments, no such logdir or run, or no mpprof records in it;
+     replay, bundle: no such capture, or one that cannot be replayed
   {EXIT_UNREADABLE}  nothing readable: a run none of whose records could be read
      (corrupt files, or written by a newer mpprof); the warnings say why"""
 
@@ -156,6 +159,7 @@ def _summary(args) -> int:
 
 def _diagnose(args) -> int:
     runs, chatty = _read(args.logdir, args.run)
+    replays = {name: _replays_of(args.logdir, name, args.replay) for name in runs}
     results = {}
     for name, run in runs.items():
         if run.readable:
@@ -167,7 +171,7 @@ def _diagnose(args) -> int:
             _warn(f"run {name}: {warning}")
     if args.format == "json":
         rows = [
-            {"run": name, **finding.to_dict()}
+            {"run": name, **finding.to_dict(), **_replay_field(finding, replays[name])}
             for name, result in results.items()
             for finding in result.findings
         ]
@@ -176,7 +180,7 @@ def _diagnose(args) -> int:
         print(json.dumps(rows, indent=2))
     else:
         color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
-        print("\n\n".join(_diagnosis_text(run, results.get(name), color)
+        print("\n\n".join(_diagnosis_text(run, results.get(name), color, replays[name])
                           for name, run in runs.items()))
     status = _unreadable_status(runs)
     if status is not None:
@@ -185,7 +189,25 @@ def _diagnose(args) -> int:
     return EXIT_FINDINGS if diagnosis.exceeds(findings, args.fail_on) else EXIT_OK
 
 
-def _diagnosis_text(run: reader.Run, result, color: bool) -> str:
+def _replays_of(logdir: str, run: str, replay_missing: bool) -> list[dict]:
+    """The run's replay results; with `replay_missing`, captures without one
+    are replayed first (imports TensorFlow)."""
+    captures = replay_files.find_captures(logdir, run)
+    if replay_missing:
+        for capture in captures:
+            if capture.result() is None:
+                _say([f"mpprof: replaying run {run}, step {capture.step}"], sys.stderr)
+                _run_replay(logdir, run, capture.step)
+    return [result for capture in captures if (result := capture.result()) is not None]
+
+
+def _replay_field(finding, replays: list[dict]) -> dict:
+    """The JSON row's "replay", under the findings it bears on."""
+    result = replay_text.replay_for(finding.code, replays)
+    return {} if result is None else {"replay": result}
+
+
+def _diagnosis_text(run: reader.Run, result, color: bool, replays: list[dict]) -> str:
     """One run's section of `mpprof diagnose`'s text output."""
     if result is None:
         lines = [f"== run {run.name} ==", *(f"  ! {w}" for w in run.warnings),
@@ -193,7 +215,13 @@ def _diagnosis_text(run: reader.Run, result, color: bool) -> str:
         return "\n".join(printable(line) for line in lines)
     # format_text escapes what it prints from the run itself (and adds ANSI
     # colours of its own, so it is not escaped again here).
-    header, _, rest = diagnosis.format_text(run, result, color=color).partition("\n")
+    notes = {f.code: replay_text.result_lines(shown, indent="         ")
+             for f in result.findings
+             if (shown := replay_text.replay_for(f.code, replays)) is not None}
+    header, _, rest = diagnosis.format_text(run, result, color=color,
+                                            notes=notes).partition("\n")
+    if replays and not notes:
+        rest += "\n" + "\n".join(replay_text.result_lines(replays[0], indent="  "))
     stopped = _cut_short_text(run)
     if stopped:
         header += "\n" + printable(f"  ! {stopped}")
@@ -213,6 +241,53 @@ def _report(args) -> int:
     size = os.path.getsize(path) / 1e6
     _say([f"mpprof: wrote {path} ({size:.1f} MB)"], sys.stderr)
     return _unreadable_status(runs) or EXIT_OK
+
+
+def _replay(args) -> int:
+    names = reader.select_runs(args.logdir, args.run, on_warning=_warn)
+    with_captures = [name for name in names
+                     if replay_files.find_captures(args.logdir, name)]
+    if not with_captures:
+        raise replay_files.NoCaptureError(
+            f"no replay capture in {args.logdir} (runs: {', '.join(names)}): mpprof "
+            "captures a step only when a sampled step overflowed or had a non-finite "
+            "loss, with MixedPrecisionProfiler(replay_budget > 0)"
+        )
+    results = []
+    for name in with_captures:
+        capture = replay_files.select_capture(args.logdir, name, args.step)
+        result = None if args.again else capture.result()
+        if result is None:
+            if args.format != "json":
+                _say([f"mpprof: replaying run {name}, step {capture.step} (imports "
+                      "TensorFlow)"], sys.stderr)
+            result = _run_replay(args.logdir, name, capture.step)
+        results.append(result)
+    if args.format == "json":
+        # json.dumps escapes control characters (ensure_ascii).
+        print(json.dumps(results[0] if len(results) == 1 else results, indent=2))
+    else:
+        print("\n\n".join("\n".join(replay_text.result_lines(r)) for r in results))
+    return EXIT_OK
+
+
+def _bundle(args) -> int:
+    from mpprof.replay import bundle
+
+    written = bundle.write_bundle(args.logdir, args.output, run=args.run, step=args.step,
+                                  include_batch=args.include_batch)
+    held = "with the batch and weights" if args.include_batch else (
+        "statistics and shapes only (no batch, no weights: --include-batch adds them)")
+    _say([f"mpprof: wrote {written['path']} ({written['bytes'] / 1e3:.0f} kB): run "
+          f"{written['run']}, step {written['step']}, {held}"], sys.stderr)
+    return EXIT_OK
+
+
+def _run_replay(logdir: str, run: str, step: int) -> dict:
+    """Replays one capture (TensorFlow and Keras are imported only here)."""
+    from mpprof.replay import engine
+
+    return engine.replay(logdir, run, step)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--fail-on", choices=("critical", "warning"), default=None,
         help=f"exit with status {EXIT_FINDINGS} if a finding is at least this severe (for CI)",
     )
+    diagnose.add_argument(
+        "--replay", action="store_true",
+        help="replay captured steps that have no replay result yet (imports TensorFlow)",
+    )
     diagnose.set_defaults(handler=_diagnose)
     report = command("report", "write one self-contained HTML report of LOGDIR's runs")
     report.add_argument("logdir")
@@ -248,6 +327,30 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--run", help="only this run")
     report.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     report.set_defaults(handler=_report)
+    replay = command(
+        "replay",
+        "run a captured step again: the first op that overflowed, float16 vs float32 "
+        "per layer, and a verified per-layer float32 fix",
+    )
+    replay.add_argument("logdir")
+    replay.add_argument("--run", help="only this run (as `mpprof summary` names it)")
+    replay.add_argument("--step", type=int, help="the captured step (default: the first)")
+    replay.add_argument("--format", choices=("text", "json"), default="text")
+    replay.add_argument("--again", action="store_true",
+                        help="replay even when a saved result exists")
+    replay.set_defaults(handler=_replay)
+    bundle = command(
+        "bundle",
+        "write a repro zip of a captured step for a bug report (statistics and shapes; "
+        "the batch and weights only with --include-batch)",
+    )
+    bundle.add_argument("logdir")
+    bundle.add_argument("-o", "--output", default="mpprof-bundle.zip")
+    bundle.add_argument("--run", help="only this run")
+    bundle.add_argument("--step", type=int, help="the captured step (default: the first)")
+    bundle.add_argument("--include-batch", action="store_true",
+                        help="also the step's batch and weights (they may be private)")
+    bundle.set_defaults(handler=_bundle)
     return parser
 
 
@@ -255,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (reader.LogdirNotFoundError, reader.NoMpprofDataError) as e:
+    except (reader.LogdirNotFoundError, reader.NoMpprofDataError,
+            replay_files.NoCaptureError, replay_files.ReplayError) as e:
         _say([f"mpprof: {e}"], sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:

@@ -168,6 +168,9 @@ class DiscardingWriter:
     def write_array(self, record: str, value, step: int, series: str | None = None) -> None:
         pass
 
+    def write_file(self, relative_path: str, data: bytes) -> None:
+        pass
+
     def flush(self) -> None:
         pass
 

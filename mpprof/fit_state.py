@@ -30,6 +30,8 @@ class FitState:
         forensic: whether that sample was taken because of an overflow.
         reported_skips: the skipped-step count the call returned in its
             logs, if it did.
+        replay_outputs: what an instrumented call returned for a replay
+            capture (`mpprof.collectors.replay_capture`), if anything.
     """
 
     model: object
@@ -43,3 +45,4 @@ class FitState:
     sample_step: int | None = None
     forensic: bool = False
     reported_skips: object = field(default=None, repr=False)
+    replay_outputs: object = field(default=None, repr=False)

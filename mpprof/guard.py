@@ -102,6 +102,14 @@ class GuardedWriter:
                 self.COLLECTOR, self._writer.write_array, record, value, step, series=series
             )
 
+    def write_file(self, relative_path: str, data: bytes) -> bool:
+        """Writes a file into the run directory; returns whether it was written
+        (False once the recording stopped)."""
+        written = self._guard.run(
+            self.COLLECTOR, lambda: self._writer.write_file(relative_path, data) or True
+        )
+        return bool(written)
+
     def flush(self) -> None:
         self._guard.run(self.COLLECTOR, self._writer.flush)
 

@@ -25,6 +25,8 @@ from mpprof.collectors.inventory import Inventory
 from mpprof.collectors.loss_scales import LossScales
 from mpprof.collectors.numerics_samples import NumericsSamples
 from mpprof.collectors.optimizers import OptimizerUsage
+from mpprof.collectors.replay_capture import LOGS_KEY as _REPLAY_LOG
+from mpprof.collectors.replay_capture import ReplayCapture
 from mpprof.collectors.run_health import RunHealth
 from mpprof.context import run_context
 from mpprof.distributed import announce_keras_3_multi_worker, worker_role
@@ -145,6 +147,7 @@ class ProfiledFit:
         self._flush_clock = FlushClock(self.profiler.flush_every_seconds)
         usage.install(self._patches)
         self._report_skips_in_logs(fit)
+        self._guard.run(self._replay.name, self._replay.wrap_train_step, fit, self._patches)
         self._functions = TrainFunctions(model, self._api, self.profiler.numerics_every is not None)
         self._functions.install(self._run_train_function, self._patches)
         self._fit = fit
@@ -174,9 +177,11 @@ class ProfiledFit:
             # Each worker traces its own host, into its own run.
             window.run_dir = posixpath.join(profiler.run_dir, self._role.worker_run)
         self._host = HostRecorder(profiler.gpu_interval, window, profiler, api)
+        self._replay = ReplayCapture(profiler.replay_budget, api, self._loss_scales,
+                                     self._health, lambda: self._numerics.instrumenting)
         return [
             self._inventory, self._loss_scales, self._health, self._numerics, self._host,
-            Float8State(model, self._loss_scales),
+            Float8State(model, self._loss_scales), self._replay,
         ]
 
     # The Keras hooks the callback passes on.
@@ -215,6 +220,7 @@ class ProfiledFit:
         finally:
             numerics.instrument(False)
         fit.reported_skips = logs.pop(_SKIPPED_LOG, None) if isinstance(logs, dict) else None
+        fit.replay_outputs = logs.pop(_REPLAY_LOG, None) if isinstance(logs, dict) else None
         self._guard.run("profiler", self._after_call, fit)
         return logs
 

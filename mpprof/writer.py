@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import posixpath
 
 import numpy as np
 import tensorflow as tf
@@ -50,6 +51,14 @@ class RecordWriter:
         record (see `schema.tag_for`)."""
         tensor = tf.constant(np.asarray(value, dtype=np.float64))
         self._write(record, tensor, step, series)
+
+    def write_file(self, relative_path: str, data: bytes) -> None:
+        """Writes `data` into the file `relative_path` of the run directory
+        (its folders created as needed), replacing any file there."""
+        path = posixpath.join(self.run_dir, relative_path)
+        tf.io.gfile.makedirs(posixpath.dirname(path))
+        with tf.io.gfile.GFile(path, "wb") as f:
+            f.write(data)
 
     def flush(self) -> None:
         self._writer.flush()

@@ -16,6 +16,8 @@ from tensorboard import errors
 
 from mpprof import diagnosis, downsample, headroom, reader
 from mpprof.jsonsafe import json_floats, json_safe
+from mpprof.replay import files as replay_files
+from mpprof.replay import text as replay_text
 from tensorboard_plugin_mpprof import metadata
 
 NUMERICS_DIRECTIONS = ("forward", "backward")
@@ -110,8 +112,18 @@ def context_payload(run: reader.Run) -> dict:
 
 
 def findings_payload(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
-    """The findings of `run`, most severe first, and the rules not checked."""
-    findings = [finding.to_dict() for finding in result.findings]
+    """The findings of `run`, most severe first, and the rules not checked;
+    under those a replay bears on, the run's replay (`mpprof replay`), as
+    lines of text."""
+    replays = replay_files.saved_results(run.path, ".")
+    findings = []
+    for finding in result.findings:
+        row = finding.to_dict()
+        shown = replay_text.replay_for(finding.code, replays)
+        if shown is not None:
+            row["replay"] = {"headline": replay_text.headline(shown),
+                             "lines": replay_text.result_lines(shown)}
+        findings.append(row)
     return {
         "available": True,
         "findings": findings,

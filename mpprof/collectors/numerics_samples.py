@@ -65,6 +65,12 @@ class NumericsSamples(Collector):
             self.collector = collector
         return True
 
+    @property
+    def instrumenting(self) -> bool:
+        """Whether the call under way (and so a train function traced now)
+        is the instrumented one."""
+        return self.collector is not None and self.collector.instrumenting
+
     def instrument(self, on: bool) -> None:
         if self.collector is not None:
             self.collector.instrumenting = on

@@ -20,7 +20,8 @@ _COLORS = {"critical": "\033[1;31m", "warning": "\033[1;33m", "info": "\033[1;36
 _BOLD, _DIM, _RESET = "\033[1m", "\033[2m", "\033[0m"
 
 
-def format_text(run, result: Diagnosis, *, color: bool = False) -> str:
+def format_text(run, result: Diagnosis, *, color: bool = False,
+                notes: dict[str, list[str]] | None = None) -> str:
     """`result` as text for a terminal: grouped by severity, the fix beneath.
 
     Args:
@@ -28,6 +29,8 @@ def format_text(run, result: Diagnosis, *, color: bool = False) -> str:
             context and read warnings).
         result: what `evaluate(run)` returned.
         color: use ANSI colours (for a terminal).
+        notes: lines to print under each finding of a code (already escaped:
+            a replay of the step, say).
     """
 
     def paint(text: str, style: str) -> str:
@@ -54,6 +57,7 @@ def format_text(run, result: Diagnosis, *, color: bool = False) -> str:
             lines.append("         fix:")
             fix_lines = finding.fix.splitlines()
             lines += [f"           {printable(line)}" for line in fix_lines]
+            lines += (notes or {}).get(finding.code, [])
     if not result.findings:
         lines.append("No findings.")
     for check in result.not_measured:

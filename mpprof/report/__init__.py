@@ -4,9 +4,9 @@
 (most severe first, its worst findings linked), then per run its context,
 findings and what could not be checked, the precision inventory, the
 loss-scale timeline with overflow markers, per-layer numerics heatmaps
-(layer x step, the dashboard's headroom measure and colours) and GPU tracks
-when recorded. It follows the reader's light or dark colour scheme and
-prints cleanly.
+(layer x step, the dashboard's headroom measure and colours), GPU tracks
+and replays of captured steps (`mpprof replay`) when recorded. It follows
+the reader's light or dark colour scheme and prints cleanly.
 plotly.js is embedded from the installed `plotly` package, so the file opens
 without a network and can be attached to a bug report.
 
@@ -29,6 +29,7 @@ import pathlib
 from collections.abc import Callable
 
 from mpprof import diagnosis, reader
+from mpprof.replay import files as replay_files
 from mpprof.report import page, plots, sections
 
 Progress = Callable[[str], None]
@@ -101,7 +102,8 @@ def render_report(
     for index, (read, result) in enumerate(diagnosed):
         say(f"drawing run {read.name}")
         run_data = plots.run_data(read)
-        run_sections.append(sections.run_section(index, read, result, run_data))
+        replays = replay_files.saved_results(logdir, read.name)
+        run_sections.append(sections.run_section(index, read, result, run_data, replays))
         data.append(run_data)
     say("embedding plotly.js")
     return page.render_page(os.fspath(logdir), sections.summary_html(diagnosed), run_sections, data)

@@ -11,6 +11,7 @@ import html
 import json
 
 from mpprof import diagnosis, reader
+from mpprof.replay import text as replay_text
 
 # Findings per run listed in the summary at the top (the rest: a link).
 MAX_SUMMARY_FINDINGS = 3
@@ -24,7 +25,8 @@ def escape(value) -> str:
     return html.escape("" if value is None else str(value))
 
 
-def run_section(index: int, run: reader.Run, result: diagnosis.Diagnosis, data: dict) -> str:
+def run_section(index: int, run: reader.Run, result: diagnosis.Diagnosis, data: dict,
+                replays: list[dict] = ()) -> str:
     parts = [f'<section class="run" id="run-{index}"><h2>Run {escape(run.name)}</h2>']
     if run.warnings:
         items = "".join(f"<li>{escape(w)}</li>" for w in run.warnings)
@@ -43,6 +45,7 @@ def run_section(index: int, run: reader.Run, result: diagnosis.Diagnosis, data: 
         )
     parts.append(_context_html(run))
     parts.append(_findings_html(index, result))
+    parts.append(_replays_html(replays))
     parts.append(_inventory_html(run.inventory))
     parts.append("<h3>Loss scale</h3>")
     if "loss_scale" in data:
@@ -191,6 +194,21 @@ def _findings_html(index: int, result: diagnosis.Diagnosis) -> str:
         )
         parts.append(
             f'<div class="muted not-checked">Not checked ({len(unchecked)}):<ul>{items}</ul></div>'
+        )
+    return "\n".join(parts)
+
+
+def _replays_html(replays: list[dict]) -> str:
+    """Each replay of a captured step: the op, the ranking, the verified map."""
+    if not replays:
+        return ""
+    parts = [f"<h3>Replays of captured steps ({len(replays)})</h3>"]
+    for result in replays:
+        state = "verified" if result.get("verified") else "not verified"
+        parts.append(
+            f'<div class="replay {state.replace(" ", "-")}"><b>'
+            f"{escape(replay_text.headline(result))}</b>"
+            f"<pre>{escape(chr(10).join(replay_text.result_lines(result)))}</pre></div>"
         )
     return "\n".join(parts)
 

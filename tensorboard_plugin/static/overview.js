@@ -124,6 +124,9 @@ function findingItem(finding, navigate) {
     el("div", { class: "finding-where" }, where),
     evidence.length ? el("ul", { class: "evidence" }, evidence) : null,
     el("pre", { class: "fix" }, finding.fix),
+    finding.replay
+      ? el("details", { class: "replay" }, el("summary", {}, finding.replay.headline), el("pre", {}, finding.replay.lines.join("\n")))
+      : null,
     view
       ? el(
           "button",

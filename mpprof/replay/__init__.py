@@ -1,0 +1,16 @@
+"""Forensic replay of a step that went wrong (see `mpprof.replay.engine`).
+
+`replay(...)` imports TensorFlow and Keras; reading a capture or a saved
+result (`mpprof.replay.files`) does not.
+"""
+
+from __future__ import annotations
+
+__all__ = ["replay"]
+
+
+def replay(logdir_or_model, run: str | None = None, step: int | None = None, **kwargs) -> dict:
+    """Replays a captured step: see `mpprof.replay.engine.replay`."""
+    from mpprof.replay import engine
+
+    return engine.replay(logdir_or_model, run, step, **kwargs)

@@ -1,0 +1,253 @@
+"""The files of a replay capture, and of the replay result beside it.
+
+A capture is one folder per captured step, `RUN/replay/step_<N>/`:
+
+    manifest.json   what was captured: step, run, why, shapes, bytes,
+                    versions, the dtype policy of each layer, and whether
+                    the weights are the ones the step ran with
+    batch.npz       the step's batch, every tensor of (x, y, sample_weight)
+                    as `leaf_<i>`; the manifest's "batch_structure" puts them
+                    back into their nested lists, tuples and dicts
+    weights.npz     every model variable (`model.weights`), as `weight_<i>`;
+                    the manifest lists their paths in the same order
+    model.json      the model's Keras serialization, when it has one
+    replay.json     the replay result, once `mpprof replay` ran
+
+The manifest is written last: a folder without one (a disk that filled up
+midway) is not a capture. Reading needs neither TensorFlow nor Keras.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+
+import numpy as np
+
+from mpprof import filesystem
+
+# Bump when a file's layout changes; readers refuse newer captures.
+CAPTURE_VERSION = 1
+
+REPLAY_FOLDER = "replay"
+STEP_FOLDER_PREFIX = "step_"
+MANIFEST = "manifest.json"
+BATCH = "batch.npz"
+WEIGHTS = "weights.npz"
+MODEL_CONFIG = "model.json"
+RESULT = "replay.json"
+
+_STEP_FOLDER = re.compile(r"^step_(\d+)$")
+
+
+class NoCaptureError(LookupError):
+    """No replay capture where one was asked for (the message says what to do)."""
+
+
+class ReplayError(ValueError):
+    """A capture cannot be replayed (the message says what to do)."""
+
+
+def step_folder(step: int) -> str:
+    """The capture's folder for `step`, relative to its run directory."""
+    return f"{REPLAY_FOLDER}/{STEP_FOLDER_PREFIX}{int(step)}"
+
+
+def encode_structure(structure, leaves: list) -> object:
+    """A JSON-able description of a nested batch; its array leaves are
+    appended to `leaves` (None stays None)."""
+    if structure is None:
+        return None
+    if isinstance(structure, dict):
+        return {"dict": {str(k): encode_structure(v, leaves) for k, v in structure.items()}}
+    if isinstance(structure, (list, tuple)):
+        kind = "tuple" if isinstance(structure, tuple) else "list"
+        return {kind: [encode_structure(v, leaves) for v in structure]}
+    leaves.append(structure)
+    return {"leaf": len(leaves) - 1}
+
+
+def decode_structure(encoded, leaves: list):
+    """The nested batch `encode_structure` described, with its leaves."""
+    if encoded is None:
+        return None
+    if "leaf" in encoded:
+        return leaves[encoded["leaf"]]
+    if "dict" in encoded:
+        return {k: decode_structure(v, leaves) for k, v in encoded["dict"].items()}
+    if "tuple" in encoded:
+        return tuple(decode_structure(v, leaves) for v in encoded["tuple"])
+    return [decode_structure(v, leaves) for v in encoded["list"]]
+
+
+def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def json_bytes(value) -> bytes:
+    return json.dumps(value, indent=1, sort_keys=True).encode("utf-8")
+
+
+class Capture:
+    """One captured step, read from its folder.
+
+    Args:
+        path: the capture's folder (local or remote).
+        run: the run it belongs to.
+
+    Raises:
+        NoCaptureError: the folder holds no readable manifest.
+    """
+
+    def __init__(self, path: str, run: str):
+        self.path = path
+        self.run = run
+        try:
+            self.manifest = json.loads(_read(filesystem.join(path, MANIFEST)))
+        except (OSError, ValueError) as e:
+            raise NoCaptureError(
+                f"{path} is not a complete replay capture (its {MANIFEST} cannot be "
+                f"read: {e}); the fit may have stopped writing it (a full disk)"
+            ) from e
+        version = self.manifest.get("capture_version")
+        if not isinstance(version, int) or version > CAPTURE_VERSION:
+            raise NoCaptureError(
+                f"{path} was captured by a newer mpprof (capture version {version!r}); "
+                "upgrade mpprof to replay it"
+            )
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    def batch(self):
+        """The step's batch, as the train step received it (numpy arrays).
+
+        Raises:
+            ReplayError: the capture holds no batch (a bundle made without
+                `--include-batch`), or it cannot be read.
+        """
+        try:
+            return self._batch()
+        except (OSError, ValueError, KeyError) as e:
+            raise ReplayError(
+                f"the capture of step {self.step} in {self.path} has no readable batch "
+                f"({e}); a bundle made without --include-batch holds only statistics: "
+                "its replay result is printed by `mpprof replay` without --again"
+            ) from e
+
+    def _batch(self):
+        with np.load(io.BytesIO(_read(filesystem.join(self.path, BATCH)))) as arrays:
+            leaves = [arrays[f"leaf_{i}"] for i in range(len(arrays.files))]
+        return decode_structure(self.manifest["batch_structure"], leaves)
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """Every model variable's value, by its path.
+
+        Raises:
+            ReplayError: the capture holds no weights, or they cannot be read.
+        """
+        try:
+            return self._weights()
+        except (OSError, ValueError, KeyError) as e:
+            raise ReplayError(
+                f"the capture of step {self.step} in {self.path} has no readable weights "
+                f"({e}); a bundle made without --include-batch holds only statistics"
+            ) from e
+
+    def _weights(self) -> dict[str, np.ndarray]:
+        with np.load(io.BytesIO(_read(filesystem.join(self.path, WEIGHTS)))) as arrays:
+            values = [arrays[f"weight_{i}"] for i in range(len(arrays.files))]
+        return dict(zip(self.manifest["weight_paths"], values, strict=True))
+
+    def model_config(self) -> dict | None:
+        """The model's Keras serialization, or None when it had none."""
+        if not self.manifest.get("model_config", {}).get("saved"):
+            return None
+        return json.loads(_read(filesystem.join(self.path, MODEL_CONFIG)))
+
+    def result(self) -> dict | None:
+        """The saved replay result, or None before the first replay."""
+        try:
+            return json.loads(_read(filesystem.join(self.path, RESULT)))
+        except (OSError, ValueError):
+            return None
+
+
+def run_path(logdir: str | os.PathLike, run: str) -> str:
+    logdir = os.fspath(logdir)
+    return logdir if run == "." else filesystem.join(logdir, run)
+
+
+def find_captures(logdir: str | os.PathLike, run: str) -> list[Capture]:
+    """Every complete capture of `run`, by step (incomplete ones skipped)."""
+    folder = filesystem.join(run_path(logdir, run), REPLAY_FOLDER)
+    try:
+        entries = filesystem.scan(folder)
+    except OSError:
+        return []
+    steps = sorted(
+        int(match.group(1)) for entry in entries
+        if entry.kind is filesystem.Kind.DIRECTORY
+        and (match := _STEP_FOLDER.match(entry.name))
+    )
+    captures = []
+    for step in steps:
+        try:
+            captures.append(Capture(filesystem.join(folder, f"{STEP_FOLDER_PREFIX}{step}"), run))
+        except NoCaptureError:
+            continue
+    return captures
+
+
+def select_capture(logdir: str | os.PathLike, run: str, step: int | None) -> Capture:
+    """The capture of `run` at `step` (None: the first one).
+
+    Raises:
+        NoCaptureError: none there; the message lists what there is.
+    """
+    captures = find_captures(logdir, run)
+    if not captures:
+        raise NoCaptureError(
+            f"run {run!r} of {os.fspath(logdir)} holds no replay capture: mpprof "
+            "captures a step only when an instrumented (sampled) step overflowed or "
+            "had a non-finite loss, with replay_budget > 0"
+        )
+    if step is None:
+        return captures[0]
+    for capture in captures:
+        if capture.step == step:
+            return capture
+    raise NoCaptureError(
+        f"run {run!r} has no capture of step {step}; captured steps: "
+        f"{', '.join(str(c.step) for c in captures)}"
+    )
+
+
+def saved_results(logdir: str | os.PathLike, run: str) -> list[dict]:
+    """The saved replay result of every capture of `run` that has one."""
+    return [result for capture in find_captures(logdir, run)
+            if (result := capture.result()) is not None]
+
+
+def write_result(capture: Capture, result: dict) -> None:
+    """Saves a replay result beside its capture."""
+    path = filesystem.join(capture.path, RESULT)
+    data = json_bytes(result)
+    if filesystem.is_remote(path):
+        import tensorflow as tf
+
+        with tf.io.gfile.GFile(path, "wb") as f:
+            f.write(data)
+        return
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _read(path: str) -> bytes:
+    with filesystem.open_file(path) as f:
+        return f.read()

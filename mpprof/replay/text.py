@@ -1,0 +1,75 @@
+"""A replay result as lines of text, for `mpprof replay` and `mpprof diagnose`.
+
+Every value comes from files a logdir holds (layer names, op names): each
+line is escaped with `mpprof.terminal.printable`. Needs no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import json
+
+from mpprof.terminal import printable
+
+# Layers of the float16-vs-float32 ranking shown (the JSON holds them all).
+RANKING_SHOWN = 5
+
+# The findings a replay bears on: forward overflow, non-finite loss,
+# gradient underflow. `mpprof diagnose` and the report show it under them.
+FINDING_CODES = ("MP003", "MP012", "MP005")
+
+
+def replay_for(code: str, results: list[dict]) -> dict | None:
+    """The replay shown under a finding of `code`: the run's first, for the
+    codes a replay bears on; else None."""
+    return results[0] if code in FINDING_CODES and results else None
+
+
+def headline(result: dict) -> str:
+    """One line: the first offending op and the verified fix."""
+    first = result.get("first_op")
+    where = (f"{first.get('op')} in {first.get('layer')} ({first.get('phase')})"
+             if isinstance(first, dict) else "no op overflowed in the replay")
+    layers = result.get("float32_layers") or []
+    fix = (f"keep {', '.join(map(str, layers))} in float32" if layers else "no per-layer fix")
+    state = "verified" if result.get("verified") else "not verified"
+    return printable(f"replay of step {result.get('step')}: {where}; {fix} ({state})")
+
+
+def result_lines(result: dict, indent: str = "") -> list[str]:
+    """The whole result: the op, the ranking, the map and its verification."""
+    lines = [f"replay of run {result.get('run')}, step {result.get('step')}: "
+             f"{'; '.join(map(str, result.get('capture_reasons') or []))}"]
+    first = result.get("first_op")
+    if isinstance(first, dict):
+        inputs = ", ".join(_number(v) for v in first.get("input_abs_max") or [])
+        lines.append(
+            f"  first op: {first.get('op')} in layer {first.get('layer')} "
+            f"({first.get('phase')}, {first.get('dtype')}): {first.get('output')}; "
+            f"its inputs' abs max: {inputs or 'none'}"
+        )
+    else:
+        lines.append("  first op: none overflowed in the replay")
+    ranking = result.get("divergence") or []
+    if ranking:
+        lines.append("  float16 vs float32, relative error (largest first):")
+        for row in ranking[:RANKING_SHOWN]:
+            lines.append(
+                f"    {row.get('layer')}: forward {_number(row.get('forward_rel_error'))}, "
+                f"incoming gradient {_number(row.get('backward_rel_error'))}"
+            )
+        if len(ranking) > RANKING_SHOWN:
+            lines.append(f"    ... {len(ranking) - RANKING_SHOWN} more (--format json)")
+    policy_map = result.get("policy_map") or {}
+    if policy_map:
+        lines.append("  fix: keep these layers in float32, as a keras.dtype_policies."
+                     f"DTypePolicyMap: {json.dumps(policy_map)}")
+        lines.append("    or, where the layers are made:")
+        lines += [f"      {line}" for line in result.get("dtype_lines") or []]
+    lines.append(f"  {result.get('verified_detail')}")
+    return [printable(indent + line) for line in lines]
+
+
+def _number(value) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:.3g}"
+    return str(value)
