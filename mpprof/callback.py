@@ -14,6 +14,7 @@ from mpprof.collectors import gpu as gpu_collector
 from mpprof.collectors import kernels as kernel_collector
 from mpprof.collectors.base import Collector
 from mpprof.collectors.float8 import Float8State
+from mpprof.collectors.float8_shares import Float8Shares
 from mpprof.collectors.host import HostRecorder
 from mpprof.collectors.inventory import Inventory
 from mpprof.collectors.loss_scales import LossScales
@@ -260,9 +261,10 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             # Each worker traces its own host, into its own run.
             self._profile_window.run_dir = posixpath.join(self.run_dir, self._role.worker_run)
         self._host = HostRecorder(self.gpu_interval, self._profile_window, self, api)
+        self._float8_shares = Float8Shares(model, self.numerics_every is not None)
         self._collectors = [
             self._inventory, self._loss_scales, self._health, self._numerics, self._host,
-            Float8State(model, self._loss_scales),
+            Float8State(model, self._loss_scales), self._float8_shares,
         ]
         fit.step = self._start_step(usage)
         self._fit_start_step = fit.step
@@ -312,6 +314,8 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         fit.forensic = self._schedule.sampled() if sampling else False
         fit.sample_step = self._measured_step() if sampling else None
         numerics.instrument(sampling)
+        shares = self._float8_shares
+        self._guard.run(shares.name, shares.instrument, sampling)
         try:
             logs = self._functions.run(
                 iterator, sampling, on_abort=self._abort,
@@ -319,6 +323,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             )
         finally:
             numerics.instrument(False)
+            shares.instrument(False)  # puts the layers' activations back, also after a failure
         fit.reported_skips = logs.pop(_SKIPPED_LOG, None) if isinstance(logs, dict) else None
         self._guard.run("profiler", self._after_call, fit)
         return logs

@@ -203,6 +203,14 @@ class Float8:
     `schema.FLOAT8_STATE_COLUMNS` ("scale", "amax_max", "amax_last", "steps",
     "saturated_steps", "peak_over_max", "underflowed_steps",
     "warmup_steps"); `steps` are the flushes' train steps.
+
+    `shares` holds what the sampled steps measured, each array [samples,
+    layers, tensors] at `sample_steps`: "saturated" (share of all values),
+    "underflowed" (share of non-zero values), "peak_over_max" (the largest
+    magnitude over the scale times the format's max), "scale" (the scale
+    the step quantized with) and "abs_max"; NaN where a tensor was not
+    measured. Empty without samples (`numerics_every=None`, or a run
+    recorded before mpprof measured them).
     """
 
     layers: list[str]
@@ -214,6 +222,8 @@ class Float8:
     format_min_subnormal: dict[str, float]
     steps: np.ndarray
     state: dict[str, np.ndarray]
+    sample_steps: np.ndarray
+    shares: dict[str, np.ndarray]
 
 
 @dataclasses.dataclass
@@ -443,7 +453,36 @@ class Run:
             },
             steps=steps,
             state={name: rows[..., i] for i, name in enumerate(schema.FLOAT8_STATE_COLUMNS)},
+            **self._float8_shares(layout, shape[:2]),
         )
+
+    def _float8_shares(self, layout: dict, cells: tuple[int, int]) -> dict:
+        """`Float8.sample_steps` and `Float8.shares` from the FLOAT8_SHARES records."""
+        shape = (*cells, len(schema.FLOAT8_SHARE_COLUMNS))
+        by_step = {
+            found.step: np.asarray(found.value)
+            for found in self.records.get(schema.FLOAT8_SHARES, [])
+            if np.shape(found.value) == shape
+        }
+        steps = np.array(sorted(by_step), dtype=np.int64)
+        rows = np.stack([by_step[s] for s in steps]) if len(steps) else np.zeros((0, *shape))
+        column = schema.FLOAT8_SHARE_COLUMN
+        fmax = np.array([float((layout.get("format_max") or {}).get(
+            (layout.get("formats") or {}).get(tensor), np.nan)) for tensor in layout["tensors"]])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            count, nonzero = rows[..., column.count], rows[..., column.nonzero]
+            measured = count > 0
+            return {"sample_steps": steps, "shares": {
+                "saturated": np.where(measured, rows[..., column.saturated] / count, np.nan),
+                "underflowed": np.where(
+                    nonzero > 0, rows[..., column.underflowed] / nonzero,
+                    np.where(measured, 0.0, np.nan)),
+                "peak_over_max": np.where(
+                    measured, rows[..., column.abs_max] / (rows[..., column.scale] * fmax),
+                    np.nan),
+                "scale": np.where(measured, rows[..., column.scale], np.nan),
+                "abs_max": np.where(measured, rows[..., column.abs_max], np.nan),
+            }}
 
     @functools.cached_property
     def gpu(self) -> Gpu | None:

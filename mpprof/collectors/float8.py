@@ -24,18 +24,16 @@ the amax is all Keras keeps.
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
 from mpprof import schema
 from mpprof.collectors.base import Collector
+from mpprof.dtypes import FLOAT8_RANGES
 from mpprof.patching import Patches
 
-_FORMAT_MAX = {f: float(ml_dtypes.finfo(f).max) for f in set(schema.FLOAT8_FORMATS.values())}
-_FORMAT_MIN_SUBNORMAL = {
-    f: float(ml_dtypes.finfo(f).smallest_subnormal) for f in set(schema.FLOAT8_FORMATS.values())
-}
+_FORMAT_MAX = {name: r.max for name, r in FLOAT8_RANGES.items()}
+_FORMAT_MIN_SUBNORMAL = {name: r.smallest_subnormal for name, r in FLOAT8_RANGES.items()}
 
 
 def float8_layers(model) -> list:
