@@ -27,17 +27,20 @@ Screenshots are saved under test-artifacts/ at the repository root.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import os
 import pathlib
 import queue
+import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -77,6 +80,46 @@ class PageLoad:
     console: list[str]
     values: dict
     screenshot: pathlib.Path | None
+
+
+_SERVING = re.compile(r"TensorBoard \S+ at (http://127\.0\.0\.1:\d+/)")
+
+
+@contextlib.contextmanager
+def serve_tensorboard(logdir) -> Iterator[str]:
+    """`tensorboard --logdir LOGDIR` on 127.0.0.1 and a free port, with the
+    installed plugin; yields its base URL and stops it on exit."""
+    tensorboard = pathlib.Path(sys.executable).with_name("tensorboard")
+    process = subprocess.Popen(
+        [str(tensorboard), "--logdir", str(logdir), "--port", "0", "--host", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    found = threading.Event()
+    lines: list[str] = []
+    url: list[str] = []
+
+    def read_stderr():
+        for line in process.stderr:
+            lines.append(line)
+            match = _SERVING.search(line)
+            if match and not url:
+                url.append(match.group(1))
+                found.set()
+
+    threading.Thread(target=read_stderr, daemon=True).start()
+    try:
+        if not found.wait(timeout=120):
+            pytest.fail("tensorboard did not start:\n" + "".join(lines[-30:]))
+        yield url[0]
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def chromium_path() -> str | None:

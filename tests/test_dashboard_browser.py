@@ -14,18 +14,14 @@ MPPROF_REQUIRE_BROWSER=1 (CI) they fail instead.
 from __future__ import annotations
 
 import json
-import pathlib
 import re
 import shutil
-import subprocess
-import sys
-import threading
 import time
 import urllib.parse
 
 import diagnosis_runs
 import pytest
-from browser import load_page, require_chromium
+from browser import load_page, require_chromium, serve_tensorboard
 from dashboard_logdirs import (
     BFLOAT16_RUN,
     FIRST_LAYER,
@@ -39,7 +35,6 @@ from mpprof.writer import RecordWriter
 
 pytestmark = pytest.mark.browser
 
-_SERVING = re.compile(r"TensorBoard \S+ at (http://127\.0\.0\.1:\d+/)")
 # Sorts before every other run but has no findings: the dashboard must not
 # open on it.
 HEALTHY_RUN = "0_healthy/train"
@@ -64,45 +59,8 @@ def server(tmp_path_factory):
     shutil.copytree(dashboard_logdir(tmp_path_factory), logdir)
     shutil.copytree(diagnosis_runs.logdir("healthy_float32") / "train", logdir / HEALTHY_RUN)
     shutil.copytree(diagnosis_runs.logdir("hostile") / OVERFLOW_RUN, logdir / OVERFLOW_RUN)
-    tensorboard = pathlib.Path(sys.executable).with_name("tensorboard")
-    process = subprocess.Popen(
-        [
-            str(tensorboard),
-            "--logdir",
-            str(logdir),
-            "--port",
-            "0",
-            "--host",
-            "127.0.0.1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    found = threading.Event()
-    lines: list[str] = []
-    url: list[str] = []
-
-    def read_stderr():
-        for line in process.stderr:
-            lines.append(line)
-            match = _SERVING.search(line)
-            if match and not url:
-                url.append(match.group(1))
-                found.set()
-
-    threading.Thread(target=read_stderr, daemon=True).start()
-    try:
-        if not found.wait(timeout=120):
-            pytest.fail("tensorboard did not start:\n" + "".join(lines[-30:]))
-        yield url[0], logdir
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    with serve_tensorboard(logdir) as url:
+        yield url, logdir
 
 
 def show_view(view: str) -> str:

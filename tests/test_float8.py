@@ -6,47 +6,17 @@ import keras
 import ml_dtypes
 import numpy as np
 import pytest
+from float8_runs import BATCH, STEPS, fit_float8, float8_data, float8_model
 
-import mpprof
 from mpprof import diagnosis, dtypes, schema, validation
 from mpprof.collectors import float8_shares
 from mpprof.reader import read_run
 
-BATCH = 8
-STEPS = 6
 FLOAT8_CODES = ("MP015", "MP016", "MP017")
 
 
-def _float8_model(policy: str = "float32") -> keras.Model:
-    """Dense -> LayerNormalization -> Dense, both Dense layers in float8; the
-    normalisation keeps the head's inputs steady whatever the first layer sees."""
-    keras.utils.set_random_seed(0)
-    keras.mixed_precision.set_dtype_policy(policy)
-    model = keras.Sequential([
-        keras.layers.Input((8,)),
-        keras.layers.Dense(16, activation="relu", name="hidden"),
-        keras.layers.LayerNormalization(name="norm"),
-        keras.layers.Dense(1, name="head", dtype="float32" if policy != "float32" else None),
-    ], name="f8")
-    model.quantize("float8", filters=lambda layer: isinstance(layer, keras.layers.Dense))
-    return model
-
-
-def _data(growth: float = 1.0):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(BATCH * STEPS, 8)).astype(np.float32)
-    x *= (growth ** np.repeat(np.arange(STEPS), BATCH))[:, None].astype(np.float32)
-    return x, rng.normal(size=(BATCH * STEPS, 1)).astype(np.float32)
-
-
 def _fit(tmp_path, model, x, y, numerics_every=500):
-    """Fits one epoch; `numerics_every=1` samples every step but the first
-    (the default samples none of these few steps)."""
-    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-              callbacks=[mpprof.MixedPrecisionProfiler(
-                  log_dir=str(tmp_path), flush_every_steps=2, numerics_every=numerics_every)])
-    keras.mixed_precision.set_dtype_policy("float32")
+    fit_float8(tmp_path, model, x, y, numerics_every)
     return read_run(tmp_path, "train")
 
 
@@ -55,8 +25,8 @@ def _findings(run, code):
 
 
 def test_a_healthy_float8_run_is_recorded_as_keras_scales_it_and_not_flagged(tmp_path):
-    x, y = _data()
-    run = _fit(tmp_path, _float8_model(), x, y)
+    x, y = float8_data()
+    run = _fit(tmp_path, float8_model(), x, y)
     float8 = run.float8
     assert run.context["collectors"]["float8"] == {"state": "ok"}
     assert float8.layers == ["f8/hidden", "f8/head"]
@@ -85,8 +55,8 @@ def test_a_healthy_float8_run_is_recorded_as_keras_scales_it_and_not_flagged(tmp
 
 
 def test_growing_activations_saturate_the_delayed_scale_mp015(tmp_path):
-    x, y = _data(growth=4.0)
-    run = _fit(tmp_path, _float8_model(), x, y)
+    x, y = float8_data(growth=4.0)
+    run = _fit(tmp_path, float8_model(), x, y)
     found = _findings(run, "MP015")
     # The head's inputs come normalised: only the first layer saturates.
     assert [f.layer for f in found] == ["f8/hidden"]
@@ -99,12 +69,12 @@ def test_growing_activations_saturate_the_delayed_scale_mp015(tmp_path):
 
 
 def test_a_wrong_amax_makes_the_e5m2_gradient_underflow_mp016(tmp_path):
-    model = _float8_model()
+    model = float8_model()
     # An amax far beyond the gradients' (as from a reduction over the wrong
     # group) holds the gradient scale up for the whole history.
     hidden = model.get_layer("hidden")
     hidden.outputs_grad_amax_history.assign(np.full(1024, 1e12, np.float32))
-    x, y = _data()
+    x, y = float8_data()
     run = _fit(tmp_path, model, x, y)
     found = _findings(run, "MP016")
     assert [f.layer for f in found] == ["f8/hidden"]
@@ -116,9 +86,9 @@ def test_a_wrong_amax_makes_the_e5m2_gradient_underflow_mp016(tmp_path):
 
 
 def test_a_frozen_float8_layer_never_updates_its_scale_mp017(tmp_path):
-    model = _float8_model()
+    model = float8_model()
     model.get_layer("hidden").trainable = False
-    x, y = _data()
+    x, y = float8_data()
     run = _fit(tmp_path, model, x, y)
     found = _findings(run, "MP017")
     assert [f.layer for f in found] == ["f8/hidden"]
@@ -128,8 +98,8 @@ def test_a_frozen_float8_layer_never_updates_its_scale_mp017(tmp_path):
 
 
 def test_float8_under_mixed_float16_is_recorded(tmp_path):
-    x, y = _data()
-    run = _fit(tmp_path, _float8_model("mixed_float16"), x, y, numerics_every=1)
+    x, y = float8_data()
+    run = _fit(tmp_path, float8_model("mixed_float16"), x, y, numerics_every=1)
     float8 = run.float8
     assert float8.policies == ["float8_from_mixed_float16", "float8_from_float32"]
     assert list(float8.steps) == [2, 4, 6]
@@ -147,8 +117,8 @@ def test_float8_under_mixed_float16_is_recorded(tmp_path):
 
 
 def test_sampled_steps_measure_shares_with_the_scale_each_step_used(tmp_path):
-    x, y = _data()
-    run = _fit(tmp_path, _float8_model(), x, y, numerics_every=1)
+    x, y = float8_data()
+    run = _fit(tmp_path, float8_model(), x, y, numerics_every=1)
     float8 = run.float8
     assert run.context["collectors"]["float8_shares"] == {"state": "ok", "samples": STEPS - 1}
     assert list(float8.sample_steps) == list(range(1, STEPS))
@@ -168,8 +138,8 @@ def test_sampled_steps_measure_shares_with_the_scale_each_step_used(tmp_path):
 
 
 def test_sampled_shares_show_the_saturating_layer_mp015(tmp_path):
-    x, y = _data(growth=4.0)
-    run = _fit(tmp_path, _float8_model(), x, y, numerics_every=1)
+    x, y = float8_data(growth=4.0)
+    run = _fit(tmp_path, float8_model(), x, y, numerics_every=1)
     shares = run.float8.shares
     saturated, peaks = shares["saturated"][1:], shares["peak_over_max"][1:]  # after warm-up
     assert np.all(saturated[:, 0, 0] > 0.5)  # hidden's inputs: most values clip, far
@@ -186,9 +156,9 @@ def test_sampled_shares_show_the_saturating_layer_mp015(tmp_path):
 
 
 def test_sampled_shares_show_the_underflowing_gradient_mp016(tmp_path):
-    model = _float8_model()
+    model = float8_model()
     model.get_layer("hidden").outputs_grad_amax_history.assign(np.full(1024, 1e12, np.float32))
-    x, y = _data()
+    x, y = float8_data()
     run = _fit(tmp_path, model, x, y, numerics_every=1)
     underflowed = run.float8.shares["underflowed"]
     assert np.all(underflowed[:, 0, 2] == 1.0)  # every gradient value of hidden is lost
@@ -251,8 +221,8 @@ def test_a_failing_float8_tap_never_reaches_the_users_step(tmp_path, monkeypatch
         monkeypatch.setattr(float8_shares, "quantization_counts", broken)
     else:
         monkeypatch.setattr(float8_shares.Float8Shares, "_gradient_tap", broken)
-    x, y = _data()
-    baseline, profiled = _float8_model(), _float8_model()
+    x, y = float8_data()
+    baseline, profiled = float8_model(), float8_model()
     profiled.set_weights(baseline.get_weights())
     baseline.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
     baseline.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)

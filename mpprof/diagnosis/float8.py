@@ -120,7 +120,7 @@ def _history_policy(length: int) -> str:
 
 
 @rule("MP015", "warning", "float8 tensor saturates: its delayed scale lags",
-      view="inventory", data="float8")
+      view="float8", data="float8")
 def float8_saturation(view: RunView) -> list:
     """A float8 layer's input, kernel or output gradient saturates: divided by
     the scale in use, its values went beyond the format's max (e4m3: 448,
@@ -194,7 +194,7 @@ def float8_saturation(view: RunView) -> list:
 
 
 @rule("MP016", "warning", "float8 tensor underflows: its scale is too coarse",
-      view="inventory", data="float8")
+      view="float8", data="float8")
 def float8_underflow(view: RunView) -> list:
     """A float8 layer's tensor (typically its output gradient, e5m2) divided by
     the scale in use falls to at most half the format's smallest subnormal,
@@ -262,7 +262,7 @@ def float8_underflow(view: RunView) -> list:
     return findings[:MAX_LAYER_FINDINGS]
 
 
-@rule("MP017", "warning", "float8 scale stale or degenerate", view="inventory", data="float8")
+@rule("MP017", "warning", "float8 scale stale or degenerate", view="float8", data="float8")
 def float8_degenerate_scale(view: RunView) -> list:
     """After more than `WARMUP_STEPS` steps, a float8 layer's tensor has an
     amax history of zeros or a scale still at its initial 1 at every flush
