@@ -211,6 +211,13 @@ class Float8:
     the step quantized with) and "abs_max"; NaN where a tensor was not
     measured. Empty without samples (`numerics_every=None`, or a run
     recorded before mpprof measured them).
+
+    Under a strategy with several `replicas`, `amax_across_replicas` says how
+    the replicas' amax histories relate ("per replica": each keeps its own)
+    and `replica_spread` holds, per flush, layer and tensor, the
+    `schema.FLOAT8_REPLICA_COLUMNS` after "replicas" (least and largest over
+    the replicas of the latest amax and of the history's max); empty with
+    one replica.
     """
 
     layers: list[str]
@@ -224,6 +231,9 @@ class Float8:
     state: dict[str, np.ndarray]
     sample_steps: np.ndarray
     shares: dict[str, np.ndarray]
+    replicas: int
+    amax_across_replicas: str | None
+    replica_spread: dict[str, np.ndarray]
 
 
 @dataclasses.dataclass
@@ -454,7 +464,24 @@ class Run:
             steps=steps,
             state={name: rows[..., i] for i, name in enumerate(schema.FLOAT8_STATE_COLUMNS)},
             **self._float8_shares(layout, shape[:2]),
+            replicas=int(layout.get("replicas") or 1),
+            amax_across_replicas=layout.get("amax_across_replicas"),
+            replica_spread=self._float8_replica_spread(steps, shape[:2]),
         )
+
+    def _float8_replica_spread(self, steps: np.ndarray, cells: tuple[int, int]) -> dict:
+        """`Float8.replica_spread` at the flush `steps` (NaN where not recorded)."""
+        shape = (*cells, len(schema.FLOAT8_REPLICA_COLUMNS))
+        by_step = {
+            found.step: np.asarray(found.value)
+            for found in self.records.get(schema.FLOAT8_REPLICAS, [])
+            if np.shape(found.value) == shape
+        }
+        if not by_step:
+            return {}
+        rows = np.stack([by_step.get(int(step), np.full(shape, np.nan)) for step in steps])
+        return {name: rows[..., i] for i, name in enumerate(schema.FLOAT8_REPLICA_COLUMNS)
+                if name != "replicas"}
 
     def _float8_shares(self, layout: dict, cells: tuple[int, int]) -> dict:
         """`Float8.sample_steps` and `Float8.shares` from the FLOAT8_SHARES records."""

@@ -67,7 +67,8 @@ NUMERICS_UNSCALED_GRADIENTS = "numerics/unscaled_gradients"
 HEALTH = "health"
 # One JSON object: {"layers": [{"name", "policy", "amax_history_length"}],
 #  "tensors": FLOAT8_TENSORS, "formats": {tensor: format}, "format_max":
-#  {format: largest finite}, "format_min_subnormal": {format: smallest positive}}:
+#  {format: largest finite}, "format_min_subnormal": {format: smallest positive},
+#  "replicas": n, "amax_across_replicas": None | "per replica" | "mean" | ...}:
 # the model's float8 layers, in the order of FLOAT8_STATE's rows.
 FLOAT8_LAYOUT = "float8/layout"
 # float64 [layers, len(FLOAT8_TENSORS), len(FLOAT8_STATE_COLUMNS)] at each flush.
@@ -75,13 +76,16 @@ FLOAT8_STATE = "float8/state"
 # float64 [layers, len(FLOAT8_TENSORS), len(FLOAT8_SHARE_COLUMNS)] at each
 # sampled step (the numerics schedule's), rows as FLOAT8_LAYOUT orders them.
 FLOAT8_SHARES = "float8/shares"
+# float64 [layers, len(FLOAT8_TENSORS), len(FLOAT8_REPLICA_COLUMNS)] at each
+# flush, under a distribution strategy with several replicas only.
+FLOAT8_REPLICAS = "float8/replicas"
 
 RECORDS = (
     RUN_CONTEXT, INVENTORY, LOSS_SCALE_EVENTS, LOSS_SCALE_PROGRESS,
     GPU_SAMPLES, KERNEL_STATS, NUMERICS_LAYOUT, NUMERICS_STEP, NUMERICS_FORWARD,
     NUMERICS_BACKWARD, NUMERICS_FORWARD_HIST, NUMERICS_BACKWARD_HIST,
     NUMERICS_GRADIENTS, NUMERICS_UNSCALED_GRADIENTS, HEALTH, FLOAT8_LAYOUT, FLOAT8_STATE,
-    FLOAT8_SHARES,
+    FLOAT8_SHARES, FLOAT8_REPLICAS,
 )
 
 # Records a run may hold several named series of (see `tag_for`).
@@ -158,6 +162,13 @@ FLOAT8_STATE_COLUMNS = (
 FLOAT8_SHARE_COLUMNS = ("count", "nonzero", "saturated", "underflowed", "scale", "abs_max")
 # The columns of FLOAT8_SHARES that add up (the rest take the maximum).
 FLOAT8_SHARE_COUNT_COLUMNS = ("count", "nonzero", "saturated", "underflowed")
+# Columns of FLOAT8_REPLICAS, per layer and tensor: how many replicas, and the
+# least and largest over them of the latest amax and of the amax history's
+# max (which sets the scale). Keras keeps one amax history per replica (see
+# `mpprof.collectors.float8`): far apart, the replicas quantize differently.
+FLOAT8_REPLICA_COLUMNS = (
+    "replicas", "amax_last_min", "amax_last_max", "amax_max_min", "amax_max_max",
+)
 
 
 class Columns:
@@ -179,6 +190,7 @@ NUMERICS_STEP_COLUMN = Columns(NUMERICS_STEP_COLUMNS)
 GPU_SAMPLE_COLUMN = Columns(GPU_SAMPLE_COLUMNS)
 FLOAT8_STATE_COLUMN = Columns(FLOAT8_STATE_COLUMNS)
 FLOAT8_SHARE_COLUMN = Columns(FLOAT8_SHARE_COLUMNS)
+FLOAT8_REPLICA_COLUMN = Columns(FLOAT8_REPLICA_COLUMNS)
 
 # Values of the "kind" column of LOSS_SCALE_EVENTS.
 EVENT_OVERFLOW = 0.0  # non-finite gradients: step skipped, scale halved

@@ -2,6 +2,11 @@
 recorded, read back as `Run.float8`, and judged (MP015-MP017), on real CPU
 training of tiny `model.quantize("float8")` models."""
 
+import json
+import os
+import subprocess
+import sys
+
 import keras
 import ml_dtypes
 import numpy as np
@@ -13,6 +18,7 @@ from mpprof.collectors import float8_shares
 from mpprof.reader import read_run
 
 FLOAT8_CODES = ("MP015", "MP016", "MP017")
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def _fit(tmp_path, model, x, y, numerics_every=500):
@@ -236,3 +242,33 @@ def test_a_failing_float8_tap_never_reaches_the_users_step(tmp_path, monkeypatch
     for layer in (profiled.get_layer("hidden"), profiled.get_layer("head")):
         assert "quantized_call" not in vars(layer)
         assert layer.activation in (keras.activations.relu, keras.activations.linear)
+
+
+def test_replicas_keep_their_own_amax_and_mp017_says_when_they_differ(tmp_path):
+    """MirroredStrategy on two logical CPUs: Keras reduces no amax across
+    replicas; each replica's shard sets its own scale."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(TESTS, "float8_mirrored_fit.py"), str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=False, cwd=TESTS,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    apart, alike = found["apart"], found["alike"]
+    for run in (apart, alike):
+        assert run["context"] == {"state": "ok", "replicas": 2,
+                                  "amax_across_replicas": "per replica"}
+        # What mpprof recorded is what each replica's own history holds.
+        assert sorted(run["replica_amax_max"]) == pytest.approx(
+            sorted(run["keras_replica_amax_max"]), rel=1e-6)
+        # The sampled shares are measured on both replicas.
+        assert run["shares"] == {"state": "ok", "samples": 2}
+    # The first replica's inputs are 10x the second's: so are its amax and scale.
+    least, most = apart["replica_amax_max"]
+    assert most / least > diagnosis.REPLICA_AMAX_TOLERANCE
+    assert [f["layer"] for f in apart["mp017"]] == ["f8/hidden"]
+    inputs = apart["mp017"][0]["evidence"]["tensors"]["inputs"]
+    assert inputs["replica_amax_ratio"] == pytest.approx(most / least)
+    assert "replicas' amax differ" in inputs["problem"]
+    # A healthy look-alike: the same shard on both replicas, the same amax.
+    assert alike["replica_amax_max"][0] == alike["replica_amax_max"][1]
+    assert alike["mp017"] == []

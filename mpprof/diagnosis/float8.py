@@ -40,6 +40,10 @@ SATURATION_SHARE = 0.01
 # MP016 with samples: the share of a tensor's non-zero values that quantize
 # to zero that counts as underflowing.
 FLOAT8_UNDERFLOW_SHARE = 0.10
+# MP017: replicas whose amax history maxima (which set their scales) differ by
+# more than this factor quantize the same tensor one binade or more apart.
+# Shards of one shuffled batch differ by far less.
+REPLICA_AMAX_TOLERANCE = 2.0
 
 _FORMAT_NAMES = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 
@@ -267,13 +271,17 @@ def float8_degenerate_scale(view: RunView) -> list:
     """After more than `WARMUP_STEPS` steps, a float8 layer's tensor has an
     amax history of zeros or a scale still at its initial 1 at every flush
     (its delayed scaling never ran: a frozen layer, or an all-zero tensor),
-    or a scale that is not a positive finite number."""
+    or a scale that is not a positive finite number; or, under a
+    distribution strategy whose replicas keep their own amax history (Keras
+    3 reduces none), the replicas' amax history maxima differ by more than
+    `REPLICA_AMAX_TOLERANCE` times at the last flush."""
     float8 = _require_float8(view)
     steps_run = np.nan_to_num(float8.state["steps"]).sum(axis=0)
     scales = float8.state["scale"]
+    spread = float8.replica_spread
     findings = []
     for li, layer in enumerate(float8.layers):
-        problems = {}
+        problems, replicas_apart = {}, {}
         for ti, tensor in enumerate(float8.tensors):
             column = scales[:, li, ti]
             valid = np.isfinite(column) & (column > 0)
@@ -285,6 +293,16 @@ def float8_degenerate_scale(view: RunView) -> list:
                 problems[tensor] = "amax history of zeros"
             elif np.all(column == 1.0):
                 problems[tensor] = "scale never moved from its initial 1"
+            elif spread:
+                least = spread["amax_max_min"][-1, li, ti]
+                most = spread["amax_max_max"][-1, li, ti]
+                ratio = most / least if least > 0 else (np.inf if most > 0 else 1.0)
+                if ratio > REPLICA_AMAX_TOLERANCE:
+                    replicas_apart[tensor] = (float(least), float(most), float(ratio))
+                    problems[tensor] = (
+                        f"the {float8.replicas} replicas' amax differ {ratio:.3g}x "
+                        f"({least:.3g} to {most:.3g}, kept {float8.amax_across_replicas})"
+                    )
         if not problems:
             continue
         evidence = {
@@ -294,12 +312,19 @@ def float8_degenerate_scale(view: RunView) -> list:
                     "scale": float(scales[-1, li, float8.tensors.index(name)]),
                     "amax_history_max": float(
                         float8.state["amax_max"][-1, li, float8.tensors.index(name)]),
+                    **({"replica_amax_max_least": replicas_apart[name][0],
+                        "replica_amax_max_largest": replicas_apart[name][1],
+                        "replica_amax_ratio": replicas_apart[name][2]}
+                       if name in replicas_apart else {}),
                 }
                 for name, text in problems.items()
             },
             "steps_run": int(steps_run[li].max()),
         }
-        fix = (
+        if replicas_apart:
+            evidence.update(replicas=float8.replicas,
+                            amax_across_replicas=float8.amax_across_replicas)
+        stale = (
             "Keras updates a float8 layer's scales and amax histories through the "
             "gradient of its scale variables; a frozen layer (layer.trainable = False) "
             "or a tensor that is always zero never updates them, and the layer quantizes "
@@ -308,6 +333,17 @@ def float8_degenerate_scale(view: RunView) -> list:
             + "A scale that is not positive and finite was set by hand or corrupted: "
             "rebuild the layer's float8 variables (quantize a fresh layer)."
         )
+        apart = (
+            "Keras keeps one amax history per replica and reduces none across them, so "
+            "each replica quantizes with the scale of its own shard of the batch (and a "
+            "checkpoint saves the first replica's). Shuffle the data so that every shard "
+            "looks alike (model.fit(..., shuffle=True), or dataset.shuffle(...)), "
+            "normalise the layer's inputs (a LayerNormalization before it), or keep it "
+            "unquantized: " + _quantize_others(layer)
+        )
+        fix = "\n".join(text for text, wanted in (
+            (stale, len(problems) > len(replicas_apart)), (apart, bool(replicas_apart)))
+            if wanted)
         title = (
             f"float8 scale degenerate in {layer!r}: "
             + "; ".join(f"{t}: {p}" for t, p in problems.items())
