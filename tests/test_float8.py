@@ -11,6 +11,7 @@ import keras
 import ml_dtypes
 import numpy as np
 import pytest
+import tensorflow as tf
 from float8_runs import BATCH, STEPS, fit_float8, float8_data, float8_model
 
 from mpprof import diagnosis, dtypes, schema, validation
@@ -204,6 +205,34 @@ def test_float8_format_ranges_are_ml_dtypes():
         assert (found.max, found.smallest_normal, found.smallest_subnormal) == (
             float(info.max), float(info.smallest_normal), float(info.smallest_subnormal))
     assert set(schema.FLOAT8_FORMATS.values()) <= set(dtypes.FLOAT8_RANGES)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_quantization_counts_agree_with_keras_own_quantizer(dtype, fmt):
+    """What `keras.quantizers.quantize_and_dequantize` clips and zeroes is
+    what the in-graph counts say, ties at half the smallest subnormal and
+    values at the max included."""
+    scale = 0.375
+    limits = dtypes.FLOAT8_RANGES[fmt]
+    rng = np.random.default_rng(1)
+    magnitudes = 2.0 ** rng.uniform(-30, 15, 4000)  # finite in float16 too
+    edges = np.array([limits.smallest_subnormal / 2, limits.smallest_subnormal * 0.51,
+                      limits.max, limits.max * 1.01, 0.0]) * scale
+    values = np.concatenate([magnitudes * rng.choice([-1, 1], 4000), edges]).astype(dtype)
+    quantized = keras.quantizers.quantize_and_dequantize(
+        tf.constant(values), tf.constant(scale), fmt, dtype).numpy()
+    counts = float8_shares.quantization_counts(tf.constant(values), tf.constant(scale),
+                                               fmt).numpy()
+    column = schema.FLOAT8_SHARE_COLUMN
+    clipped = np.isclose(np.abs(quantized), limits.max * scale, rtol=1e-3) & (
+        np.abs(values) > np.abs(quantized))
+    assert counts[column.count] == len(values)
+    assert counts[column.nonzero] == np.count_nonzero(values)
+    assert counts[column.saturated] == clipped.sum() > 0
+    assert counts[column.underflowed] == ((values != 0) & (quantized == 0)).sum() > 0
+    assert counts[column.scale] == scale
+    assert counts[column.abs_max] == pytest.approx(np.abs(values).max(), rel=1e-6)
 
 
 def test_float8_shares_that_count_more_than_there_is_are_refused():
