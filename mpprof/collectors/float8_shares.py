@@ -3,11 +3,11 @@
 On the steps the numerics schedule samples, each float8 layer's three
 quantized tensors are measured as Keras quantizes them
 (`keras.quantizers.quantize_and_dequantize`: `x / scale` in the compute
-dtype, clipped to the format's max, cast to float8), with the scale the step
-quantizes with:
+dtype, clipped to the format's max, cast to float8, rounding to nearest
+even), with the scale the step quantizes with:
 
-- inputs (e4m3): the `inputs` its `call` receives (already in the compute
-  dtype), with `inputs_scale`;
+- inputs (e4m3): the `inputs` its `quantized_call` receives (already in the
+  compute dtype), with `inputs_scale`;
 - kernel (e4m3): the kernel, with `kernel_scale`;
 - output gradient (e5m2): the gradient flowing into the layer's activation,
   with `outputs_grad_scale`. Keras quantizes the gradient of the matmul's
@@ -135,12 +135,11 @@ class Float8Shares(Collector):
         def measured_quantized_call(*args, **kwargs):
             if not self.instrumenting or not self._ok():
                 return quantized_call(*args, **kwargs)
-            inputs = args[0] if args else kwargs["inputs"]
             self.traced(lambda: self._record(row, [
-                ("inputs", inputs, layer.inputs_scale),
+                ("inputs", args[0] if args else kwargs["inputs"], layer.inputs_scale),
                 ("kernel", tf.cast(layer._kernel, layer.compute_dtype), layer.kernel_scale),
             ]))
-            activation = layer.activation
+            activation = getattr(layer, "activation", None)
             if not callable(activation):
                 # No activation to wrap: the output is the matmul's (plus the bias).
                 outputs = quantized_call(*args, **kwargs)
