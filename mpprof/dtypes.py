@@ -1,8 +1,8 @@
 """The floating-point dtypes of mixed precision and what hardware does with them.
 
-Defined once here: each dtype's range, which dtypes are half precision, the
-GEMM dimension multiple Tensor Cores want and the compute capabilities that
-bring fast float16 and bfloat16. The collectors, the diagnosis and the
+Defined once here: each dtype's range (float8 formats included), which dtypes
+are half precision, the GEMM dimension multiple Tensor Cores want and the
+compute capabilities that bring fast float16 and bfloat16. The collectors, the diagnosis and the
 front ends import them.
 """
 
@@ -66,6 +66,16 @@ DTYPE_RANGES = (
 # Largest finite value of each float dtype: the limit a tensor is judged by
 # comes from the dtype it was computed in.
 DTYPE_MAX = {d.name: d.max for d in DTYPE_RANGES}
+
+# The float8 formats Keras' float8 layers quantize to (the names are
+# ml_dtypes'): e4m3fn (4 exponent bits, no infinities) for inputs and kernels,
+# e5m2 for gradients. Keras clips x / scale to the max, so a larger value
+# saturates; a non-zero value at most half the smallest subnormal rounds to
+# zero (round to nearest even).
+FLOAT8_RANGES = {
+    "float8_e4m3fn": DtypeRange("float8_e4m3fn", 448.0, 2.0**-6, 2.0**-9),
+    "float8_e5m2": DtypeRange("float8_e5m2", 57344.0, 2.0**-14, 2.0**-16),
+}
 
 
 def has_fp16_tensor_cores(compute_capability) -> bool | None:

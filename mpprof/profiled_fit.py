@@ -20,6 +20,7 @@ from mpprof import schema, tf_keras_support
 from mpprof.collectors import kernels as kernel_collector
 from mpprof.collectors.base import Collector
 from mpprof.collectors.float8 import Float8State
+from mpprof.collectors.float8_shares import Float8Shares
 from mpprof.collectors.host import HostRecorder
 from mpprof.collectors.inventory import Inventory
 from mpprof.collectors.loss_scales import LossScales
@@ -179,9 +180,10 @@ class ProfiledFit:
         self._host = HostRecorder(profiler.gpu_interval, window, profiler, api)
         self._replay = ReplayCapture(profiler.replay_budget, api, self._loss_scales,
                                      self._health, lambda: self._numerics.instrumenting)
+        self._float8_shares = Float8Shares(model, profiler.numerics_every is not None)
         return [
             self._inventory, self._loss_scales, self._health, self._numerics, self._host,
-            Float8State(model, self._loss_scales), self._replay,
+            Float8State(model, self._loss_scales), self._float8_shares, self._replay,
         ]
 
     # The Keras hooks the callback passes on.
@@ -212,6 +214,8 @@ class ProfiledFit:
         fit.forensic = self._schedule.sampled() if sampling else False
         fit.sample_step = self._measured_step() if sampling else None
         numerics.instrument(sampling)
+        shares = self._float8_shares
+        self._guard.run(shares.name, shares.instrument, sampling)
         try:
             logs = self._functions.run(
                 iterator, sampling, on_abort=self._abort,
@@ -219,6 +223,7 @@ class ProfiledFit:
             )
         finally:
             numerics.instrument(False)
+            shares.instrument(False)
         fit.reported_skips = logs.pop(_SKIPPED_LOG, None) if isinstance(logs, dict) else None
         fit.replay_outputs = logs.pop(_REPLAY_LOG, None) if isinstance(logs, dict) else None
         self._guard.run("profiler", self._after_call, fit)

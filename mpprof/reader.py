@@ -181,9 +181,7 @@ class Run:
     def float8(self) -> Float8 | None:
         """The float8 layers' scales and amax; None for a run without float8
         layers (or recorded before mpprof recorded them)."""
-        return record_views.float8(
-            self.latest(schema.FLOAT8_LAYOUT), self.records.get(schema.FLOAT8_STATE, [])
-        )
+        return record_views.float8(self.latest(schema.FLOAT8_LAYOUT), self.records)
 
     @functools.cached_property
     def gpu(self) -> Gpu | None:

@@ -67,17 +67,25 @@ NUMERICS_UNSCALED_GRADIENTS = "numerics/unscaled_gradients"
 HEALTH = "health"
 # One JSON object: {"layers": [{"name", "policy", "amax_history_length"}],
 #  "tensors": FLOAT8_TENSORS, "formats": {tensor: format}, "format_max":
-#  {format: largest finite}, "format_min_subnormal": {format: smallest positive}}:
+#  {format: largest finite}, "format_min_subnormal": {format: smallest positive},
+#  "replicas": n, "amax_across_replicas": None | "per replica" | "mean" | ...}:
 # the model's float8 layers, in the order of FLOAT8_STATE's rows.
 FLOAT8_LAYOUT = "float8/layout"
 # float64 [layers, len(FLOAT8_TENSORS), len(FLOAT8_STATE_COLUMNS)] at each flush.
 FLOAT8_STATE = "float8/state"
+# float64 [layers, len(FLOAT8_TENSORS), len(FLOAT8_SHARE_COLUMNS)] at each
+# sampled step (the numerics schedule's), rows as FLOAT8_LAYOUT orders them.
+FLOAT8_SHARES = "float8/shares"
+# float64 [layers, len(FLOAT8_TENSORS), len(FLOAT8_REPLICA_COLUMNS)] at each
+# flush, under a distribution strategy with several replicas only.
+FLOAT8_REPLICAS = "float8/replicas"
 
 RECORDS = (
     RUN_CONTEXT, INVENTORY, LOSS_SCALE_EVENTS, LOSS_SCALE_PROGRESS,
     GPU_SAMPLES, KERNEL_STATS, NUMERICS_LAYOUT, NUMERICS_STEP, NUMERICS_FORWARD,
     NUMERICS_BACKWARD, NUMERICS_FORWARD_HIST, NUMERICS_BACKWARD_HIST,
     NUMERICS_GRADIENTS, NUMERICS_UNSCALED_GRADIENTS, HEALTH, FLOAT8_LAYOUT, FLOAT8_STATE,
+    FLOAT8_SHARES, FLOAT8_REPLICAS,
 )
 
 # Records a run may hold several named series of (see `tag_for`).
@@ -139,10 +147,27 @@ FLOAT8_FORMATS = {"inputs": "float8_e4m3fn", "kernel": "float8_e4m3fn",
 # divided by the scale was at most half the format's smallest subnormal (every
 # value quantized to zero); "warmup_steps" those quantized with a scale no amax
 # had set yet (the history held only zeros). Shares of individual values are
-# not measured: the step's amax is all Keras keeps.
+# FLOAT8_SHARES', on sampled steps.
 FLOAT8_STATE_COLUMNS = (
     "scale", "amax_max", "amax_last", "steps", "saturated_steps", "peak_over_max",
     "underflowed_steps", "warmup_steps",
+)
+# Columns of FLOAT8_SHARES, per layer and tensor, measured in the sampled
+# step on the very tensor Keras quantizes, with the scale it quantizes with:
+# "count" values, "nonzero" of them non-zero, "saturated" those with
+# |x| / scale beyond the format's max (Keras clips them), "underflowed" the
+# non-zero ones that quantize to zero; summed over the step's calls of the
+# layer (and its replicas). "scale" is the scale used and "abs_max" the
+# tensor's largest finite magnitude, both the largest over those calls.
+FLOAT8_SHARE_COLUMNS = ("count", "nonzero", "saturated", "underflowed", "scale", "abs_max")
+# The columns of FLOAT8_SHARES that add up (the rest take the maximum).
+FLOAT8_SHARE_COUNT_COLUMNS = ("count", "nonzero", "saturated", "underflowed")
+# Columns of FLOAT8_REPLICAS, per layer and tensor: how many replicas, and the
+# least and largest over them of the latest amax and of the amax history's
+# max (which sets the scale). Keras keeps one amax history per replica (see
+# `mpprof.collectors.float8`): far apart, the replicas quantize differently.
+FLOAT8_REPLICA_COLUMNS = (
+    "replicas", "amax_last_min", "amax_last_max", "amax_max_min", "amax_max_max",
 )
 
 
@@ -164,6 +189,8 @@ LOSS_SCALE_PROGRESS_COLUMN = Columns(LOSS_SCALE_PROGRESS_COLUMNS)
 NUMERICS_STEP_COLUMN = Columns(NUMERICS_STEP_COLUMNS)
 GPU_SAMPLE_COLUMN = Columns(GPU_SAMPLE_COLUMNS)
 FLOAT8_STATE_COLUMN = Columns(FLOAT8_STATE_COLUMNS)
+FLOAT8_SHARE_COLUMN = Columns(FLOAT8_SHARE_COLUMNS)
+FLOAT8_REPLICA_COLUMN = Columns(FLOAT8_REPLICA_COLUMNS)
 
 # Values of the "kind" column of LOSS_SCALE_EVENTS.
 EVENT_OVERFLOW = 0.0  # non-finite gradients: step skipped, scale halved

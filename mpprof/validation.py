@@ -258,6 +258,8 @@ _FLOAT8_LAYOUT = _typed(
     formats=_dict_of(_TEXT),
     format_max=_dict_of(_NUMBER),
     format_min_subnormal=_dict_of(_NUMBER),
+    replicas=_count,
+    amax_across_replicas=_TEXT,
 )
 
 _JSON_RECORDS: dict[str, Check] = {
@@ -351,6 +353,30 @@ def _float8_state(rows: np.ndarray) -> str | None:
     )
 
 
+def _float8_shares(rows: np.ndarray) -> str | None:
+    column = schema.FLOAT8_SHARE_COLUMN
+    counts = rows[:, : len(schema.FLOAT8_SHARE_COUNT_COLUMNS)]
+    more = (rows[:, column.nonzero] > rows[:, column.count]) | (
+        rows[:, column.saturated] > rows[:, column.count]) | (
+        rows[:, column.underflowed] > rows[:, column.nonzero])
+    scales = rows[:, column.scale]
+    return _first(
+        _counts(counts),
+        "counts more non-zero, saturated or underflowed values than values" if more.any()
+        else None,
+        None if np.all(scales >= 0) else f"has float8 scale {scales[~(scales >= 0)][0]!r}",
+        _counts(rows[:, column.abs_max]),
+    )
+
+
+def _float8_replicas(rows: np.ndarray) -> str | None:
+    column = schema.FLOAT8_REPLICA_COLUMN
+    return _first(
+        _steps(rows[:, column.replicas], "replicas"),
+        _counts(rows[:, column.amax_last_min:]),
+    )
+
+
 _STATS = (len(schema.NUMERICS_STAT_COLUMNS), _numerics_stats)
 # A histogram has a bin per gap between the layout's edges, plus two open
 # ends: `Run.numerics` matches its width against the layout.
@@ -369,4 +395,6 @@ _ARRAY_RECORDS: dict[str, tuple[int | None, Callable[[np.ndarray], str | None]]]
     schema.NUMERICS_FORWARD_HIST: _HISTOGRAM,
     schema.NUMERICS_BACKWARD_HIST: _HISTOGRAM,
     schema.FLOAT8_STATE: (len(schema.FLOAT8_STATE_COLUMNS), _float8_state),
+    schema.FLOAT8_SHARES: (len(schema.FLOAT8_SHARE_COLUMNS), _float8_shares),
+    schema.FLOAT8_REPLICAS: (len(schema.FLOAT8_REPLICA_COLUMNS), _float8_replicas),
 }

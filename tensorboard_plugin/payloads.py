@@ -14,7 +14,7 @@ import math
 import numpy as np
 from tensorboard import errors
 
-from mpprof import diagnosis, downsample, headroom, reader
+from mpprof import diagnosis, downsample, float8_view, headroom, reader
 from mpprof.jsonsafe import json_floats, json_safe
 from mpprof.replay import files as replay_files
 from mpprof.replay import text as replay_text
@@ -307,6 +307,52 @@ def _layer_index(numerics: reader.Numerics, layer: str, run_name: str) -> int:
     if layer not in layers:
         raise errors.NotFoundError(f"No layer {layer!r} in the numerics of run {run_name!r}")
     return layers.index(layer)
+
+
+def float8_payload(run: reader.Run, layer: str | None, rows: int, columns: int,
+                   points: int) -> dict:
+    """The float8 view: saturation and underflow shares (float8 layer and
+    tensor x sampled step, merged to at most `rows` x `columns`, each cell the
+    worst it covers) and one layer's scales and amax over the flushes (the
+    first layer unless `layer` names one)."""
+    float8 = run.float8
+    if float8 is None:
+        return not_available(
+            "no float8 layers in this run (model.quantize('float8') makes Dense and "
+            "EinsumDense layers train in float8)"
+        )
+    index = 0
+    if layer is not None:
+        if layer not in float8.layers:
+            raise errors.NotFoundError(f"No float8 layer {layer!r} in run {run.name!r}")
+        index = float8.layers.index(layer)
+    maps = float8_view.share_maps(float8, rows, columns)
+    series = float8_view.layer_series(float8, index, points)
+    return {
+        "available": True,
+        "layers": list(float8.layers),
+        "policies": list(float8.policies),
+        "tensors": list(float8.tensors),
+        "formats": {t: float8_view.FORMAT_NAMES.get(f, f) for t, f in float8.formats.items()},
+        # Per tensor: the largest value of its format.
+        "format_max": _null_nonfinite(
+            {t: float8.format_max.get(f, math.nan) for t, f in float8.formats.items()}),
+        "shares": {
+            "rows": maps.rows,
+            "row_layers": maps.row_layers,
+            "column_steps": maps.column_steps,
+            "values": {name: json_floats(v, decimals=5) for name, v in maps.values.items()},
+            "samples_total": maps.samples_total,
+        },
+        "layer": float8.layers[index],
+        "history": {
+            "steps": series["steps"],
+            "tensors": {
+                tensor: {name: json_floats(values) for name, values in lines.items()}
+                for tensor, lines in series["tensors"].items()
+            },
+        },
+    }
 
 
 def gpu_payload(run: reader.Run, points: int) -> dict:

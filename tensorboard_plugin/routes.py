@@ -38,7 +38,8 @@ def plotly_js_path() -> importlib.resources.abc.Traversable:
 
 
 class MpprofPlugin(base_plugin.TBPlugin):
-    """The "mpprof" tab: findings, precision inventory, loss scale, numerics, GPU."""
+    """The "mpprof" tab: findings, precision inventory, loss scale, numerics,
+    histograms, GPU, float8."""
 
     plugin_name = metadata.PLUGIN_NAME
 
@@ -69,6 +70,7 @@ class MpprofPlugin(base_plugin.TBPlugin):
             "/layer_history": self._run_route(self._layer_history),
             "/histogram": self._run_route(self._histogram),
             "/gpu": self._run_route(self._gpu),
+            "/float8": self._run_route(self._float8),
         }
 
     def is_active(self) -> bool:
@@ -148,6 +150,19 @@ class MpprofPlugin(base_plugin.TBPlugin):
     def _gpu(args):
         points = _int_arg(args, "points", metadata.DEFAULT_POINTS, 2, metadata.MAX_POINTS)
         return ("gpu", points), lambda r: payloads.gpu_payload(r, points)
+
+    @staticmethod
+    def _float8(args):
+        layer = args.get("layer") or None
+        rows = _int_arg(args, "rows", metadata.DEFAULT_HEATMAP_ROWS, 1, metadata.MAX_POINTS)
+        columns = _int_arg(
+            args, "columns", metadata.DEFAULT_HEATMAP_COLUMNS, 1, metadata.MAX_POINTS
+        )
+        points = _int_arg(args, "points", metadata.DEFAULT_POINTS, 2, metadata.MAX_POINTS)
+        return (
+            ("float8", layer, rows, columns, points),
+            lambda r: payloads.float8_payload(r, layer, rows, columns, points),
+        )
 
     def _run_route(self, handler: Callable, diagnosed: bool = False) -> Callable:
         """A JSON route about the run named by the `run` query parameter.

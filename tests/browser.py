@@ -82,37 +82,13 @@ class PageLoad:
     screenshot: pathlib.Path | None
 
 
-def chromium_path() -> str | None:
-    """The Chromium executable, from $CHROMIUM or the PATH, or None."""
-    explicit = os.environ.get("CHROMIUM")
-    if explicit:
-        return explicit if shutil.which(explicit) else None
-    return next(
-        (shutil.which(name) for name in _CANDIDATES if shutil.which(name)), None
-    )
-
-
-def require_chromium() -> str:
-    """The Chromium executable; skips the test without one (fails in CI)."""
-    path = chromium_path()
-    if path is None:
-        reason = (
-            "headless Chromium not found (install Debian's `chromium` package, or "
-            "set CHROMIUM=/path/to/chrome)"
-        )
-        if os.environ.get("MPPROF_REQUIRE_BROWSER") == "1":
-            pytest.fail(f"MPPROF_REQUIRE_BROWSER=1 but {reason}")
-        pytest.skip(reason)
-    return path
-
-
 _SERVING = re.compile(r"TensorBoard \S+ at (http://127\.0\.0\.1:\d+/)")
 
 
 @contextlib.contextmanager
 def serve_tensorboard(logdir) -> Iterator[str]:
-    """`tensorboard --logdir LOGDIR` on 127.0.0.1 and a free port, while the
-    block runs; yields its base URL."""
+    """`tensorboard --logdir LOGDIR` on 127.0.0.1 and a free port, with the
+    installed plugin; yields its base URL and stops it on exit."""
     tensorboard = pathlib.Path(sys.executable).with_name("tensorboard")
     process = subprocess.Popen(
         [str(tensorboard), "--logdir", str(logdir), "--port", "0", "--host", "127.0.0.1"],
@@ -144,6 +120,30 @@ def serve_tensorboard(logdir) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def chromium_path() -> str | None:
+    """The Chromium executable, from $CHROMIUM or the PATH, or None."""
+    explicit = os.environ.get("CHROMIUM")
+    if explicit:
+        return explicit if shutil.which(explicit) else None
+    return next(
+        (shutil.which(name) for name in _CANDIDATES if shutil.which(name)), None
+    )
+
+
+def require_chromium() -> str:
+    """The Chromium executable; skips the test without one (fails in CI)."""
+    path = chromium_path()
+    if path is None:
+        reason = (
+            "headless Chromium not found (install Debian's `chromium` package, or "
+            "set CHROMIUM=/path/to/chrome)"
+        )
+        if os.environ.get("MPPROF_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"MPPROF_REQUIRE_BROWSER=1 but {reason}")
+        pytest.skip(reason)
+    return path
 
 
 def load_page(

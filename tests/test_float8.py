@@ -2,46 +2,28 @@
 recorded, read back as `Run.float8`, and judged (MP015-MP017), on real CPU
 training of tiny `model.quantize("float8")` models."""
 
+import json
+import os
+import subprocess
+import sys
+
 import keras
+import ml_dtypes
 import numpy as np
 import pytest
+import tensorflow as tf
+from float8_runs import BATCH, STEPS, fit_float8, float8_data, float8_model
 
-import mpprof
-from mpprof import diagnosis, schema, validation
+from mpprof import diagnosis, dtypes, schema, validation
+from mpprof.collectors import float8_shares
 from mpprof.reader import read_run
 
-BATCH = 8
-STEPS = 6
 FLOAT8_CODES = ("MP015", "MP016", "MP017")
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-def _float8_model(policy: str = "float32") -> keras.Model:
-    """Dense -> LayerNormalization -> Dense, both Dense layers in float8; the
-    normalisation keeps the head's inputs steady whatever the first layer sees."""
-    keras.mixed_precision.set_dtype_policy(policy)
-    model = keras.Sequential([
-        keras.layers.Input((8,)),
-        keras.layers.Dense(16, activation="relu", name="hidden"),
-        keras.layers.LayerNormalization(name="norm"),
-        keras.layers.Dense(1, name="head", dtype="float32" if policy != "float32" else None),
-    ], name="f8")
-    model.quantize("float8", filters=lambda layer: isinstance(layer, keras.layers.Dense))
-    return model
-
-
-def _data(growth: float = 1.0):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(BATCH * STEPS, 8)).astype(np.float32)
-    x *= (growth ** np.repeat(np.arange(STEPS), BATCH))[:, None].astype(np.float32)
-    return x, rng.normal(size=(BATCH * STEPS, 1)).astype(np.float32)
-
-
-def _fit(tmp_path, model, x, y):
-    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-              callbacks=[mpprof.MixedPrecisionProfiler(log_dir=str(tmp_path),
-                                                       flush_every_steps=2)])
-    keras.mixed_precision.set_dtype_policy("float32")
+def _fit(tmp_path, model, x, y, numerics_every=500):
+    fit_float8(tmp_path, model, x, y, numerics_every)
     return read_run(tmp_path, "train")
 
 
@@ -50,8 +32,8 @@ def _findings(run, code):
 
 
 def test_a_healthy_float8_run_is_recorded_as_keras_scales_it_and_not_flagged(tmp_path):
-    x, y = _data()
-    run = _fit(tmp_path, _float8_model(), x, y)
+    x, y = float8_data()
+    run = _fit(tmp_path, float8_model(), x, y)
     float8 = run.float8
     assert run.context["collectors"]["float8"] == {"state": "ok"}
     assert float8.layers == ["f8/hidden", "f8/head"]
@@ -80,8 +62,8 @@ def test_a_healthy_float8_run_is_recorded_as_keras_scales_it_and_not_flagged(tmp
 
 
 def test_growing_activations_saturate_the_delayed_scale_mp015(tmp_path):
-    x, y = _data(growth=4.0)
-    run = _fit(tmp_path, _float8_model(), x, y)
+    x, y = float8_data(growth=4.0)
+    run = _fit(tmp_path, float8_model(), x, y)
     found = _findings(run, "MP015")
     # The head's inputs come normalised: only the first layer saturates.
     assert [f.layer for f in found] == ["f8/hidden"]
@@ -94,12 +76,12 @@ def test_growing_activations_saturate_the_delayed_scale_mp015(tmp_path):
 
 
 def test_a_wrong_amax_makes_the_e5m2_gradient_underflow_mp016(tmp_path):
-    model = _float8_model()
+    model = float8_model()
     # An amax far beyond the gradients' (as from a reduction over the wrong
     # group) holds the gradient scale up for the whole history.
     hidden = model.get_layer("hidden")
     hidden.outputs_grad_amax_history.assign(np.full(1024, 1e12, np.float32))
-    x, y = _data()
+    x, y = float8_data()
     run = _fit(tmp_path, model, x, y)
     found = _findings(run, "MP016")
     assert [f.layer for f in found] == ["f8/hidden"]
@@ -111,9 +93,9 @@ def test_a_wrong_amax_makes_the_e5m2_gradient_underflow_mp016(tmp_path):
 
 
 def test_a_frozen_float8_layer_never_updates_its_scale_mp017(tmp_path):
-    model = _float8_model()
+    model = float8_model()
     model.get_layer("hidden").trainable = False
-    x, y = _data()
+    x, y = float8_data()
     run = _fit(tmp_path, model, x, y)
     found = _findings(run, "MP017")
     assert [f.layer for f in found] == ["f8/hidden"]
@@ -123,8 +105,8 @@ def test_a_frozen_float8_layer_never_updates_its_scale_mp017(tmp_path):
 
 
 def test_float8_under_mixed_float16_is_recorded(tmp_path):
-    x, y = _data()
-    run = _fit(tmp_path, _float8_model("mixed_float16"), x, y)
+    x, y = float8_data()
+    run = _fit(tmp_path, float8_model("mixed_float16"), x, y, numerics_every=1)
     float8 = run.float8
     assert float8.policies == ["float8_from_mixed_float16", "float8_from_float32"]
     assert list(float8.steps) == [2, 4, 6]
@@ -135,6 +117,64 @@ def test_float8_under_mixed_float16_is_recorded(tmp_path):
     assert np.all(float8.state["steps"].sum(axis=0) == STEPS - skipped)
     assert np.all(np.isfinite(float8.state["scale"])) and np.all(float8.state["scale"] > 0)
     assert float8.state["amax_max"][-1, 0, 0] == pytest.approx(np.abs(x).max(), rel=1e-3)
+    # The shares are measured in float16 (the hidden layer's compute dtype)
+    # on the scaled gradient, as Keras quantizes it.
+    assert np.all(np.isfinite(float8.shares["saturated"]))
+    assert not [f for f in diagnosis.diagnose(run) if f.code in FLOAT8_CODES]
+
+
+def test_sampled_steps_measure_shares_with_the_scale_each_step_used(tmp_path):
+    x, y = float8_data()
+    run = _fit(tmp_path, float8_model(), x, y, numerics_every=1)
+    float8 = run.float8
+    assert run.context["collectors"]["float8_shares"] == {"state": "ok", "samples": STEPS - 1}
+    assert list(float8.sample_steps) == list(range(1, STEPS))
+    shares = float8.shares
+    assert shares["saturated"].shape == (STEPS - 1, 2, 3)
+    assert np.all(np.isfinite(shares["saturated"])) and np.all(np.isfinite(shares["underflowed"]))
+    # Step 1 still quantizes with the initial scale; the scale step 4 used is
+    # the one Keras held after 4 steps (the flush at step 4 read it).
+    assert np.all(shares["scale"][0] == 1.0)
+    flush = list(float8.steps).index(4)
+    np.testing.assert_allclose(shares["scale"][3], float8.state["scale"][flush], rtol=1e-6)
+    # The first layer's inputs are the batch itself.
+    assert shares["abs_max"][3, 0, 0] == pytest.approx(np.abs(x[4 * BATCH:5 * BATCH]).max())
+    # A healthy look-alike: delayed scaling clips a few values a little, no finding.
+    assert np.nanmax(shares["peak_over_max"][1:]) < diagnosis.SATURATION_FACTOR
+    assert not [f for f in diagnosis.diagnose(run) if f.code in FLOAT8_CODES]
+
+
+def test_sampled_shares_show_the_saturating_layer_mp015(tmp_path):
+    x, y = float8_data(growth=4.0)
+    run = _fit(tmp_path, float8_model(), x, y, numerics_every=1)
+    shares = run.float8.shares
+    saturated, peaks = shares["saturated"][1:], shares["peak_over_max"][1:]  # after warm-up
+    assert np.all(saturated[:, 0, 0] > 0.5)  # hidden's inputs: most values clip, far
+    assert np.all(peaks[:, 0, 0] > diagnosis.SATURATION_FACTOR)
+    # The head's inputs come normalised: where a few values of its small
+    # tensors clip, they clip a little (delayed scaling lags by two steps).
+    assert np.all(peaks[:, 1] < diagnosis.SATURATION_FACTOR)
+    found = _findings(run, "MP015")
+    assert [f.layer for f in found] == ["f8/hidden"]
+    evidence = found[0].evidence["tensors"]["inputs"]
+    assert evidence["saturated_share_worst"] > diagnosis.SATURATION_SHARE
+    assert evidence["samples_over_share"] == evidence["judged_samples"] == STEPS - 2
+    assert f"{evidence['saturated_share_worst']:.1%} of its values clipped" in found[0].title
+
+
+def test_sampled_shares_show_the_underflowing_gradient_mp016(tmp_path):
+    model = float8_model()
+    model.get_layer("hidden").outputs_grad_amax_history.assign(np.full(1024, 1e12, np.float32))
+    x, y = float8_data()
+    run = _fit(tmp_path, model, x, y, numerics_every=1)
+    underflowed = run.float8.shares["underflowed"]
+    assert np.all(underflowed[:, 0, 2] == 1.0)  # every gradient value of hidden is lost
+    assert np.all(underflowed[1:, 1, :] == 0.0)
+    found = _findings(run, "MP016")
+    assert [f.layer for f in found] == ["f8/hidden"]
+    assert found[0].evidence["tensors"]["outputs_grad"]["underflowed_share_worst"] == 1.0
+    assert "100.0% of its non-zero values quantized to zero" in found[0].title
+    assert not _findings(run, "MP015") and not _findings(run, "MP017")
 
 
 def test_a_run_without_float8_layers_has_no_float8_view(seed_logdir):
@@ -157,3 +197,107 @@ def test_a_float8_state_with_a_negative_scale_or_count_is_refused():
     rows[0, 0, 0] = 1.0
     rows[1, 2, schema.FLOAT8_STATE_COLUMNS.index("saturated_steps")] = -2.0
     assert "count" in validation.problem(schema.FLOAT8_STATE, rows)
+
+
+def test_float8_format_ranges_are_ml_dtypes():
+    for name, found in dtypes.FLOAT8_RANGES.items():
+        info = ml_dtypes.finfo(name)
+        assert (found.max, found.smallest_normal, found.smallest_subnormal) == (
+            float(info.max), float(info.smallest_normal), float(info.smallest_subnormal))
+    assert set(schema.FLOAT8_FORMATS.values()) <= set(dtypes.FLOAT8_RANGES)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_quantization_counts_agree_with_keras_own_quantizer(dtype, fmt):
+    """What `keras.quantizers.quantize_and_dequantize` clips and zeroes is
+    what the in-graph counts say, ties at half the smallest subnormal and
+    values at the max included."""
+    scale = 0.375
+    limits = dtypes.FLOAT8_RANGES[fmt]
+    rng = np.random.default_rng(1)
+    magnitudes = 2.0 ** rng.uniform(-30, 15, 4000)  # finite in float16 too
+    edges = np.array([limits.smallest_subnormal / 2, limits.smallest_subnormal * 0.51,
+                      limits.max, limits.max * 1.01, 0.0]) * scale
+    values = np.concatenate([magnitudes * rng.choice([-1, 1], 4000), edges]).astype(dtype)
+    quantized = keras.quantizers.quantize_and_dequantize(
+        tf.constant(values), tf.constant(scale), fmt, dtype).numpy()
+    counts = float8_shares.quantization_counts(tf.constant(values), tf.constant(scale),
+                                               fmt).numpy()
+    column = schema.FLOAT8_SHARE_COLUMN
+    clipped = np.isclose(np.abs(quantized), limits.max * scale, rtol=1e-3) & (
+        np.abs(values) > np.abs(quantized))
+    assert counts[column.count] == len(values)
+    assert counts[column.nonzero] == np.count_nonzero(values)
+    assert counts[column.saturated] == clipped.sum() > 0
+    assert counts[column.underflowed] == ((values != 0) & (quantized == 0)).sum() > 0
+    assert counts[column.scale] == scale
+    assert counts[column.abs_max] == pytest.approx(np.abs(values).max(), rel=1e-6)
+
+
+def test_float8_shares_that_count_more_than_there_is_are_refused():
+    rows = np.zeros((2, 3, len(schema.FLOAT8_SHARE_COLUMNS)))
+    column = schema.FLOAT8_SHARE_COLUMN
+    rows[..., column.count], rows[..., column.nonzero], rows[..., column.scale] = 10, 8, 1.0
+    assert validation.problem(schema.FLOAT8_SHARES, rows) is None
+    rows[1, 1, column.underflowed] = 9
+    assert "more" in validation.problem(schema.FLOAT8_SHARES, rows)
+    rows[1, 1, column.underflowed] = 0
+    rows[0, 2, column.scale] = -1.0
+    assert "scale" in validation.problem(schema.FLOAT8_SHARES, rows)
+
+
+@pytest.mark.parametrize("where", ["quantization_counts", "gradient_tap"])
+def test_a_failing_float8_tap_never_reaches_the_users_step(tmp_path, monkeypatch, where):
+    def broken(*args, **kwargs):
+        raise RuntimeError(f"injected into {where}")
+
+    if where == "quantization_counts":
+        monkeypatch.setattr(float8_shares, "quantization_counts", broken)
+    else:
+        monkeypatch.setattr(float8_shares.Float8Shares, "_gradient_tap", broken)
+    x, y = float8_data()
+    baseline, profiled = float8_model(), float8_model()
+    profiled.set_weights(baseline.get_weights())
+    baseline.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+    baseline.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    with pytest.warns(RuntimeWarning, match="stopped recording float8_shares"):
+        run = _fit(tmp_path, profiled, x, y, numerics_every=1)
+    for expected, got in zip(baseline.get_weights(), profiled.get_weights(), strict=True):
+        np.testing.assert_array_equal(expected, got)
+    state = run.context["collectors"]["float8_shares"]
+    assert state["state"] == "failed" and f"injected into {where}" in state["reason"]
+    # The layers are left as found: no wrapper on their call or activation.
+    for layer in (profiled.get_layer("hidden"), profiled.get_layer("head")):
+        assert "quantized_call" not in vars(layer)
+        assert layer.activation in (keras.activations.relu, keras.activations.linear)
+
+
+def test_replicas_keep_their_own_amax_and_mp017_says_when_they_differ(tmp_path):
+    """MirroredStrategy on two logical CPUs: Keras reduces no amax across
+    replicas; each replica's shard sets its own scale."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(TESTS, "float8_mirrored_fit.py"), str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=False, cwd=TESTS,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    apart, alike = found["apart"], found["alike"]
+    for run in (apart, alike):
+        assert run["context"] == {"state": "ok", "replicas": 2,
+                                  "amax_across_replicas": "per replica"}
+        # What mpprof recorded is what each replica's own history holds.
+        assert sorted(run["replica_amax_max"]) == pytest.approx(
+            sorted(run["keras_replica_amax_max"]), rel=1e-6)
+        # The sampled shares are measured on both replicas.
+        assert run["shares"] == {"state": "ok", "samples": 2}
+    # The first replica's inputs are 10x the second's: so are its amax and scale.
+    least, most = apart["replica_amax_max"]
+    assert most / least > diagnosis.REPLICA_AMAX_TOLERANCE
+    assert [f["layer"] for f in apart["mp017"]] == ["f8/hidden"]
+    inputs = apart["mp017"][0]["evidence"]["tensors"]["inputs"]
+    assert inputs["replica_amax_ratio"] == pytest.approx(most / least)
+    assert "replicas' amax differ" in inputs["problem"]
+    # A healthy look-alike: the same shard on both replicas, the same amax.
+    assert alike["replica_amax_max"][0] == alike["replica_amax_max"][1]
+    assert alike["mp017"] == []

@@ -24,18 +24,16 @@ the amax is all Keras keeps.
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
 from mpprof import schema
 from mpprof.collectors.base import Collector
+from mpprof.dtypes import FLOAT8_RANGES
 from mpprof.patching import Patches
 
-_FORMAT_MAX = {f: float(ml_dtypes.finfo(f).max) for f in set(schema.FLOAT8_FORMATS.values())}
-_FORMAT_MIN_SUBNORMAL = {
-    f: float(ml_dtypes.finfo(f).smallest_subnormal) for f in set(schema.FLOAT8_FORMATS.values())
-}
+_FORMAT_MAX = {name: r.max for name, r in FLOAT8_RANGES.items()}
+_FORMAT_MIN_SUBNORMAL = {name: r.smallest_subnormal for name, r in FLOAT8_RANGES.items()}
 
 
 def float8_layers(model) -> list:
@@ -123,6 +121,12 @@ class Float8State(Collector):
             (getattr(layer, f"{tensor}_scale"), getattr(layer, f"{tensor}_amax_history"))
             for layer in self._layers for tensor in schema.FLOAT8_TENSORS
         ]
+        # Each replica's amax history, where replicas keep their own.
+        self._replica_histories = [
+            _replicas(history) for _, history in self._variables
+        ] if self._variables else []
+        self._replica_count = len(self._replica_histories[0]) if self._replica_histories else 1
+        self._aggregation = _aggregation(self._variables[0][1]) if self._variables else None
         self._read_all = None
         self._previous: list[tuple[float, np.ndarray]] | None = None
         self._previous_step = 0
@@ -143,6 +147,18 @@ class Float8State(Collector):
             return tf.concat(parts, axis=0)
 
         self._read_all = read_all
+        if self._replica_count > 1:
+            replica_histories = self._replica_histories
+
+            @tf.function(autograph=False)
+            def read_replicas():
+                # [tensors, replicas, 2]: each replica's latest amax and history max.
+                return tf.stack([
+                    tf.stack([tf.stack([history[0], tf.reduce_max(history)]) for history in rows])
+                    for rows in replica_histories
+                ])
+
+            self._read_replicas = read_replicas
         self._previous = self._read()
         self._previous_step = fit.step
         self._previous_skipped = self._skipped()
@@ -185,8 +201,20 @@ class Float8State(Collector):
             fit.writer.write_json(schema.FLOAT8_LAYOUT, self.layout(), fit.step)
             self._layout_written = True
         fit.writer.write_array(schema.FLOAT8_STATE, rows, fit.step)
+        if self._replica_count > 1:
+            fit.writer.write_array(schema.FLOAT8_REPLICAS, self._replica_spread(), fit.step)
         self._previous, self._previous_step = now, fit.step
         self._previous_skipped = skipped
+
+    def _replica_spread(self) -> np.ndarray:
+        """The FLOAT8_REPLICAS rows: [layers, tensors, FLOAT8_REPLICA_COLUMNS]."""
+        values = self._read_replicas().numpy().astype(np.float64)  # [cells, replicas, 2]
+        rows = np.stack([
+            np.full(len(values), float(self._replica_count)),
+            values[:, :, 0].min(axis=1), values[:, :, 0].max(axis=1),
+            values[:, :, 1].min(axis=1), values[:, :, 1].max(axis=1),
+        ], axis=1)
+        return rows.reshape(len(self._layers), len(schema.FLOAT8_TENSORS), -1)
 
     def layout(self) -> dict:
         """The FLOAT8_LAYOUT record."""
@@ -204,10 +232,50 @@ class Float8State(Collector):
             "formats": formats,
             "format_max": {f: _FORMAT_MAX[f] for f in set(formats.values())},
             "format_min_subnormal": {f: _FORMAT_MIN_SUBNORMAL[f] for f in set(formats.values())},
+            "replicas": self._replica_count,
+            "amax_across_replicas": self.amax_across_replicas(),
         }
+
+    def amax_across_replicas(self) -> str | None:
+        """How the replicas' amax histories relate (None with one replica):
+        "per replica" where each keeps its own (aggregation "none": nothing
+        reduces them), else the reduction the variables' aggregation makes
+        ("mean", "sum", "first replica")."""
+        if self._replica_count <= 1:
+            return None
+        return _AGGREGATIONS.get(self._aggregation, str(self._aggregation))
 
     def context(self) -> dict:
         if not self._layers:
             return {"state": "absent", "reason": "no float8 layers (model.quantize('float8'))"}
+        if self._replica_count > 1:
+            return {"state": "ok", "replicas": self._replica_count,
+                    "amax_across_replicas": self.amax_across_replicas()}
         return {"state": "ok"}
+
+
+# The tf.VariableAggregation of a distributed float8 variable, as the layout
+# and run context say how the replicas' amax histories relate.
+_AGGREGATIONS = {
+    tf.VariableAggregation.NONE: "per replica",
+    tf.VariableAggregation.MEAN: "mean",
+    tf.VariableAggregation.SUM: "sum",
+    tf.VariableAggregation.ONLY_FIRST_REPLICA: "first replica",
+}
+
+
+def _tf_variable(variable):
+    """The TensorFlow variable behind a Keras variable (itself otherwise)."""
+    return variable if isinstance(variable, tf.Variable) else variable.value
+
+
+def _replicas(variable) -> list:
+    """The per-replica components of a distributed variable ([it] otherwise)."""
+    found = _tf_variable(variable)
+    values = getattr(found, "values", None)
+    return list(values) if isinstance(values, tuple) and values else [found]
+
+
+def _aggregation(variable):
+    return getattr(_tf_variable(variable), "aggregation", None)
 

@@ -40,8 +40,11 @@ from mpprof.diagnosis.core import (
 )
 from mpprof.diagnosis.float8 import (
     FLOAT8_STEP_SHARE,
+    FLOAT8_UNDERFLOW_SHARE,
     MIN_FLOAT8_STEPS,
+    REPLICA_AMAX_TOLERANCE,
     SATURATION_FACTOR,
+    SATURATION_SHARE,
     WARMUP_STEPS,
 )
 from mpprof.diagnosis.hardware import (
@@ -81,11 +84,14 @@ CATALOGUE: dict[str, Rule] = dict(sorted(REGISTRY.items()))
 
 __all__ = [
     "BF16_CAPABILITY", "BUSY_GPU_UTIL_PERCENT", "CATALOGUE", "EXCESS_OVERFLOW_SHARE",
-    "FLOAT8_STEP_SHARE", "FLOOR_OVERFLOWS_LIMIT", "FLUSH_GAP", "FLUSH_SHARE",
+    "FLOAT8_STEP_SHARE", "FLOAT8_UNDERFLOW_SHARE", "FLOOR_OVERFLOWS_LIMIT", "FLUSH_GAP",
+    "FLUSH_SHARE",
     "FP16_TENSOR_CORE_CAPABILITY",
     "HEADROOM_FACTOR", "LOW_TENSOR_CORE_SHARE", "LOW_TENSOR_UTIL_PERCENT",
     "MAX_LAYER_FINDINGS", "MIN_EXCESS_OVERFLOWS", "MIN_FLOAT8_STEPS", "MIN_HEALTHY_LOSS_SCALE",
-    "MIN_UNDERFLOW_SAMPLES", "SATURATION_FACTOR", "SEVERITIES", "TENSOR_CORE_MULTIPLE",
+    "MIN_UNDERFLOW_SAMPLES", "REPLICA_AMAX_TOLERANCE", "SATURATION_FACTOR", "SATURATION_SHARE",
+    "SEVERITIES",
+    "TENSOR_CORE_MULTIPLE",
     "UNDERFLOW_SHARE", "VIEWS", "WARMUP_STEPS", "Check", "Diagnosis", "Finding", "Rule", "RunView",
     "backward_overflow_mask", "diagnose", "evaluate", "exceeds",
     "first_backward_offender", "first_forward_offender", "format_text",

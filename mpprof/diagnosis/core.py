@@ -18,7 +18,7 @@ from mpprof.jsonsafe import json_safe
 SEVERITIES = ("critical", "warning", "info")  # most severe first
 
 # The dashboard views that can show a rule's evidence.
-VIEWS = ("overview", "loss_scale", "numerics", "inventory", "gpu")
+VIEWS = ("overview", "loss_scale", "numerics", "inventory", "gpu", "float8")
 
 
 @dataclasses.dataclass(frozen=True)

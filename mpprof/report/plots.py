@@ -12,7 +12,7 @@ import html
 
 import numpy as np
 
-from mpprof import diagnosis, downsample, headroom, reader, schema
+from mpprof import diagnosis, downsample, float8_view, headroom, reader, schema
 from mpprof.jsonsafe import json_floats
 
 _EVENT = schema.LOSS_SCALE_EVENT_COLUMN
@@ -28,6 +28,12 @@ MAX_EVENT_MARKERS = 2_000
 MAX_HEATMAP_STEPS = 300
 # GPU samples per line.
 MAX_GPU_POINTS = 2_000
+# Float8 share heatmaps: rows (layer x tensor) and columns (sampled steps).
+MAX_FLOAT8_ROWS = 300
+# Float8 layers drawn in the scale/amax charts (one line pair each).
+MAX_FLOAT8_LAYERS = 12
+# Flushes per float8 scale/amax line.
+MAX_FLOAT8_POINTS = 1_000
 # GPU sample columns drawn as tracks (those present with any finite value).
 GPU_TRACKS = (
     ("tensor_util", "Tensor Core activity (%)"),
@@ -50,7 +56,40 @@ def run_data(run: reader.Run) -> dict:
         tracks = _gpu_data(run.gpu)
         if tracks:
             data["gpu"] = tracks
+    if run.float8 is not None:
+        data["float8"] = _float8_data(run.float8)
     return data
+
+
+def _float8_data(float8: reader.Float8) -> dict:
+    """The float8 view: share heatmaps (layer x tensor rows, sampled steps)
+    and, per tensor, each layer's latest amax and scale x format max over the
+    flushes (the first `MAX_FLOAT8_LAYERS` layers)."""
+    maps = float8_view.share_maps(float8, MAX_FLOAT8_ROWS, MAX_HEATMAP_STEPS)
+    drawn = float8.layers[:MAX_FLOAT8_LAYERS]
+    series = [float8_view.layer_series(float8, i, MAX_FLOAT8_POINTS) for i in range(len(drawn))]
+    return {
+        "rows": [_label(row) for row in maps.rows],
+        "steps": maps.column_steps,
+        "maps": {name: json_floats(values, decimals=4) for name, values in maps.values.items()},
+        "layers": [_label(layer) for layer in drawn],
+        "layers_total": len(float8.layers),
+        "tensors": {
+            tensor: {
+                "title": _label(f"{tensor} ({float8_view.FORMAT_NAMES.get(fmt, fmt)})"),
+                "lines": [
+                    {
+                        "steps": s["steps"],
+                        "amax": json_floats(s["tensors"][tensor]["amax_last"]),
+                        "scale_range": json_floats(s["tensors"][tensor]["scale_range"]),
+                        "scale": json_floats(s["tensors"][tensor]["scale"]),
+                    }
+                    for s in series
+                ],
+            }
+            for tensor, fmt in ((t, float8.formats.get(t, "")) for t in float8.tensors)
+        },
+    }
 
 
 def _loss_scale_data(loss_scale: reader.LossScale) -> dict:

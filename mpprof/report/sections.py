@@ -69,6 +69,8 @@ def run_section(index: int, run: reader.Run, result: diagnosis.Diagnosis, data: 
             "and gradients.</p>"
         )
     parts.append(_gpu_html(run, data, index))
+    if "float8" in data:
+        parts.append(_float8_html(run, data["float8"], index))
     parts.append("</section>")
     return "\n".join(parts)
 
@@ -181,7 +183,7 @@ def _findings_html(index: int, result: diagnosis.Diagnosis) -> str:
             f'<div class="finding {escape(finding.severity)}" id="run-{index}-finding-{number}">'
             f'<div class="head"><span class="sev">{escape(finding.severity)}</span> '
             f'<span class="code">{escape(finding.code)}</span> {escape(finding.title)}</div>'
-            f'<div class="where">{" · ".join(where)}</div>'
+            f'<div class="where">{" · ".join(where)}{_view_link(index, finding)}</div>'
             f"<details><summary>evidence</summary><pre>"
             f"{escape(json.dumps(item['evidence'], indent=1))}</pre></details>"
             f'<div class="fix"><b>Fix</b><pre>{escape(finding.fix)}</pre></div></div>'
@@ -276,6 +278,45 @@ def _inventory_html(inventory: dict | None) -> str:
         f"<h4>Casts between layers ({len(casts)})</h4>"
         + (cast_table if casts else "<p class=muted>None.</p>")
     )
+
+
+# Findings whose evidence a section of the report draws: view -> anchor suffix.
+_VIEW_SECTIONS = {"float8": "float8"}
+
+
+def _view_link(index: int, finding) -> str:
+    """A link to the report section that draws the finding's evidence, if any."""
+    section = _VIEW_SECTIONS.get(finding.view)
+    if section is None:
+        return ""
+    separator = " · " if finding.layer is not None or finding.step is not None else ""
+    link = f'<a class="view-link" href="#run-{index}-{section}">see the {section} view</a>'
+    return separator + link
+
+
+def _float8_html(run: reader.Run, data: dict, index: int) -> str:
+    float8 = run.float8
+    policies = ", ".join(sorted(set(float8.policies)))
+    parts = [
+        f'<h3 id="run-{index}-float8">Float8</h3>',
+        f"<p>{len(float8.layers)} float8 layers ({escape(policies)}). Keras quantizes "
+        "x / scale, the scale set from the amax history up to two steps before "
+        "(delayed scaling).</p>",
+    ]
+    if data["steps"]:
+        for share in data["maps"]:
+            parts.append(f'<div class="plot heatmap" data-kind="float8_share" '
+                         f'data-map="{escape(share)}" data-run="{index}"></div>')
+    else:
+        parts.append("<p class=muted>Saturation and underflow shares not measured: no step "
+                     "was sampled (numerics_every=None, or the run is shorter).</p>")
+    if data["layers_total"] > len(data["layers"]):
+        parts.append(f"<p class=muted>Scales and amax of the first {len(data['layers'])} of "
+                     f"{data['layers_total']} float8 layers.</p>")
+    for tensor in data["tensors"]:
+        parts.append(f'<div class="plot" data-kind="float8_scale" '
+                     f'data-tensor="{escape(tensor)}" data-run="{index}"></div>')
+    return "\n".join(parts)
 
 
 def _gpu_html(run: reader.Run, data: dict, index: int) -> str:

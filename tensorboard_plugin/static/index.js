@@ -13,6 +13,7 @@ import {
 } from "./static/api.js";
 import { compareSeverity, countsText } from "./static/charts.js";
 import { el, replace, severityBadges } from "./static/dom.js";
+import * as float8 from "./static/float8.js";
 import * as gpu from "./static/gpu.js";
 import * as histograms from "./static/histograms.js";
 import * as inventory from "./static/inventory.js";
@@ -29,6 +30,7 @@ const VIEWS = {
   numerics: { title: "Numerics", module: numerics, charts: true },
   histograms: { title: "Histograms", module: histograms, charts: true },
   gpu: { title: "GPU", module: gpu, charts: true },
+  float8: { title: "Float8", module: float8, charts: true },
 };
 const AUTO_RELOAD_MS = 30000;
 const COMPARED_BY_DEFAULT = 4;

@@ -10,6 +10,9 @@
     : {paper: "#ffffff", text: "#222", grid: "#e5e5e5", noData: "#bdbdbd", scale: "#1f77b4"};
   // The dashboard's headroom colours (tensorboard_plugin/static/numerics.js).
   const HEADROOM_COLORS = [[0, "#b2182b"], [0.1, "#ef8a62"], [0.35, "#fddbc7"], [0.6, "#d1e5f0"], [1, "#2166ac"]];
+  // Plotly's default line colours, one per float8 layer.
+  const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
+                  "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"];
   function layout(extra) {
     const axis = (a) => Object.assign({gridcolor: theme.grid, zerolinecolor: theme.grid}, a || {});
     return Object.assign({paper_bgcolor: theme.paper, plot_bgcolor: theme.paper,
@@ -88,7 +91,45 @@
       title: {text: track.title}, xaxis: {title: {text: "seconds since the first sample"}},
       height: 260}), config);
   }
-  const draw = {loss_scale: lossScale, numerics: numerics, gpu: gpu};
+  function float8Share(div, run) {
+    const f = run.float8, key = div.dataset.map;
+    const spec = {
+      saturated: {title: "Float8 saturation: share of each tensor's values beyond the format's max (clipped)",
+                  colorscale: [[0, "#f7f7f7"], [1, "#b2182b"]]},
+      underflowed: {title: "Float8 underflow: share of each tensor's non-zero values that quantize to zero",
+                    colorscale: [[0, "#f7f7f7"], [1, "#54278f"]]},
+    }[key];
+    Plotly.newPlot(div, [{type: "heatmap", z: f.maps[key], x: f.steps, y: f.rows,
+      colorscale: spec.colorscale, zmin: 0, zmax: 1, hoverongaps: false,
+      colorbar: {title: {text: "share", side: "right"}, tickformat: ".0%"},
+      hovertemplate: "%{y}<br>step %{x}<br>%{z:.2%}<extra></extra>"}], layout({
+      title: {text: spec.title, font: {size: 13}},
+      xaxis: stepAxis(f.steps),
+      yaxis: {autorange: "reversed", type: "category", automargin: true},
+      plot_bgcolor: theme.noData,
+      height: Math.min(3000, Math.max(320, 60 + 16 * f.rows.length))}), config);
+  }
+  function float8Scale(div, run) {
+    const f = run.float8, tensor = f.tensors[div.dataset.tensor];
+    const traces = [];
+    // A magnitude of 0 cannot sit on a log axis: a gap.
+    const positive = (values) => values.map(v => (v === 0 ? null : v));
+    tensor.lines.forEach(function (line, i) {
+      const color = COLORS[i % COLORS.length];
+      traces.push({x: line.steps, y: positive(line.amax), mode: "lines+markers", name: f.layers[i] + " amax",
+                   legendgroup: String(i), line: {color: color}, marker: {size: 4}});
+      traces.push({x: line.steps, y: positive(line.scale_range), mode: "lines",
+                   name: f.layers[i] + " scale x max", legendgroup: String(i),
+                   line: {color: color, dash: "dash"}});
+    });
+    const first = tensor.lines.length ? tensor.lines[0].steps : [];
+    Plotly.newPlot(div, traces, layout({
+      title: {text: "Float8 " + tensor.title + ": latest amax (solid) and scale x format max (dashed): an amax above its dashed line was clipped", font: {size: 13}},
+      xaxis: stepAxis(first), yaxis: {type: "log", title: {text: "|value| (log)"}, exponentformat: "power"},
+      height: 360}), config);
+  }
+  const draw = {loss_scale: lossScale, numerics: numerics, gpu: gpu,
+                float8_share: float8Share, float8_scale: float8Scale};
   document.querySelectorAll("div.plot").forEach(function (div) {
     draw[div.dataset.kind](div, runs[Number(div.dataset.run)]);
   });

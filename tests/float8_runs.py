@@ -1,0 +1,45 @@
+"""Tiny float8 training runs (`model.quantize("float8")`) on CPU, for the
+float8 tests and the float8 view's tests."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+import mpprof
+
+BATCH = 8
+STEPS = 6
+
+
+def float8_model(policy: str = "float32") -> keras.Model:
+    """Dense -> LayerNormalization -> Dense, both Dense layers in float8; the
+    normalisation keeps the head's inputs steady whatever the first layer sees."""
+    keras.utils.set_random_seed(0)
+    keras.mixed_precision.set_dtype_policy(policy)
+    model = keras.Sequential([
+        keras.layers.Input((8,)),
+        keras.layers.Dense(16, activation="relu", name="hidden"),
+        keras.layers.LayerNormalization(name="norm"),
+        keras.layers.Dense(1, name="head", dtype="float32" if policy != "float32" else None),
+    ], name="f8")
+    model.quantize("float8", filters=lambda layer: isinstance(layer, keras.layers.Dense))
+    return model
+
+
+def float8_data(growth: float = 1.0):
+    """STEPS batches of normal inputs, batch i scaled by growth**i, and targets."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH * STEPS, 8)).astype(np.float32)
+    x *= (growth ** np.repeat(np.arange(STEPS), BATCH))[:, None].astype(np.float32)
+    return x, rng.normal(size=(BATCH * STEPS, 1)).astype(np.float32)
+
+
+def fit_float8(log_dir, model, x, y, numerics_every=500) -> None:
+    """Fits one epoch with the profiler; `numerics_every=1` samples every
+    step but the first (the default samples none of these few steps)."""
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[mpprof.MixedPrecisionProfiler(
+                  log_dir=str(log_dir), flush_every_steps=2, numerics_every=numerics_every)])
+    keras.mixed_precision.set_dtype_policy("float32")
