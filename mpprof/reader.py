@@ -14,7 +14,8 @@ read without importing TensorFlow (`mpprof.filesystem`).
 
 This module owns the logdir (which runs, which files) and `Run`, the records
 of one run; the typed views of a run (`LossScale`, `Numerics`, `Float8`,
-`Gpu`) are built by `mpprof.record_views`.
+`Gpu`) are built by `mpprof.record_views`, the float8 view by
+`mpprof.float8_records`.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mpprof import filesystem, record_views, schema
+from mpprof import filesystem, float8_records, record_views, schema
 from mpprof.event_file import ReadWarnings, Record, read_event_file, series_key
-from mpprof.record_views import Float8, Gpu, LossScale, Numerics
+from mpprof.float8_records import Float8
+from mpprof.record_views import Gpu, LossScale, Numerics
 from mpprof.terminal import printable
 
 __all__ = [
@@ -181,7 +183,7 @@ class Run:
     def float8(self) -> Float8 | None:
         """The float8 layers' scales and amax; None for a run without float8
         layers (or recorded before mpprof recorded them)."""
-        return record_views.float8(self.latest(schema.FLOAT8_LAYOUT), self.records)
+        return float8_records.float8(self.latest(schema.FLOAT8_LAYOUT), self.records)
 
     @functools.cached_property
     def gpu(self) -> Gpu | None:
