@@ -108,6 +108,43 @@ def test_the_healthy_twin_captures_nothing(tmp_path):
         replay(str(tmp_path))
 
 
+def _spiky_model(initial_scale: float) -> keras.Model:
+    """A healthy float16 Dense whose loss stays finite; its scaled gradients
+    overflow while the loss scale is too high or a batch spikes."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([
+        keras.layers.Input((8,)),
+        keras.layers.Dense(16, kernel_initializer=_constant(0.1), name="hidden"),
+        keras.layers.Dense(1, kernel_initializer=_constant(0.1), dtype="float32", name="out"),
+    ], name="spiky")
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(1e-9), initial_scale=initial_scale)
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def test_the_loss_scales_initial_descent_is_not_captured(tmp_path):
+    # 2**40 overflows the first steps' float16 gradients; each skip halves
+    # it: the descent every run with a high initial scale goes through.
+    state = _fit(_spiky_model(2.0**40), tmp_path, numerics_every=1)
+    run = reader.read_run(str(tmp_path), "train")
+    assert run.loss_scale.skipped_steps >= 2  # the descent happened, sampled
+    assert state["captures"] == [] and files.find_captures(str(tmp_path), "train") == []
+    assert state["initial_descent_not_captured"] == run.loss_scale.skipped_steps - 1
+
+
+def test_an_overflow_after_finite_steps_is_captured_even_with_a_finite_loss(tmp_path):
+    # Its look-alike: two finite steps, then a batch 1000x larger whose
+    # scaled gradients overflow float16 while the float32 loss stays finite.
+    x = np.ones((32, 8), "float32")
+    x[16:24] *= 1000.0
+    state = _fit(_spiky_model(2.0**15), tmp_path, x=x, numerics_every=1)
+    assert [c["step"] for c in state["captures"]] == [2]
+    capture = files.select_capture(str(tmp_path), "train", None)
+    assert capture.manifest["reasons"] == ["overflow: the loss scale skipped the step"]
+    assert "initial_descent_not_captured" not in state
+
+
 def test_replay_budget_0_captures_nothing(tmp_path):
     state = _fit(third_dense_model(), tmp_path, replay_budget=0)
     assert state["state"] == "off" and state["reason"] == "replay_budget=0"

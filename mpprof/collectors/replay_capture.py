@@ -17,6 +17,11 @@ A skipped step leaves the weights unchanged, so the weights after it are the
 ones it ran with. A step with a non-finite loss that was not skipped (no
 loss scaling) applied its update: the manifest says so.
 
+Not captured: overflows with a finite loss while every step so far has
+overflowed (the loss scale's initial descent, e.g. from 2**15 to where the
+gradients fit): halving handles them, and they would spend the budget
+before the overflow that matters. The run context counts them.
+
 With `steps_per_execution > 1` the logs are those of a call's last step:
 only that step can be captured. Under several replicas the logs are
 averaged across replicas, so no batch can be recovered: the capture is off.
@@ -66,6 +71,7 @@ class ReplayCapture(Collector):
         self._unavailable: str | None = None
         self._structure = None
         self.captured: list[dict] = []
+        self.initial_descent_skipped = 0
 
     def wrap_train_step(self, fit, patches: Patches) -> None:
         """Wraps `model.train_step` so that the instrumented step returns its
@@ -83,6 +89,10 @@ class ReplayCapture(Collector):
             skipped = self._loss_scales.skipped_total
             before = skipped()
             step = self._graph_step(fit)
+            # The primary series' own skips: its step number counts them.
+            primary = self._loss_scales.primary() if fit.usage.traced else None
+            primary_skipped_before = (
+                tf.identity(primary.skipped_counter) if primary is not None else None)
             logs = train_step(data)
             leaves: list = []
             structure = files.encode_structure(data, leaves)
@@ -94,6 +104,8 @@ class ReplayCapture(Collector):
             outputs = {f"leaf_{i}": t for i, t in enumerate(leaves)}
             if before is not None:
                 outputs["skipped"] = skipped() - before
+                if primary_skipped_before is not None:
+                    outputs["skipped_before"] = primary_skipped_before
             if step is not None:
                 outputs["step"] = step
             return {**logs, LOGS_KEY: outputs}
@@ -132,6 +144,9 @@ class ReplayCapture(Collector):
         if skipped == 0 and loss_finite is not False:
             return
         step = int(outputs["step"].numpy()) if "step" in outputs else fit.sample_step
+        if loss_finite and _in_initial_descent(outputs, step):
+            self.initial_descent_skipped += 1
+            return
         reasons = []
         if skipped:
             reasons.append("overflow: the loss scale skipped the step")
@@ -213,7 +228,20 @@ class ReplayCapture(Collector):
             off = self.budget == 0 or self._unavailable.startswith("numerics_every")
             state = "off" if off else "unavailable"
             return {"state": state, "reason": self._unavailable, "budget": self.budget}
-        return {"state": "ok", "budget": self.budget, "captures": self.captured}
+        entry = {"state": "ok", "budget": self.budget, "captures": self.captured}
+        if self.initial_descent_skipped:
+            entry["initial_descent_not_captured"] = self.initial_descent_skipped
+        return entry
+
+
+def _in_initial_descent(outputs: dict, step: int) -> bool:
+    """Whether every step before this one overflowed too: the dynamic loss
+    scale calibrating down from its initial value, which halving handles and
+    a replay would only confirm (it would spend the budget before the
+    overflow that matters)."""
+    if "skipped_before" not in outputs or "step" not in outputs:
+        return False
+    return int(outputs["skipped_before"].numpy()) == step
 
 
 def _model_config(model) -> tuple[dict | None, str]:
