@@ -25,6 +25,28 @@ NUMERICS_HINT = (
 )
 
 
+def inventory_missing_reason(context: dict) -> str:
+    """Why a run has no precision inventory, from what its run context says.
+
+    Args:
+        context: the run's RUN_CONTEXT record.
+    """
+    state = (context.get("collectors") or {}).get("precision")
+    if not isinstance(state, dict):
+        return "no precision inventory was recorded (the run context does not say why)"
+    if state.get("state") == "failed":
+        return ("no precision inventory was recorded: the precision collector "
+                f"failed ({state.get('reason')})")
+    if state.get("reason"):
+        return f"no precision inventory was recorded: {state['reason']}"
+    if state.get("traced"):
+        return ("no precision inventory was recorded though the step traced "
+                "(the run stopped before the end of its first step?)")
+    # Runs written before the context gave a reason: mpprof then missed the
+    # calls of quantized layers, so "never traced" cannot be told apart.
+    return "no precision inventory was recorded: no layer call was seen while the step traced"
+
+
 class KerasApi:
     """How fix texts spell the model's own Keras ("keras" or "tf_keras").
 
@@ -185,7 +207,7 @@ class RunView:
 
     def require_inventory(self) -> dict:
         if not self.inventory:
-            raise NotMeasured("no precision inventory was recorded (the train step never traced)")
+            raise NotMeasured(inventory_missing_reason(self.context))
         return self.inventory
 
     @functools.cached_property
