@@ -292,6 +292,11 @@ def test_replicas_keep_their_own_amax_and_mp017_says_when_they_differ(tmp_path):
             sorted(run["keras_replica_amax_max"]), rel=1e-6)
         # The sampled shares are measured on both replicas.
         assert run["shares"] == {"state": "ok", "samples": 2}
+        # The layer hooks see the float8 layers on both replicas (their
+        # all-reduces inside the float8 call never desynchronise the replicas'
+        # traces), the global batch of 8 rows per sample, 16 and 1 units.
+        assert run["numerics"] == "ok" and run["precision"] == {"state": "ok", "traced": True}
+        assert run["numerics_counts"] == {"hidden": [8 * 16] * 2, "head": [8] * 2}
     # The first replica's inputs are 10x the second's: so are its amax and scale.
     least, most = apart["replica_amax_max"]
     assert most / least > diagnosis.REPLICA_AMAX_TOLERANCE
