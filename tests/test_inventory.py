@@ -7,7 +7,8 @@ import tensorflow as tf
 from conftest import mnist_like, seed_model
 
 import mpprof
-from mpprof import diagnosis, reader
+from mpprof import diagnosis, reader, report
+from tensorboard_plugin_mpprof import payloads
 
 
 def _fit(model, x, y, logdir, **fit_kwargs):
@@ -272,6 +273,10 @@ def test_a_step_that_calls_no_layer_says_so_not_that_it_never_traced(tmp_path):
     assert "ran but called no layer" in state["reason"]
     assert "never traced" not in _inventory_note(run)
     assert "ran but called no layer" in _inventory_note(run)
+    # The dashboard and the HTML report give the same reason.
+    assert "ran but called no layer" in payloads.inventory_payload(run)["reason"]
+    html = report.build_report(str(tmp_path))
+    assert "ran but called no layer" in html and "never traced" not in html
 
 
 def test_a_fit_stopped_before_its_first_step_says_the_step_never_traced(tmp_path):
