@@ -350,6 +350,14 @@ def test_float8_layers_are_seen_by_the_inventory_and_the_numerics(tmp_path, poli
     checked = diagnosis.evaluate(run)
     assert not [n for n in checked.notes if "never traced" in n.reason]
     assert not [n for n in checked.notes if "no precision inventory" in n.reason]
+    if policy == "float32":
+        # Said for what the float8 layers compute, not as plain float32.
+        notes = {note.code: note.reason for note in checked.notes}
+        assert "float8 layers quantize their matmul operands" in notes["MP003"]
+    else:
+        # The float8 layers' outputs are float16 and judged by its range:
+        # healthy here, nothing found on them.
+        assert not [f for f in checked.findings if f.layer in ("f8/hidden", "hidden", "head")]
     # Training is what it is without the profiler, and the layers are left as found.
     for expected, got in zip(baseline.get_weights(), profiled.get_weights(), strict=True):
         np.testing.assert_array_equal(expected, got)

@@ -182,7 +182,14 @@ class RunView:
         if self.policy is None and not self.leaf_layers:
             raise NotMeasured("no run context or precision inventory was recorded")
         if self.half_dtype is None:
-            raise NotApplicable(f"the model trains in {self.policy or 'float32'}")
+            reason = f"the model trains in {self.policy or 'float32'}"
+            modes = sorted({layer["quantization_mode"] for layer in self.leaf_layers
+                            if layer.get("quantization_mode")})
+            if modes:
+                # Not "plain float32": say what its quantized layers compute.
+                reason += (f" (its {'/'.join(modes)} layers quantize their matmul operands "
+                           "and dequantize them to float32: no float16/bfloat16 to judge)")
+            raise NotApplicable(reason)
         return self.half_dtype
 
     def require_loss_scale(self):
