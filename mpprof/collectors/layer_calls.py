@@ -3,12 +3,13 @@
 `Operation.__call__` looks up `self.call`, or `self.quantized_call` for a
 quantized layer (`model.quantize("float8")`, "int8", "int4", ...: its
 `quantization_mode` is set), so an instance attribute shadows the class
-method for that layer alone (`called_method` names the one). The patches go through the fit's
-`mpprof.patching.Patches`, which undoes them with every other patch. The
-wrapper runs each hook after the original `call` while the train step is
-traced (or on every call when the model runs eagerly), and keeps the graph
-each call started in, so that a hook can tell whether its layer was called
-inside control flow of its enclosing layer (`control_flow_inside_caller`).
+method for that layer alone (`called_method` names the one). The patches go
+through the fit's `mpprof.patching.Patches`, which undoes them with every
+other patch. The wrapper runs each hook after the original method while the
+train step is traced (or on every call when the model runs eagerly), and
+keeps the graph each call started in, so that a hook can tell whether its
+layer was called inside control flow of its enclosing layer
+(`control_flow_inside_caller`).
 """
 
 from __future__ import annotations

@@ -43,8 +43,10 @@ def inventory_missing_reason(context: dict) -> str:
         return ("no precision inventory was recorded though the step traced "
                 "(the run stopped before the end of its first step?)")
     # Runs written before the context gave a reason: mpprof then missed the
-    # calls of quantized layers, so "never traced" cannot be told apart.
-    return "no precision inventory was recorded: no layer call was seen while the step traced"
+    # calls of quantized layers, so a step that ran cannot be told apart
+    # from one that never did.
+    return ("no precision inventory was recorded: no layer call was seen (this run "
+            "does not record whether its train step ran)")
 
 
 class KerasApi:
