@@ -135,7 +135,7 @@ def findings_payload(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
 def inventory_payload(run: reader.Run) -> dict:
     inventory = run.inventory
     if inventory is None:
-        return not_available("no precision inventory was recorded (the model never traced)")
+        return not_available(diagnosis.inventory_missing_reason(run.context))
     return {"available": True, **inventory}
 
 

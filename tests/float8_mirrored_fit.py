@@ -48,6 +48,12 @@ def main(logdir: str) -> None:
         float8 = run.float8
         found[name] = {
             "context": run.context["collectors"]["float8"],
+            "numerics": run.context["collectors"]["numerics"]["state"],
+            "precision": run.context["collectors"]["precision"],
+            "numerics_counts": {
+                name: run.numerics.forward["count"][:, run.numerics.layers.index(name)].tolist()
+                for name in ("hidden", "head")
+            },
             "shares": run.context["collectors"]["float8_shares"],
             "replicas": float8.replicas,
             "amax_across_replicas": float8.amax_across_replicas,

@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 from float8_runs import BATCH, STEPS, fit_float8, float8_data, float8_model
 
+import mpprof
 from mpprof import diagnosis, dtypes, schema, validation
 from mpprof.collectors import float8_shares
 from mpprof.reader import read_run
@@ -291,6 +292,11 @@ def test_replicas_keep_their_own_amax_and_mp017_says_when_they_differ(tmp_path):
             sorted(run["keras_replica_amax_max"]), rel=1e-6)
         # The sampled shares are measured on both replicas.
         assert run["shares"] == {"state": "ok", "samples": 2}
+        # The layer hooks see the float8 layers on both replicas (their
+        # all-reduces inside the float8 call never desynchronise the replicas'
+        # traces), the global batch of 8 rows per sample, 16 and 1 units.
+        assert run["numerics"] == "ok" and run["precision"] == {"state": "ok", "traced": True}
+        assert run["numerics_counts"] == {"hidden": [8 * 16] * 2, "head": [8] * 2}
     # The first replica's inputs are 10x the second's: so are its amax and scale.
     least, most = apart["replica_amax_max"]
     assert most / least > diagnosis.REPLICA_AMAX_TOLERANCE
@@ -301,3 +307,83 @@ def test_replicas_keep_their_own_amax_and_mp017_says_when_they_differ(tmp_path):
     # A healthy look-alike: the same shard on both replicas, the same amax.
     assert alike["replica_amax_max"][0] == alike["replica_amax_max"][1]
     assert alike["mp017"] == []
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_float8_layers_are_seen_by_the_inventory_and_the_numerics(tmp_path, policy):
+    """Keras calls a quantized layer through `quantized_call`, not `call`: the
+    layer hooks must wrap that, or the float8 layers are never seen (no
+    inventory, "the train step never traced", rows of zeros)."""
+    x, y = float8_data()
+    baseline, profiled = float8_model(policy), float8_model(policy)
+    profiled.set_weights(baseline.get_weights())
+    keras.mixed_precision.set_dtype_policy("float32")
+    baseline.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+    baseline.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    run = _fit(tmp_path, profiled, x, y, numerics_every=1)
+    assert run.context["collectors"]["precision"] == {"state": "ok", "traced": True}
+    layers = {layer["name"]: layer for layer in run.inventory["layers"]}
+    hidden_dtype = "float16" if policy == "mixed_float16" else "float32"
+    for name, dtype in (("hidden", hidden_dtype), ("head", "float32")):
+        assert layers[name]["quantization_mode"] == "float8"
+        assert layers[name]["quantized_formats"] == schema.FLOAT8_FORMATS
+        assert layers[name]["output_dtypes"] == [dtype]
+        assert layers[name]["call_index"] is not None
+    assert layers["norm"]["quantization_mode"] is None
+    assert layers["norm"]["quantized_formats"] is None
+    assert [layers[n]["call_index"] for n in ("hidden", "norm", "head")] == [0, 1, 2]
+    assert layers["norm"]["inputs_from"] == ["hidden"]
+    # Both float8 layers measured on every sampled step, forward and backward.
+    numerics = run.numerics
+    assert run.context["collectors"]["numerics"]["state"] == "ok"
+    for name in ("hidden", "head"):
+        column = numerics.layers.index(name)
+        assert np.all(numerics.forward["count"][:, column] > 0)
+        assert np.all(numerics.forward["abs_max"][:, column] > 0)
+        assert np.all(numerics.backward["count"][:, column] > 0)
+    # A float8 scale's or amax history's "gradient" is its next value: not
+    # measured as a gradient.
+    assert not [v for v in numerics.variables if v.endswith(("_scale", "_amax_history"))]
+    assert any(v.endswith("hidden/kernel") for v in numerics.variables)
+    # The float8 shares still compose with the layer hooks.
+    assert run.context["collectors"]["float8_shares"] == {"state": "ok", "samples": STEPS - 1}
+    checked = diagnosis.evaluate(run)
+    assert not [n for n in checked.notes if "never traced" in n.reason]
+    assert not [n for n in checked.notes if "no precision inventory" in n.reason]
+    if policy == "float32":
+        # Said for what the float8 layers compute, not as plain float32.
+        notes = {note.code: note.reason for note in checked.notes}
+        assert "float8 layers quantize their matmul operands" in notes["MP003"]
+    else:
+        # The float8 layers' outputs are float16 and judged by its range:
+        # healthy here, nothing found on them.
+        assert not [f for f in checked.findings if f.layer in ("f8/hidden", "hidden", "head")]
+    # Training is what it is without the profiler, and the layers are left as found.
+    for expected, got in zip(baseline.get_weights(), profiled.get_weights(), strict=True):
+        np.testing.assert_array_equal(expected, got)
+    for layer in [profiled, *profiled._flatten_layers(include_self=False)]:
+        assert not {"call", "quantized_call"} & set(vars(layer)), layer.name
+    for layer in (profiled.get_layer("hidden"), profiled.get_layer("head")):
+        assert layer.activation in (keras.activations.relu, keras.activations.linear)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_other_quantized_layers_are_seen_too(tmp_path, mode):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Input((8,)), keras.layers.Dense(16, name="hidden"),
+                              keras.layers.Dense(1, name="head")], name="q")
+    model.quantize(mode, filters=lambda layer: layer.name == "hidden")
+    x, y = float8_data()
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+              callbacks=[mpprof.MixedPrecisionProfiler(log_dir=str(tmp_path), numerics_every=1)])
+    run = read_run(tmp_path, "train")
+    layers = {layer["name"]: layer for layer in run.inventory["layers"]}
+    assert layers["hidden"]["quantization_mode"] == mode
+    assert layers["hidden"]["quantized_formats"] is None
+    assert layers["hidden"]["output_dtypes"] == ["float32"]
+    assert layers["head"]["quantization_mode"] is None
+    column = run.numerics.layers.index("hidden")
+    assert np.all(run.numerics.forward["count"][:, column] > 0)
+    for layer in [model, *model._flatten_layers(include_self=False)]:
+        assert not {"call", "quantized_call"} & set(vars(layer)), layer.name

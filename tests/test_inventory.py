@@ -3,10 +3,12 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import mnist_like, seed_model
 
 import mpprof
-from mpprof import reader
+from mpprof import diagnosis, reader, report
+from tensorboard_plugin_mpprof import payloads
 
 
 def _fit(model, x, y, logdir, **fit_kwargs):
@@ -239,3 +241,56 @@ def test_a_container_has_no_gemm_of_its_own(subclassed_inventory):
     # "block" holds a Dense: its weights are the Dense's, not a GEMM of its own.
     assert layers["block"]["is_leaf"] is False and layers["block"]["gemm_dims"] is None
     assert layers["block"]["misaligned_dims"] == []
+
+
+def _inventory_note(run) -> str:
+    notes = {note.code: note for note in diagnosis.evaluate(run).notes}
+    return notes["MP006"].reason
+
+
+def test_a_step_that_calls_no_layer_says_so_not_that_it_never_traced(tmp_path):
+    class NoLayerCalled(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, inputs):
+            return self.dense(inputs)
+
+        def train_step(self, data):
+            return {"loss": tf.constant(0.0)}
+
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = NoLayerCalled()
+    x = np.ones((16, 4), np.float32)
+    model(x)
+    keras.mixed_precision.set_dtype_policy("float32")
+    model.compile(optimizer="sgd", loss="mse")
+    run = _fit(model, x, np.ones((16, 2), np.float32), tmp_path)
+    assert run.inventory is None
+    state = run.context["collectors"]["precision"]
+    assert state["state"] == "ok" and state["traced"] is False
+    assert "ran but called no layer" in state["reason"]
+    assert "never traced" not in _inventory_note(run)
+    assert "ran but called no layer" in _inventory_note(run)
+    # The dashboard and the HTML report give the same reason.
+    assert "ran but called no layer" in payloads.inventory_payload(run)["reason"]
+    html = report.build_report(str(tmp_path))
+    assert "ran but called no layer" in html and "never traced" not in html
+
+
+def test_a_fit_stopped_before_its_first_step_says_the_step_never_traced(tmp_path):
+    class StopAtFirstBatch(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            raise RuntimeError("stopped before the first step")
+
+    model = seed_model("mixed_float16")
+    keras.mixed_precision.set_dtype_policy("float32")
+    x, y = mnist_like(32)
+    with pytest.raises(RuntimeError, match="stopped before the first step"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[
+            mpprof.MixedPrecisionProfiler(log_dir=str(tmp_path)), StopAtFirstBatch()])
+    run = reader.read_run(tmp_path, "train")
+    assert run.inventory is None
+    assert run.context["collectors"]["precision"]["traced"] is False
+    assert "never traced" in _inventory_note(run)

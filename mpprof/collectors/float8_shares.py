@@ -25,6 +25,9 @@ why), never the user's step.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import numpy as np
 import tensorflow as tf
 
@@ -114,6 +117,8 @@ class Float8Shares(Collector):
         self._ok = lambda: True
         self._table = None
         self._samples = 0
+        self._tapping_lock = threading.Lock()
+        self._tapping_calls: dict[int, int] = {}
 
     def install(self, fit, patches: Patches) -> None:
         if not self._layers or not self._sampling:
@@ -132,6 +137,15 @@ class Float8Shares(Collector):
         self.instrumenting = on and self._table is not None
 
     def _wrap(self, layer, row: int, quantized_call):
+        activation = getattr(layer, "activation", None)
+        tapped_activation = None
+        if callable(activation):
+            # One tapped activation per layer, whichever replica calls it: the
+            # tap reads the scale and the replica context where it runs.
+            def tapped_activation(x):
+                tapped = self.traced(lambda: self._gradient_tap(x, row, layer.outputs_grad_scale))
+                return activation(x if tapped is None else tapped)
+
         def measured_quantized_call(*args, **kwargs):
             if not self.instrumenting or not self._ok():
                 return quantized_call(*args, **kwargs)
@@ -139,27 +153,38 @@ class Float8Shares(Collector):
                 ("inputs", args[0] if args else kwargs["inputs"], layer.inputs_scale),
                 ("kernel", tf.cast(layer._kernel, layer.compute_dtype), layer.kernel_scale),
             ]))
-            activation = getattr(layer, "activation", None)
-            if not callable(activation):
+            if tapped_activation is None:
                 # No activation to wrap: the output is the matmul's (plus the bias).
                 outputs = quantized_call(*args, **kwargs)
                 tapped = self.traced(
                     lambda: self._gradient_tap(outputs, row, layer.outputs_grad_scale))
                 return outputs if tapped is None else tapped
-
-            def tapped_activation(x):
-                tapped = self.traced(lambda: self._gradient_tap(x, row, layer.outputs_grad_scale))
-                return activation(x if tapped is None else tapped)
-
-            # Wrapped for this call alone: a checkpoint saving the layer's
-            # config never sees the wrapper.
-            layer.activation = tapped_activation
-            try:
+            with self._tapping(layer, row, activation, tapped_activation):
                 return quantized_call(*args, **kwargs)
-            finally:
-                layer.activation = activation
 
         return measured_quantized_call
+
+    @contextlib.contextmanager
+    def _tapping(self, layer, row: int, activation, tapped_activation):
+        """`layer.activation` is `tapped_activation` for the length of the call.
+
+        Set for the call alone, so that a checkpoint saving the layer's config
+        never sees the wrapper. MirroredStrategy traces each replica in its
+        own thread, and an all-reduce in a hook inside the call (the layer's
+        numerics) hands over to the next replica mid-call: the layer's own
+        activation is put back only when the last replica's call ends, and
+        never read back from the layer (where it may be the tapped one).
+        """
+        with self._tapping_lock:
+            self._tapping_calls[row] = self._tapping_calls.get(row, 0) + 1
+            layer.activation = tapped_activation
+        try:
+            yield
+        finally:
+            with self._tapping_lock:
+                self._tapping_calls[row] -= 1
+                if not self._tapping_calls[row]:
+                    layer.activation = activation
 
     def _gradient_tap(self, tensor: tf.Tensor, row: int, scale_variable) -> tf.Tensor:
         """`tensor`, whose gradient is measured against `scale_variable` as it

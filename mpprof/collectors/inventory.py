@@ -29,6 +29,7 @@ class Inventory(Collector):
         self._guard = guard
         self.layer_patch = LayerCallPatch(model, [GuardedHook(self.name, self.precision, guard)])
         self._written = False
+        self._steps_ran = False
 
     def install(self, fit, patches: Patches) -> None:
         self.layer_patch.install(patches)
@@ -38,9 +39,21 @@ class Inventory(Collector):
         self.layer_patch.add_hook(GuardedHook(collector, hook, self._guard))
 
     def after_call(self, fit) -> None:
+        self._steps_ran = True
         if not self._written and self.precision.traced:
             self._written = True
             fit.writer.write_json(schema.INVENTORY, self.precision.inventory(), fit.step)
 
     def context(self) -> dict:
-        return {"state": "ok", "traced": self.precision.traced}
+        state = {"state": "ok", "traced": self.precision.traced}
+        if self.precision.traced:
+            return state
+        if not self._steps_ran:
+            reason = "no train step has run yet: the step never traced"
+        else:
+            # Every layer's called method is wrapped (`LayerCallPatch`): a
+            # step that ran without calling any is not a Keras layer call.
+            reason = ("the train step ran but called no layer of the model through "
+                      "Keras' Layer.__call__ (a custom train_step that never calls "
+                      "the model?)")
+        return {**state, "reason": reason}

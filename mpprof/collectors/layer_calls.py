@@ -1,12 +1,15 @@
-"""Instance-level wrapping of `layer.call`, the one patch mpprof puts on layers.
+"""Instance-level wrapping of the method each layer's `__call__` runs.
 
-`Operation.__call__` looks up `self.call`, so an instance attribute shadows the
-class method for that layer alone. The patches go through the fit's
-`mpprof.patching.Patches`, which undoes them with every other patch. The
-wrapper runs each hook after the original `call` while the train step is
-traced (or on every call when the model runs eagerly), and keeps the graph
-each call started in, so that a hook can tell whether its layer was called
-inside control flow of its enclosing layer (`control_flow_inside_caller`).
+`Operation.__call__` looks up `self.call`, or `self.quantized_call` for a
+quantized layer (`model.quantize("float8")`, "int8", "int4", ...: its
+`quantization_mode` is set), so an instance attribute shadows the class
+method for that layer alone (`called_method` names the one). The patches go
+through the fit's `mpprof.patching.Patches`, which undoes them with every
+other patch. The wrapper runs each hook after the original method while the
+train step is traced (or on every call when the model runs eagerly), and
+keeps the graph each call started in, so that a hook can tell whether its
+layer was called inside control flow of its enclosing layer
+(`control_flow_inside_caller`).
 """
 
 from __future__ import annotations
@@ -57,8 +60,17 @@ def walk_layers(model) -> list[tuple[str, object, str | None]]:
     return found
 
 
+def called_method(layer) -> str:
+    """The name of the method `Operation.__call__` runs for `layer`:
+    "quantized_call" for a quantized layer, "call" otherwise (tf-keras
+    layers have no `quantization_mode`)."""
+    quantized = getattr(layer, "quantization_mode", None) is not None
+    return "quantized_call" if quantized else "call"
+
+
 class LayerCallPatch:
-    """Wraps `call` of `model` and every nested layer so that `hooks` see calls.
+    """Wraps the called method (`called_method`) of `model` and every nested
+    layer so that `hooks` see calls.
 
     Layers that a parent creates in its `build` (MultiHeadAttention's
     projections, say) do not exist before the first trace: the parent's
@@ -74,6 +86,10 @@ class LayerCallPatch:
         self._model = model
         self._hooks = list(hooks)
         self._patches: Patches | None = None
+        # Layers wrapped for this fit, by id: another collector's wrapper
+        # over the same method (float8_shares' over `quantized_call`) hides
+        # the marker of this one, and the layer must not be wrapped twice.
+        self._wrapped: set[int] = set()
 
     def add_hook(self, hook: CallHook) -> None:
         """Adds a hook; wrappers already installed see it from their next call."""
@@ -83,6 +99,7 @@ class LayerCallPatch:
         """Wraps every layer there is now, and later its new children, through
         `patches` (restoring them unwraps every layer)."""
         self._patches = patches
+        self._wrapped.clear()
         self._patch(self._model)
         for _, layer, _ in walk_layers(self._model):
             self._patch(layer)
@@ -90,13 +107,15 @@ class LayerCallPatch:
     def _patch(self, layer) -> None:
         # A wrapper left behind by a profiler that never ended must not be
         # wrapped again, nor put back when this fit's patches are undone.
+        method = called_method(layer)
         if is_patched(layer):
-            del layer.call
-        self._patches.set(layer, "call", self._wrap(layer, layer.call))
+            delattr(layer, method)
+        self._patches.set(layer, method, self._wrap(layer, getattr(layer, method)))
+        self._wrapped.add(id(layer))
 
     def _patch_new_children(self, parent) -> None:
         for child in parent._flatten_layers(include_self=False, recursive=False):
-            if not is_patched(child) and type(child).__name__ != "InputLayer":
+            if id(child) not in self._wrapped and type(child).__name__ != "InputLayer":
                 self._patch(child)
 
     def _wrap(self, layer, call: Callable) -> Callable:
@@ -120,7 +139,8 @@ class LayerCallPatch:
 
 
 def is_patched(layer) -> bool:
-    return getattr(layer.__dict__.get("call"), _PATCH_MARKER, False)
+    """Whether the method `layer.__call__` runs is an mpprof wrapper."""
+    return getattr(layer.__dict__.get(called_method(layer)), _PATCH_MARKER, False)
 
 
 def control_flow_inside_caller() -> str | None:

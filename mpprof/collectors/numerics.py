@@ -84,7 +84,11 @@ class NumericsCollector:
         # measures yet: the next enclosing layer called outside control flow
         # is measured at their boundary.
         self._uncovered: set[int] = set()
-        self._variables = list(model.trainable_variables)
+        # A float8 layer's scales and amax histories are trainable, but what
+        # the step "differentiates" into them is their next value (Keras
+        # overwrites them with it): not a gradient, so not measured as one.
+        self._variables = [v for v in model.trainable_variables
+                           if not getattr(v, "overwrite_with_gradient", False)]
         self.variable_names = [variable_path(v) for v in self._variables]
         self._variable_rows = {id(v): row for row, v in enumerate(self._variables)}
         self._optimizers: list = []

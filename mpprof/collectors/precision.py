@@ -15,6 +15,7 @@ import math
 
 import tensorflow as tf
 
+from mpprof import schema
 from mpprof.collectors.layer_calls import walk_layers
 from mpprof.dtypes import HALF_DTYPES, TENSOR_CORE_MULTIPLE
 from mpprof.tf_keras_support import variable_short_name
@@ -234,6 +235,7 @@ def _layer_record(name, layer, parent, *, is_leaf, mixed, call_index,
     gemm = gemm_layout(layer) if own_gemm else None
     dims = [d["size"] for d in gemm] if gemm else None
     half = compute_dtype in HALF_DTYPES
+    quantization_mode = getattr(policy, "quantization_mode", None)
     misaligned = [d for d in dims or () if d % TENSOR_CORE_MULTIPLE]
     return {
         "name": name,
@@ -245,6 +247,12 @@ def _layer_record(name, layer, parent, *, is_leaf, mixed, call_index,
         "compute_dtype": compute_dtype,
         "variable_dtype": variable_dtype,
         "output_dtypes": output_dtypes,
+        # A quantized layer ("float8", "int8", "int4", ...) computes its
+        # matmul on quantized values; for float8, each quantized tensor's
+        # format (Keras quantize-dequantizes them in compute_dtype).
+        "quantization_mode": quantization_mode,
+        "quantized_formats": (dict(schema.FLOAT8_FORMATS) if quantization_mode == "float8"
+                              else None),
         "inputs_from": inputs_from,
         "params": _count_params(layer),
         "gemm_dims": dims,

@@ -77,6 +77,7 @@ from mpprof.diagnosis.view import (
     first_forward_offender,
     forward_overflow_mask,
     gradient_underflow_share,
+    inventory_missing_reason,
 )
 
 # The catalogue, in code order.
@@ -95,7 +96,8 @@ __all__ = [
     "UNDERFLOW_SHARE", "VIEWS", "WARMUP_STEPS", "Check", "Diagnosis", "Finding", "Rule", "RunView",
     "backward_overflow_mask", "diagnose", "evaluate", "exceeds",
     "first_backward_offender", "first_forward_offender", "format_text",
-    "float8", "forward_overflow_mask", "gradient_underflow_share", "hardware", "loss_scale",
+    "float8", "forward_overflow_mask", "gradient_underflow_share", "hardware",
+    "inventory_missing_reason", "loss_scale",
     "nonfinite", "numerics", "precision", "underflow",
 ]
 

@@ -25,6 +25,30 @@ NUMERICS_HINT = (
 )
 
 
+def inventory_missing_reason(context: dict) -> str:
+    """Why a run has no precision inventory, from what its run context says.
+
+    Args:
+        context: the run's RUN_CONTEXT record.
+    """
+    state = (context.get("collectors") or {}).get("precision")
+    if not isinstance(state, dict):
+        return "no precision inventory was recorded (the run context does not say why)"
+    if state.get("state") == "failed":
+        return ("no precision inventory was recorded: the precision collector "
+                f"failed ({state.get('reason')})")
+    if state.get("reason"):
+        return f"no precision inventory was recorded: {state['reason']}"
+    if state.get("traced"):
+        return ("no precision inventory was recorded though the step traced "
+                "(the run stopped before the end of its first step?)")
+    # Runs written before the context gave a reason: mpprof then missed the
+    # calls of quantized layers, so a step that ran cannot be told apart
+    # from one that never did.
+    return ("no precision inventory was recorded: no layer call was seen (this run "
+            "does not record whether its train step ran)")
+
+
 class KerasApi:
     """How fix texts spell the model's own Keras ("keras" or "tf_keras").
 
@@ -160,7 +184,14 @@ class RunView:
         if self.policy is None and not self.leaf_layers:
             raise NotMeasured("no run context or precision inventory was recorded")
         if self.half_dtype is None:
-            raise NotApplicable(f"the model trains in {self.policy or 'float32'}")
+            reason = f"the model trains in {self.policy or 'float32'}"
+            modes = sorted({layer["quantization_mode"] for layer in self.leaf_layers
+                            if layer.get("quantization_mode")})
+            if modes:
+                # Not "plain float32": say what its quantized layers compute.
+                reason += (f" (its {'/'.join(modes)} layers quantize their matmul operands "
+                           "and dequantize them to float32: no float16/bfloat16 to judge)")
+            raise NotApplicable(reason)
         return self.half_dtype
 
     def require_loss_scale(self):
@@ -185,7 +216,7 @@ class RunView:
 
     def require_inventory(self) -> dict:
         if not self.inventory:
-            raise NotMeasured("no precision inventory was recorded (the train step never traced)")
+            raise NotMeasured(inventory_missing_reason(self.context))
         return self.inventory
 
     @functools.cached_property

@@ -46,7 +46,7 @@ def run_section(index: int, run: reader.Run, result: diagnosis.Diagnosis, data: 
     parts.append(_context_html(run))
     parts.append(_findings_html(index, result))
     parts.append(_replays_html(replays))
-    parts.append(_inventory_html(run.inventory))
+    parts.append(_inventory_html(run.inventory, run.context))
     parts.append("<h3>Loss scale</h3>")
     if "loss_scale" in data:
         parts.append(f'<div class="plot" data-kind="loss_scale" data-run="{index}"></div>')
@@ -229,12 +229,10 @@ _INVENTORY_COLUMNS = (
 )
 
 
-def _inventory_html(inventory: dict | None) -> str:
+def _inventory_html(inventory: dict | None, context: dict) -> str:
     if not inventory:
-        return (
-            "<h3>Precision inventory</h3><p class=muted>Not recorded (the train "
-            "step never traced).</p>"
-        )
+        reason = diagnosis.inventory_missing_reason(context)
+        return f"<h3>Precision inventory</h3><p class=muted>{escape(reason)}.</p>"
     model = inventory.get("model", {})
     head = "".join(f"<th>{escape(title)}</th>" for _, title in _INVENTORY_COLUMNS)
     rows = []
