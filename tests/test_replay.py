@@ -537,3 +537,11 @@ def test_with_steps_per_execution_a_call_s_last_step_is_captured(tmp_path):
     # last step's, and its number is read in the graph.
     assert [c["step"] for c in state["captures"]] == [3, 5]
     assert replay(str(tmp_path), step=5)["first_op"]["layer"] == "d3"
+
+
+def test_a_quantized_model_is_refused_with_why(faulty_logdir):
+    model = third_dense_model()
+    keras.mixed_precision.set_dtype_policy("float32")
+    model.quantize("float8")
+    with pytest.raises(engine.ReplayError, match=r"quantized layers \(d1, d2, d3"):
+        replay(model, logdir=str(faulty_logdir), save=False)

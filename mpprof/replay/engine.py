@@ -22,6 +22,7 @@ import keras
 import numpy as np
 
 from mpprof import dtypes, schema
+from mpprof.collectors.layer_calls import called_method, walk_layers
 from mpprof.jsonsafe import json_safe
 from mpprof.replay import files
 from mpprof.replay.files import ReplayError
@@ -101,6 +102,17 @@ def _rebuild(capture: files.Capture):
 
 
 def _replay_with_weights(model, capture: files.Capture) -> dict:
+    quantized = [name for name, layer, _ in walk_layers(model)
+                 if called_method(layer) == "quantized_call"]
+    if quantized:
+        # Keras 3's float8 Dense fails under an eager GradientTape ("too
+        # many values to unpack" in its custom gradient), so the backward
+        # pass cannot run op by op.
+        raise ReplayError(
+            f"the model has quantized layers ({', '.join(quantized[:5])}): their "
+            "custom gradients do not run eagerly, so the step cannot be replayed op by "
+            "op; the float8 findings (MP015-MP017) and the numerics cover them"
+        )
     _load_weights(model, capture)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(capture.batch())
     batch = (x, y, sample_weight)
