@@ -71,13 +71,33 @@ def tensor_statistics(
     values = tf.reshape(tensor, [-1])
     if values.dtype not in _MAGNITUDE_BITS:
         values = tf.cast(values, tf.float32)
+    statistics = _traced_statistics(values.dtype, with_histogram)(values)
+    return statistics if with_histogram else (*statistics, None)
+
+
+# One traced function per dtype and kind, taking a flat tensor of any length:
+# tensors of every shape share it, so that a model with hundreds of layers
+# traces the statistics a few times, not once per tensor (inlined into the
+# train step when it runs, the call costs nothing).
+_TRACED: dict = {}
+
+
+def _traced_statistics(dtype: tf.DType, with_histogram: bool):
+    key = (dtype, with_histogram)
+    if key not in _TRACED:
+        _TRACED[key] = tf.function(
+            lambda values: _compute_statistics(values, with_histogram),
+            input_signature=[tf.TensorSpec([None], dtype)], autograph=False,
+        )
+    return _TRACED[key]
+
+
+def _compute_statistics(values: tf.Tensor, with_histogram: bool):
     size = tf.size(values, out_type=tf.int64)
     nonfinite, abs_max = _exact_statistics(values)
     sample, valid, weight = _sample(values, size)
     magnitude = tf.abs(sample)
-    finite = tf.math.is_finite(sample)
-    if valid is not None:
-        finite = tf.logical_and(finite, valid)
+    finite = tf.logical_and(tf.math.is_finite(sample), valid)
     nonzero = tf.logical_and(finite, magnitude > 0)
     sampled = tf.stack([
         tf.logical_and(finite, tf.equal(sample, 0)),
@@ -91,7 +111,7 @@ def tensor_statistics(
     )
     counts = tf.concat([tf.stack([size_f, nonfinite]), estimated], axis=0)
     if not with_histogram:
-        return counts, abs_max, None
+        return counts, abs_max
     as_float32 = tf.cast(sample, tf.float32)
     bins = tf.clip_by_value((_binary_exponent(as_float32) - _FIRST_EDGE) // 2 + 1, 0, _BINS - 1)
     in_histogram = tf.logical_and(nonzero, tf.math.is_finite(as_float32))
@@ -126,23 +146,20 @@ def _exact_statistics(values: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
 
 
 def _sample(values: tf.Tensor, size: tf.Tensor):
-    """(sample, valid mask or None, values each sampled one stands for).
+    """(sample, which of its places hold a value, values each one stands for).
 
     A tensor of more than `SAMPLE_VALUES` values is cut into that many equal
     strata (a tail shorter than one stratum is left out) and one value is
-    taken from each, at a fixed jitter within it.
+    taken from each, at a fixed jitter within it. A smaller one is taken
+    whole, each value once; the sample's other places are masked out.
     """
-    static_size = values.shape.num_elements()
-    if static_size is not None and static_size <= SAMPLE_VALUES:
-        return values, None, tf.ones(())
     position = tf.range(SAMPLE_VALUES, dtype=tf.int64)
     stratum = size // SAMPLE_VALUES
     offset = tf.cast(tf.constant(_JITTER) * tf.cast(stratum, tf.float32), tf.int64)
-    # A tensor of unknown length may turn out small: then its values are
-    # taken in order, each once (the rest of the sample is masked out).
     index = tf.where(stratum > 0, position * stratum + offset,
                      tf.minimum(position, tf.maximum(size - 1, 0)))
     weight = tf.cast(tf.maximum(size, SAMPLE_VALUES), tf.float32) / SAMPLE_VALUES
+    # An empty tensor has nothing to gather from (a layer may output one).
     sample = tf.cond(size > 0, lambda: tf.gather(values, index),
                      lambda: tf.zeros((SAMPLE_VALUES,), values.dtype))
     return sample, position < size, weight
