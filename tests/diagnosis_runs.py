@@ -278,9 +278,9 @@ def _tiny_loss_data(samples=40):
 
 
 # Units and batch of the "_sampled" runs: each layer's output and incoming
-# gradient, 64 x 512 values, is larger than the sample its shares are
-# estimated from (tensor_statistics.SAMPLE_VALUES, 16,384).
-_WIDE, _WIDE_BATCH = 512, 64
+# gradient, 64 x 128 values, is larger than the sample its shares are
+# estimated from (tensor_statistics.SAMPLE_VALUES, 4,096).
+_WIDE, _WIDE_BATCH = 128, 64
 
 
 def flushed_gradients(log_dir):
@@ -298,7 +298,7 @@ def unshrunk_gradients(log_dir):
 
 
 def flushed_gradients_sampled(log_dir):
-    """MP005 from estimated shares: `flushed_gradients` with 512 units, so
+    """MP005 from estimated shares: `flushed_gradients` with 128 units, so
     every layer's shares come from a sample of its values."""
     _fit(log_dir, _tiny_loss_model("mixed_float16", 1e-13, width=_WIDE),
          *_tiny_loss_data(5 * _WIDE_BATCH), batch_size=_WIDE_BATCH, numerics_every=1)

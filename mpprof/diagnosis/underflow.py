@@ -35,7 +35,8 @@ def gradient_underflow(view: RunView) -> list:
     every sample, a bias before BatchNormalization, an attention key bias)
     are left out. The shares of a tensor larger than
     `tensor_statistics.SAMPLE_VALUES` are estimates from a sample of its
-    values (within 0.4 percentage points: far finer than the thresholds)."""
+    values (standard error at most 0.8 percentage points: far finer than
+    the thresholds)."""
     if view.require_mixed() != "float16":
         raise NotApplicable("bfloat16 has float32's exponent range: gradients do not underflow")
     numerics = view.require_numerics()
