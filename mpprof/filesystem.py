@@ -38,6 +38,11 @@ def is_remote(path: str) -> bool:
     return "://" in path
 
 
+def error_text(error: OSError) -> str:
+    """What went wrong, in words, without the path the caller already shows."""
+    return error.strerror or str(error)
+
+
 def join(directory: str, name: str) -> str:
     return posixpath.join(directory, name) if is_remote(directory) else os.path.join(
         directory, name

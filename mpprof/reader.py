@@ -7,28 +7,49 @@ Only mpprof's own event files are read (the writer marks them with
 Reading never trusts the files: each record's checksums are verified
 (`mpprof.tfrecord`) and its content checked against the schema
 (`mpprof.validation`); a record that fails is skipped with a warning in
-`Run.warnings`, one line per kind of problem however often it occurs. A
-directory that cannot be listed is skipped with a warning, and symlink loops
-are not followed. Local logdirs are read without importing TensorFlow
-(`mpprof.filesystem`).
+`Run.warnings`, one line per kind of problem however often it occurs
+(`mpprof.event_file` reads one file). A directory that cannot be listed is
+skipped with a warning, and symlink loops are not followed. Local logdirs are
+read without importing TensorFlow (`mpprof.filesystem`).
+
+This module owns the logdir (which runs, which files) and `Run`, the records
+of one run; the typed views of a run (`LossScale`, `Numerics`, `Float8`,
+`Gpu`) are built by `mpprof.record_views`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
-import math
 import os
 import posixpath
 from collections.abc import Callable
 
 import numpy as np
-from tensorboard.compat.proto import event_pb2, types_pb2
 
-from mpprof import filesystem, schema, tfrecord, validation
+from mpprof import filesystem, record_views, schema
+from mpprof.event_file import ReadWarnings, Record, read_event_file, series_key
+from mpprof.record_views import Float8, Gpu, LossScale, Numerics
 from mpprof.terminal import printable
+
+__all__ = [
+    "Float8",
+    "Gpu",
+    "LogdirNotFoundError",
+    "LossScale",
+    "NoMpprofDataError",
+    "Numerics",
+    "OnWarning",
+    "Record",
+    "Run",
+    "event_files",
+    "list_runs",
+    "no_runs_error",
+    "read_logdir",
+    "read_run",
+    "select_runs",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -37,212 +58,12 @@ logger = logging.getLogger(__name__)
 OnWarning = Callable[[str], None]
 
 
-_EVENT = schema.LOSS_SCALE_EVENT_COLUMN
-_PROGRESS = schema.LOSS_SCALE_PROGRESS_COLUMN
-_STEP = schema.NUMERICS_STEP_COLUMN
-
-
 class LogdirNotFoundError(FileNotFoundError):
     """The logdir does not exist."""
 
 
 class NoMpprofDataError(LookupError):
     """The logdir exists but holds no mpprof records."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Record:
-    step: int
-    wall_time: float
-    value: object  # dict for JSON records, np.ndarray for arrays
-
-
-@dataclasses.dataclass
-class LossScale:
-    """The dynamic loss scale of a run, exact to the step.
-
-    Attributes:
-        events: float64 [n, 4], columns `schema.LOSS_SCALE_EVENT_COLUMNS`,
-            sorted by step: every overflow (skipped step) and every growth.
-        progress: float64 [m, 3], columns `schema.LOSS_SCALE_PROGRESS_COLUMNS`:
-            steps run, scale and skipped steps at each read of the counters.
-    """
-
-    events: np.ndarray
-    progress: np.ndarray
-
-    def _kind(self, kind: float) -> np.ndarray:
-        return self.events[self.events[:, _EVENT.kind] == kind]
-
-    @property
-    def overflows(self) -> np.ndarray:
-        """[k, 3]: step, scale before, scale after of each overflow (the
-        columns of `schema.LOSS_SCALE_EVENT_COLUMN` before "kind")."""
-        return self._kind(schema.EVENT_OVERFLOW)[:, : _EVENT.kind]
-
-    @property
-    def growths(self) -> np.ndarray:
-        """[k, 3]: step, scale before, scale after of each growth."""
-        return self._kind(schema.EVENT_GROWTH)[:, : _EVENT.kind]
-
-    @property
-    def overflow_steps(self) -> np.ndarray:
-        return self.overflows[:, _EVENT.step].astype(np.int64)
-
-    @property
-    def skipped_steps(self) -> int:
-        return len(self.overflows)
-
-    @property
-    def first_step(self) -> int:
-        return int(self.progress[0, _PROGRESS.steps_run]) if len(self.progress) else 0
-
-    @property
-    def steps_run(self) -> int:
-        """Steps run up to the last read, skipped steps included."""
-        last = int(self.progress[-1, _PROGRESS.steps_run]) if len(self.progress) else 0
-        if len(self.events):
-            last = max(last, int(self.events[-1, _EVENT.step]) + 1)
-        return last
-
-    @property
-    def initial_scale(self) -> float:
-        if len(self.progress):
-            return float(self.progress[0, _PROGRESS.scale])
-        return float(self.events[0, _EVENT.scale_before]) if len(self.events) else float("nan")
-
-    @property
-    def final_scale(self) -> float:
-        if len(self.events) and (
-            not len(self.progress)
-            or self.events[-1, _EVENT.step] >= self.progress[-1, _PROGRESS.steps_run]
-        ):
-            return float(self.events[-1, _EVENT.scale_after])
-        if not len(self.progress):
-            return float("nan")
-        return float(self.progress[-1, _PROGRESS.scale])
-
-    @property
-    def steps_since_last_overflow(self) -> int | None:
-        steps = self.overflow_steps
-        return None if not len(steps) else self.steps_run - 1 - int(steps[-1])
-
-    def series(self) -> tuple[np.ndarray, np.ndarray]:
-        """Vertices of the step function "scale after step s", for plotting.
-
-        The scale after any step between two vertices equals the earlier one.
-        """
-        steps = [self.first_step - 1]
-        scales = [self.initial_scale]
-        steps.extend(self.events[:, _EVENT.step].tolist())
-        scales.extend(self.events[:, _EVENT.scale_after].tolist())
-        if self.steps_run - 1 > steps[-1]:
-            steps.append(self.steps_run - 1)
-            scales.append(scales[-1])
-        return np.asarray(steps, dtype=np.int64), np.asarray(scales)
-
-    def scale_after(self, steps) -> np.ndarray:
-        """The scale after each of `steps` (exact: it changes only at events)."""
-        vertex_steps, vertex_scales = self.series()
-        index = np.searchsorted(vertex_steps, np.asarray(steps), side="right") - 1
-        return vertex_scales[np.clip(index, 0, None)]
-
-
-_STAT_INDEX = {name: i for i, name in enumerate(schema.NUMERICS_STAT_COLUMNS)}
-
-
-def _shares(stats: np.ndarray) -> dict[str, np.ndarray]:
-    """Per-row statistics of [..., NUMERICS_STAT_COLUMNS] arrays as shares."""
-    count = np.maximum(stats[..., _STAT_INDEX["count"]], 1.0)
-    return {
-        "abs_max": stats[..., _STAT_INDEX["abs_max"]],
-        "count": stats[..., _STAT_INDEX["count"]],
-        "nonfinite_frac": stats[..., _STAT_INDEX["nonfinite"]] / count,
-        "zero_frac": stats[..., _STAT_INDEX["zero"]] / count,
-        "underflow_frac": stats[..., _STAT_INDEX["below_normal"]] / count,
-        "subnormal_frac": stats[..., _STAT_INDEX["below_subnormal"]] / count,
-    }
-
-
-@dataclasses.dataclass
-class Numerics:
-    """Per-layer numerics on sampled steps, as arrays ready to plot.
-
-    `forward[stat]` and `backward[stat]` are [steps, layers] arrays (layers in
-    call order, `layers` names them); `variable_grads[stat]` and
-    `unscaled_variable_grads[stat]` are [steps, variables]. Stats: "abs_max",
-    "count", "nonfinite_frac", "zero_frac", "underflow_frac" (non-zero below
-    the float16 smallest normal), "subnormal_frac" (non-zero below the float16
-    smallest subnormal). Histograms are [steps, layers, bins] counts of
-    log2|x| with `hist_edges`.
-    """
-
-    layers: list[str]
-    variables: list[str]
-    policy_max: float
-    hist_edges: np.ndarray
-    steps: np.ndarray
-    loss: np.ndarray
-    loss_scale: np.ndarray
-    forensic: np.ndarray
-    steps_covered: np.ndarray
-    forward: dict[str, np.ndarray]
-    backward: dict[str, np.ndarray]
-    forward_hist: np.ndarray
-    backward_hist: np.ndarray
-    variable_grads: dict[str, np.ndarray]
-    unscaled_variable_grads: dict[str, np.ndarray]
-
-
-@dataclasses.dataclass
-class Float8:
-    """The float8 layers' delayed scaling at each flush, as arrays ready to plot.
-
-    Every array of `state` is [flushes, layers, tensors] (layers as `layers`
-    names them, tensors as `tensors`); its keys are
-    `schema.FLOAT8_STATE_COLUMNS` ("scale", "amax_max", "amax_last", "steps",
-    "saturated_steps", "peak_over_max", "underflowed_steps",
-    "warmup_steps"); `steps` are the flushes' train steps.
-    """
-
-    layers: list[str]
-    policies: list[str]
-    amax_history_lengths: list[int]
-    tensors: list[str]
-    formats: dict[str, str]
-    format_max: dict[str, float]
-    format_min_subnormal: dict[str, float]
-    steps: np.ndarray
-    state: dict[str, np.ndarray]
-
-
-@dataclasses.dataclass
-class Gpu:
-    """What the GPU sampler and the XProf window recorded.
-
-    Attributes:
-        mode: "gpm" (Tensor Core utilization measured), "basic" (NVML without
-            GPM: kernel utilization only) or "unavailable".
-        reason: why that mode, in words.
-        devices: per sampled GPU, its facts from the run context
-            (index, name, uuid, architecture, compute_capability, mode, ...).
-        samples: float64 [n, len(schema.GPU_SAMPLE_COLUMNS)], sorted by wall
-            time then device; NaN where a value was not measured.
-        kernels: the latest `kernels/tensor_core_share` record, or None.
-    """
-
-    mode: str
-    reason: str
-    devices: list[dict]
-    samples: np.ndarray
-    kernels: dict | None
-
-    def column(self, name: str, device: int | None = None) -> np.ndarray:
-        """One column of `samples` (of one device's rows if `device` is given)."""
-        values = self.samples[:, schema.GPU_SAMPLE_COLUMNS.index(name)]
-        if device is None:
-            return values
-        return values[self.samples[:, schema.GPU_SAMPLE_COLUMN.device] == device]
 
 
 @dataclasses.dataclass
@@ -341,145 +162,40 @@ class Run:
         return found
 
     def _loss_scale_series(self, series: str | None) -> LossScale | None:
-        events = self._stacked(_series_key(schema.LOSS_SCALE_EVENTS, series), 4)
-        progress = self._stacked(_series_key(schema.LOSS_SCALE_PROGRESS, series), 3)
-        if not len(events) and not len(progress):
-            return None
-        return LossScale(events=_unique_rows(events), progress=_unique_rows(progress))
+        return record_views.loss_scale(
+            self._stacked(series_key(schema.LOSS_SCALE_EVENTS, series),
+                          len(schema.LOSS_SCALE_EVENT_COLUMNS)),
+            self._stacked(series_key(schema.LOSS_SCALE_PROGRESS, series),
+                          len(schema.LOSS_SCALE_PROGRESS_COLUMNS)),
+        )
 
     @property
     def health(self) -> dict | None:
         return self.latest(schema.HEALTH)
-
     @functools.cached_property
     def numerics(self) -> Numerics | None:
-        layout = self.latest(schema.NUMERICS_LAYOUT)
-        if layout is None:
-            return None
-        layers, variables = len(layout["layers"]), len(layout["variables"])
-        shapes = {
-            schema.NUMERICS_STEP: (len(schema.NUMERICS_STEP_COLUMNS),),
-            schema.NUMERICS_FORWARD: (layers, len(schema.NUMERICS_STAT_COLUMNS)),
-            schema.NUMERICS_BACKWARD: (layers, len(schema.NUMERICS_STAT_COLUMNS)),
-            schema.NUMERICS_FORWARD_HIST: (layers, len(layout["hist_edges"]) + 1),
-            schema.NUMERICS_BACKWARD_HIST: (layers, len(layout["hist_edges"]) + 1),
-            schema.NUMERICS_GRADIENTS: (variables, len(schema.NUMERICS_STAT_COLUMNS)),
-            schema.NUMERICS_UNSCALED_GRADIENTS: (variables, len(schema.NUMERICS_STAT_COLUMNS)),
-        }
-        # The callback writes its samples in batches: each record holds
-        # [samples, *shape] (a single [*shape] sample is read too), all
-        # records of a batch at the same event step. Batches whose shapes do
-        # not match the layout (a changed model) are left out.
-        batches: dict[int, dict[str, np.ndarray]] = {}
-        for record, shape in shapes.items():
-            for found in self.records.get(record, []):
-                value = np.asarray(found.value)
-                if value.shape == shape:
-                    value = value[None]
-                if value.shape[1:] == shape:
-                    batches.setdefault(found.step, {})[record] = value
-        complete = [
-            batch for _, batch in sorted(batches.items())
-            if len(batch) == len(shapes) and len({len(v) for v in batch.values()}) == 1
-        ]
-        if not complete:
-            return None
-        joined = {record: np.concatenate([b[record] for b in complete]) for record in shapes}
-        # One sample per step, the last written, in step order.
-        sample_steps = joined[schema.NUMERICS_STEP][:, _STEP.step]
-        reversed_unique = np.unique(sample_steps[::-1], return_index=True)[1]
-        keep = len(sample_steps) - 1 - reversed_unique
-
-        def stacked(record: str) -> np.ndarray:
-            return joined[record][keep]
-
-        step_rows = stacked(schema.NUMERICS_STEP)
-        return Numerics(
-            layers=list(layout["layers"]),
-            variables=list(layout["variables"]),
-            policy_max=float(layout["policy_max"]),
-            hist_edges=np.asarray(layout["hist_edges"], dtype=np.float64),
-            steps=step_rows[:, _STEP.step].astype(np.int64),
-            loss=step_rows[:, _STEP.loss],
-            loss_scale=step_rows[:, _STEP.loss_scale],
-            forensic=step_rows[:, _STEP.forensic] > 0,
-            steps_covered=step_rows[:, _STEP.steps_covered].astype(np.int64),
-            forward=_shares(stacked(schema.NUMERICS_FORWARD)),
-            backward=_shares(stacked(schema.NUMERICS_BACKWARD)),
-            forward_hist=stacked(schema.NUMERICS_FORWARD_HIST),
-            backward_hist=stacked(schema.NUMERICS_BACKWARD_HIST),
-            variable_grads=_shares(stacked(schema.NUMERICS_GRADIENTS)),
-            unscaled_variable_grads=_shares(stacked(schema.NUMERICS_UNSCALED_GRADIENTS)),
-        )
+        """Per-layer numerics samples; None if the run holds no complete one."""
+        return record_views.numerics(self.latest(schema.NUMERICS_LAYOUT), self.records)
 
     @functools.cached_property
     def float8(self) -> Float8 | None:
         """The float8 layers' scales and amax; None for a run without float8
         layers (or recorded before mpprof recorded them)."""
-        layout = self.latest(schema.FLOAT8_LAYOUT)
-        if layout is None or not layout.get("layers"):
-            return None
-        shape = (len(layout["layers"]), len(layout["tensors"]), len(schema.FLOAT8_STATE_COLUMNS))
-        # The last record of each step, in step order; records of another
-        # shape (a changed model) are left out.
-        records = self.records.get(schema.FLOAT8_STATE, [])
-        by_step = {
-            found.step: np.asarray(found.value) for found in records
-            if np.shape(found.value) == shape
-        }
-        steps = np.array(sorted(by_step), dtype=np.int64)
-        rows = np.stack([by_step[step] for step in steps]) if len(steps) else np.zeros((0, *shape))
-        return Float8(
-            layers=[layer["name"] for layer in layout["layers"]],
-            policies=[str(layer.get("policy")) for layer in layout["layers"]],
-            amax_history_lengths=[
-                int(layer.get("amax_history_length") or 0) for layer in layout["layers"]
-            ],
-            tensors=list(layout["tensors"]),
-            formats=dict(layout.get("formats") or {}),
-            format_max={k: float(v) for k, v in (layout.get("format_max") or {}).items()},
-            format_min_subnormal={
-                k: float(v) for k, v in (layout.get("format_min_subnormal") or {}).items()
-            },
-            steps=steps,
-            state={name: rows[..., i] for i, name in enumerate(schema.FLOAT8_STATE_COLUMNS)},
+        return record_views.float8(
+            self.latest(schema.FLOAT8_LAYOUT), self.records.get(schema.FLOAT8_STATE, [])
         )
 
     @functools.cached_property
     def gpu(self) -> Gpu | None:
         """GPU samples and kernel share; None if the run recorded no GPU entry."""
-        entry = self.context.get("collectors", {}).get("gpu")
-        samples = self._stacked(schema.GPU_SAMPLES, len(schema.GPU_SAMPLE_COLUMNS))
-        kernels = self.latest(schema.KERNEL_STATS)
-        if entry is None and not len(samples) and kernels is None:
-            return None
-        entry = entry or {}
-        if len(samples):
-            # A row written twice (e.g. re-read logdir) is kept once, in time order.
-            samples = np.unique(samples, axis=0)
-        return Gpu(
-            mode=entry.get("mode", "unavailable"),
-            reason=entry.get("reason", ""),
-            devices=list(entry.get("devices", [])),
-            samples=samples,
-            kernels=kernels,
+        return record_views.gpu(
+            self.context.get("collectors", {}).get("gpu"),
+            self._stacked(schema.GPU_SAMPLES, len(schema.GPU_SAMPLE_COLUMNS)),
+            self.latest(schema.KERNEL_STATS),
         )
 
     def _stacked(self, record: str, columns: int) -> np.ndarray:
-        arrays = [np.reshape(r.value, (-1, columns)) for r in self.records.get(record, [])]
-        return np.concatenate(arrays) if arrays else np.zeros((0, columns))
-
-
-def _series_key(record: str, series: str | None) -> str:
-    """The key of `Run.records` for one series of a record (see `schema.tag_for`)."""
-    return record if series is None else record + schema.SERIES_SEPARATOR + series
-
-
-def _unique_rows(rows: np.ndarray) -> np.ndarray:
-    """Sorted by the first column; a row read twice is kept once."""
-    if not len(rows):
-        return rows
-    return np.unique(rows, axis=0)
+        return record_views.stacked_rows(self.records.get(record, []), columns)
 
 
 def list_runs(logdir: str | os.PathLike, on_warning: OnWarning | None = None) -> list[str]:
@@ -500,7 +216,7 @@ def list_runs(logdir: str | os.PathLike, on_warning: OnWarning | None = None) ->
     runs = set()
 
     def unlisted(directory: str, error: OSError) -> None:
-        warn(f"{directory}: cannot be listed ({_reason(error)}); skipped")
+        warn(f"{directory}: cannot be listed ({filesystem.error_text(error)}); skipped")
 
     for directory, entries in filesystem.walk(logdir, on_error=unlisted):
         files, others = _event_file_entries(entries)
@@ -540,9 +256,9 @@ def read_run(logdir: str | os.PathLike, run: str) -> Run:
     """
     files = event_files(logdir, run)
     records: dict[str, list[Record]] = {}
-    warnings = _Warnings()
+    warnings = ReadWarnings()
     for path in files:
-        _read_event_file(path, records, warnings)
+        read_event_file(path, records, warnings)
     for found in records.values():
         found.sort(key=lambda r: (r.wall_time, r.step))
     return Run(
@@ -565,7 +281,7 @@ def read_logdir(logdir: str | os.PathLike, on_warning: OnWarning | None = None) 
         try:
             read[name] = read_run(logdir, name)
         except OSError as e:
-            warn(f"run {name}: cannot be read ({_reason(e)}); skipped")
+            warn(f"run {name}: cannot be read ({filesystem.error_text(e)}); skipped")
     return read
 
 
@@ -628,140 +344,3 @@ def _existing_logdir(logdir: str | os.PathLike) -> str:
             "mpprof.MixedPrecisionProfiler."
         )
     return logdir
-
-
-def _reason(error: OSError) -> str:
-    return error.strerror or str(error)
-
-
-class _Warnings:
-    """The warnings of one run's read: one line per kind of problem.
-
-    A logdir written by a newer mpprof, or a file of garbage, fails on every
-    record: the user needs to hear it once, with how often and where first.
-    """
-
-    def __init__(self):
-        self._kinds: dict[str, list] = {}  # kind -> [count, first full text]
-
-    def add(self, kind: str, text: str) -> None:
-        entry = self._kinds.setdefault(kind, [0, text])
-        entry[0] += 1
-
-    def lines(self) -> list[str]:
-        return [
-            text if count == 1 else f"{text} (and {count - 1:,} more records like it)"
-            for count, text in self._kinds.values()
-        ]
-
-
-def _read_event_file(path: str, records: dict, warnings: _Warnings) -> None:
-    """Reads one event file record by record (see `mpprof.tfrecord`)."""
-    # TensorBoard semantics: a tag's metadata (here: the schema version) may
-    # come with its first value only and holds for the whole series.
-    tag_problems: dict[str, tuple[str, str] | None] = {}
-    try:
-        with filesystem.open_file(path) as stream:
-            for frame in tfrecord.read_frames(stream):
-                if frame.problem is not None:
-                    skipped = "" if frame.fatal else "; skipped"
-                    warnings.add(f"{path}\0frame", f"{path}: {frame.problem}{skipped}")
-                else:
-                    _parse_event(frame, path, records, warnings, tag_problems)
-    except OSError as e:
-        warnings.add(f"{path}\0unreadable", f"{path}: cannot be read ({_reason(e)}); skipped")
-
-
-def _parse_event(frame: tfrecord.Frame, path: str, records: dict, warnings: _Warnings,
-                 tag_problems: dict) -> None:
-    try:
-        event = event_pb2.Event.FromString(frame.payload)
-    except Exception as e:  # noqa: BLE001 - bytes that pass their CRC but are no Event
-        warnings.add(
-            f"{path}\0event",
-            f"{path}: record at byte {frame.offset} is not an event ({e}); skipped",
-        )
-        return
-    for value in event.summary.value:
-        parsed_tag = schema.parse_tag(value.tag)
-        if parsed_tag is None:
-            continue
-        record, series = parsed_tag
-        where = f"{value.tag} at step {event.step} ({path})"
-        if value.metadata.plugin_data.plugin_name:
-            tag_problems[value.tag] = _metadata_problem(value.metadata.plugin_data.content)
-        found = tag_problems.get(value.tag)
-        if found is None:
-            try:
-                parsed = _value(value)
-            except ValueError as e:
-                found = (f"{value.tag}\0value", f"unreadable value ({e})")
-            else:
-                reason = validation.step_problem(event.step, event.wall_time) or (
-                    validation.problem(record, parsed)
-                )
-                if reason is None:
-                    records.setdefault(_series_key(record, series), []).append(
-                        Record(step=event.step, wall_time=event.wall_time, value=parsed)
-                    )
-                    continue
-                found = (f"{value.tag}\0malformed", f"malformed record: {reason}")
-        kind, reason = found
-        warnings.add(kind, f"{where}: {reason}; skipped")
-
-
-def _metadata_problem(content: bytes) -> tuple[str, str] | None:
-    """(kind, reason) if a tag's plugin content makes its records unreadable."""
-    try:
-        schema.parse_plugin_content(content)
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, TypeError) as e:
-        return "metadata", f"unreadable plugin metadata ({e})"
-    except ValueError as e:  # the one ValueError it raises itself: a newer schema
-        return "newer schema", str(e).rstrip(".")
-    return None
-
-
-# Numeric tensor dtypes a record may hold, and their little-endian layout.
-_NUMERIC_DTYPES = {
-    types_pb2.DT_DOUBLE: ("<f8", "double_val"),
-    types_pb2.DT_FLOAT: ("<f4", "float_val"),
-    types_pb2.DT_INT64: ("<i8", "int64_val"),
-    types_pb2.DT_INT32: ("<i4", "int_val"),
-}
-
-
-def _value(value):
-    """A summary value's tensor: a parsed JSON document or a numeric array.
-
-    Decoded here rather than by `tensorboard.util.tensor_util`, which pulls in
-    TensorBoard's TensorFlow stub and its file systems at import (a tenth of
-    `mpprof diagnose`'s run time) and copies every array.
-
-    Raises:
-        ValueError: the tensor or its JSON text cannot be decoded.
-    """
-    tensor = value.tensor
-    shape = tuple(dim.size for dim in tensor.tensor_shape.dim)
-    if tensor.dtype == types_pb2.DT_STRING:
-        if shape != () or len(tensor.string_val) != 1:
-            raise ValueError(f"a string tensor of shape {list(shape)}, not one JSON text")
-        try:
-            return json.loads(tensor.string_val[0])
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"not JSON: {e}") from e
-    if tensor.dtype not in _NUMERIC_DTYPES:
-        raise ValueError(f"a tensor of {types_pb2.DataType.Name(tensor.dtype)}, not numbers")
-    if any(size < 0 for size in shape):
-        raise ValueError(f"a tensor of shape {list(shape)}")
-    layout, field = _NUMERIC_DTYPES[tensor.dtype]
-    count = math.prod(shape)
-    if tensor.tensor_content:
-        if len(tensor.tensor_content) != count * np.dtype(layout).itemsize:
-            raise ValueError(f"{len(tensor.tensor_content)} bytes for shape {list(shape)}")
-        return np.frombuffer(tensor.tensor_content, layout).reshape(shape)
-    values = np.asarray(getattr(tensor, field), dtype=layout)
-    if len(values) == 1 and count > 1:
-        values = np.repeat(values, count)  # a proto may give one value for all
-    if len(values) != count:
-        raise ValueError(f"{len(values)} values for shape {list(shape)}")
-    return values.reshape(shape)

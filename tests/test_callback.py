@@ -15,6 +15,7 @@ from conftest import mnist_like, overflow_data, overflow_model, seed_model
 import mpprof
 from mpprof import reader, schema
 from mpprof.collectors.layer_calls import is_patched
+from mpprof.profiled_fit import ProfiledFit
 
 TESTS = os.path.dirname(__file__)
 
@@ -43,8 +44,7 @@ def _assert_model_left_as_found(model):
                          "_stateful_handle_non_finite_grads"} & set(vars(model.optimizer))
     assert not optimizer_patches
     assert "train_step" not in vars(model)
-    assert not isinstance(getattr(model.train_function, "__self__", None),
-                          mpprof.MixedPrecisionProfiler)
+    assert not isinstance(getattr(model.train_function, "__self__", None), ProfiledFit)
 
 
 def test_unwritable_log_dir_fails_at_train_begin(tmp_path):
@@ -57,6 +57,28 @@ def test_unwritable_log_dir_fails_at_train_begin(tmp_path):
         model.fit(x, y, epochs=1, verbose=0, callbacks=[profiler])
     _assert_model_left_as_found(model)
     model.fit(x, y, epochs=1, verbose=0)
+
+
+def test_a_call_the_user_set_on_a_layer_is_put_back(tmp_path):
+    """mpprof wraps the user's own instance-level `call` while fit runs, and
+    that very function is the layer's `call` again afterwards."""
+    model = seed_model()
+    layer = model.get_layer("dense")
+    class_call = layer.call
+    calls = []
+
+    def counting_call(*args, **kwargs):
+        calls.append(1)
+        return class_call(*args, **kwargs)
+
+    layer.call = counting_call
+    x, y = mnist_like(32)
+    model.fit(x, y, epochs=1, verbose=0,
+              callbacks=[mpprof.MixedPrecisionProfiler(str(tmp_path))])
+    assert vars(layer)["call"] is counting_call and calls
+    _assert_model_left_as_found(model)
+    inventory = reader.read_run(tmp_path, "train").inventory
+    assert "dense" in {entry["name"] for entry in inventory["layers"]}
 
 
 class InterruptInsideStep(keras.layers.Layer):

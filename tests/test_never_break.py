@@ -24,6 +24,7 @@ from mpprof.collectors.numerics import NumericsCollector
 from mpprof.collectors.numerics_samples import NumericsSamples
 from mpprof.collectors.precision import PrecisionCollector
 from mpprof.collectors.run_health import RunHealth
+from mpprof.profiled_fit import ProfiledFit
 from mpprof.train_functions import TrainFunctions
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -368,7 +369,7 @@ def _small_data():
 
 def _is_profiler_function(model) -> bool:
     function = vars(model).get("train_function")
-    return isinstance(getattr(function, "__self__", None), mpprof.MixedPrecisionProfiler)
+    return isinstance(getattr(function, "__self__", None), ProfiledFit)
 
 
 def _start_hard_stop_fit(tmp_path, *extra):

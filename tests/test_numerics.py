@@ -398,17 +398,20 @@ def test_optimizers_wrapped_once_each_and_restored():
     import tensorflow as tf
 
     from mpprof.collectors.numerics import NumericsCollector
+    from mpprof.patching import Patches
 
     model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2, name="dense")])
     collector = NumericsCollector(model, tf.distribute.get_strategy())
     first, second = keras.optimizers.SGD(), keras.optimizers.Adam()
-    collector.wrap_optimizer(None, lambda: 1.0)
+    patches = Patches()
+    collector.wrap_optimizer(None, lambda: 1.0, patches)
     for optimizer in (first, second, first):
-        collector.wrap_optimizer(optimizer, lambda: 1.0)
+        collector.wrap_optimizer(optimizer, lambda: 1.0, patches)
     wrapped = vars(first)["apply"]
     assert "apply" in vars(second) and wrapped.__closure__ is not None
     # The repeat did not wrap the wrapper: its closure holds the bound method.
     assert not any(getattr(c.cell_contents, "__name__", "") == "instrumented_apply"
                    for c in wrapped.__closure__)
-    collector.remove()
+    assert len(patches) == 2
+    assert not patches.restore()
     assert "apply" not in vars(first) and "apply" not in vars(second)

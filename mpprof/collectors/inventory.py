@@ -31,7 +31,7 @@ class Inventory(Collector):
         self._written = False
 
     def install(self, fit, patches: Patches) -> None:
-        self.layer_patch.install()
+        self.layer_patch.install(patches)
 
     def add_hook(self, collector: str, hook) -> None:
         """Lets `hook` see every layer call too, guarded as `collector`."""
@@ -41,9 +41,6 @@ class Inventory(Collector):
         if not self._written and self.precision.traced:
             self._written = True
             fit.writer.write_json(schema.INVENTORY, self.precision.inventory(), fit.step)
-
-    def remove(self) -> None:
-        self.layer_patch.remove()
 
     def context(self) -> dict:
         return {"state": "ok", "traced": self.precision.traced}

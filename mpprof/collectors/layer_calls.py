@@ -1,7 +1,8 @@
 """Instance-level wrapping of `layer.call`, the one patch mpprof puts on layers.
 
 `Operation.__call__` looks up `self.call`, so an instance attribute shadows the
-class method for that layer alone; deleting the attribute restores it. The
+class method for that layer alone. The patches go through the fit's
+`mpprof.patching.Patches`, which undoes them with every other patch. The
 wrapper runs each hook after the original `call` while the train step is
 traced (or on every call when the model runs eagerly), and keeps the graph
 each call started in, so that a hook can tell whether its layer was called
@@ -16,6 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import tensorflow as tf
+
+from mpprof.patching import Patches
 
 _PATCH_MARKER = "_mpprof_wrapped"
 
@@ -70,26 +73,26 @@ class LayerCallPatch:
     def __init__(self, model, hooks: Sequence[CallHook]):
         self._model = model
         self._hooks = list(hooks)
-        self._patched: list = []
+        self._patches: Patches | None = None
 
     def add_hook(self, hook: CallHook) -> None:
         """Adds a hook; wrappers already installed see it from their next call."""
         self._hooks.append(hook)
 
-    def install(self) -> None:
+    def install(self, patches: Patches) -> None:
+        """Wraps every layer there is now, and later its new children, through
+        `patches` (restoring them unwraps every layer)."""
+        self._patches = patches
         self._patch(self._model)
         for _, layer, _ in walk_layers(self._model):
             self._patch(layer)
 
-    def remove(self) -> None:
-        for layer in self._patched:
-            remove_patch(layer)
-        self._patched.clear()
-
     def _patch(self, layer) -> None:
-        remove_patch(layer)
-        layer.call = self._wrap(layer, layer.call)
-        self._patched.append(layer)
+        # A wrapper left behind by a profiler that never ended must not be
+        # wrapped again, nor put back when this fit's patches are undone.
+        if is_patched(layer):
+            del layer.call
+        self._patches.set(layer, "call", self._wrap(layer, layer.call))
 
     def _patch_new_children(self, parent) -> None:
         for child in parent._flatten_layers(include_self=False, recursive=False):
@@ -118,12 +121,6 @@ class LayerCallPatch:
 
 def is_patched(layer) -> bool:
     return getattr(layer.__dict__.get("call"), _PATCH_MARKER, False)
-
-
-def remove_patch(layer) -> None:
-    """Removes mpprof's wrapper from `layer.call`, if there is one."""
-    if is_patched(layer):
-        del layer.call
 
 
 def control_flow_inside_caller() -> str | None:

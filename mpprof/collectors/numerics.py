@@ -38,6 +38,7 @@ from mpprof.collectors.tensor_statistics import (
     SAMPLE_VALUES,
     StatisticsTable,
 )
+from mpprof.patching import Patches
 from mpprof.tf_keras_support import variable_path
 
 
@@ -190,8 +191,8 @@ class NumericsCollector:
 
         return identity(tensor)
 
-    def wrap_optimizer(self, optimizer, loss_scale_getter):
-        """An instance-level wrapper of `optimizer.apply` (see `remove`).
+    def wrap_optimizer(self, optimizer, loss_scale_getter, patches: Patches) -> None:
+        """An instance-level wrapper of `optimizer.apply`, through `patches`.
 
         May be called for each optimizer the train step uses (a GAN's two);
         None (a model whose own `optimizer` is never built) wraps nothing.
@@ -212,7 +213,7 @@ class NumericsCollector:
                 )
             return apply(grads, trainable_variables)
 
-        optimizer.apply = instrumented_apply
+        patches.set(optimizer, "apply", instrumented_apply)
         self._optimizers.append(optimizer)
 
     def _gradient_rows(self, grads, variables) -> tuple[list[int], list[tf.Tensor]]:
@@ -226,12 +227,6 @@ class NumericsCollector:
             rows.append(row)
             found.append(grad.values if isinstance(grad, tf.IndexedSlices) else grad)
         return rows, found
-
-    def remove(self) -> None:
-        for optimizer in self._optimizers:
-            if "apply" in vars(optimizer):
-                del optimizer.apply
-        self._optimizers.clear()
 
     @property
     def _tables(self) -> tuple[StatisticsTable, ...]:

@@ -16,6 +16,7 @@ import numpy as np
 from mpprof import schema
 from mpprof.collectors.base import Collector
 from mpprof.dtypes import DTYPE_MAX
+from mpprof.patching import Patches
 
 # Samples waiting for the next flush, at most.
 MAX_PENDING_SAMPLES = 64
@@ -43,6 +44,12 @@ class NumericsSamples(Collector):
         self._pending: list[dict[str, np.ndarray]] = []
         self._layout_written = None
         self._forensic_used = 0
+        self._patches: Patches | None = None
+
+    def install(self, fit, patches: Patches) -> None:
+        # The collector is made at the first sample; its optimizer wrappers
+        # go through the fit's patches then.
+        self._patches = patches
 
     def prepare(self, fit) -> bool:
         """Makes the collector before the first sampled call."""
@@ -51,7 +58,9 @@ class NumericsSamples(Collector):
             collector = self._collector_class(model, model.distribute_strategy)
             for use in fit.usage.used():
                 # Each optimizer's gradients are unscaled by its own scale.
-                collector.wrap_optimizer(use.optimizer, self._loss_scales.scale_of(use.name))
+                collector.wrap_optimizer(
+                    use.optimizer, self._loss_scales.scale_of(use.name), self._patches
+                )
             self._inventory.add_hook(self.name, collector)
             self.collector = collector
         return True
@@ -90,10 +99,6 @@ class NumericsSamples(Collector):
         step = int(samples[0][schema.NUMERICS_STEP][0])
         for record in samples[0]:
             fit.writer.write_array(record, np.stack([s[record] for s in samples]), step)
-
-    def remove(self) -> None:
-        if self.collector is not None:
-            self.collector.remove()
 
     def context(self) -> dict:
         if self._settings.get("every") is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from mpprof.collectors.numerics import NumericsCollector
+from mpprof.patching import Patches
 
 
 class TfKerasNumericsCollector(NumericsCollector):
@@ -24,8 +25,8 @@ class TfKerasNumericsCollector(NumericsCollector):
         # it cannot; it is plain Python over traced tensors: run it as it is.
         return super().on_call(layer, args, kwargs, outputs)
 
-    def wrap_optimizer(self, optimizer, loss_scale_getter):
-        """An instance-level wrapper of `apply_gradients` (see `remove`).
+    def wrap_optimizer(self, optimizer, loss_scale_getter, patches: Patches) -> None:
+        """An instance-level wrapper of `apply_gradients`, through `patches`.
 
         May be called for each optimizer the train step uses; None wraps
         nothing. The step's loss comes from `TfKerasLossHealthCollector`,
@@ -41,7 +42,7 @@ class TfKerasNumericsCollector(NumericsCollector):
                 self._record_gradients(grads_and_vars, loss_scale_getter)
             return apply_gradients(grads_and_vars, *args, **kwargs)
 
-        optimizer.apply_gradients = instrumented_apply_gradients
+        patches.set(optimizer, "apply_gradients", instrumented_apply_gradients)
         self._optimizers.append(optimizer)
 
     def _record_gradients(self, grads_and_vars, loss_scale_getter) -> None:
@@ -52,9 +53,3 @@ class TfKerasNumericsCollector(NumericsCollector):
         unscaled = [tf.cast(g, tf.float32) for g in grads]
         self.gradients.record_many(rows, [g * scale for g in unscaled])
         self.unscaled_gradients.record_many(rows, unscaled)
-
-    def remove(self) -> None:
-        for optimizer in self._optimizers:
-            if "apply_gradients" in vars(optimizer):
-                del optimizer.apply_gradients
-        self._optimizers.clear()

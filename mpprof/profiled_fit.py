@@ -1,0 +1,392 @@
+"""One fit under the `MixedPrecisionProfiler`, from train begin to its end.
+
+`ProfiledFit` runs the collectors of one fit (`mpprof.collectors.base`): it
+builds them, installs their patches through one `Patches`, dispatches each
+train-function call (plain or instrumented), does the bookkeeping after it,
+flushes the records and, when the fit ends or raises, undoes every patch.
+Every step goes through the fit's `Guard`, so mpprof's own failures never
+reach training. The callback makes one per fit and keeps what carries from
+one fit to the next (`mpprof.callback.AcrossFits`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import posixpath
+import weakref
+from typing import TYPE_CHECKING
+
+from mpprof import schema, tf_keras_support
+from mpprof.collectors import kernels as kernel_collector
+from mpprof.collectors.base import Collector
+from mpprof.collectors.float8 import Float8State
+from mpprof.collectors.host import HostRecorder
+from mpprof.collectors.inventory import Inventory
+from mpprof.collectors.loss_scales import LossScales
+from mpprof.collectors.numerics_samples import NumericsSamples
+from mpprof.collectors.optimizers import OptimizerUsage
+from mpprof.collectors.run_health import RunHealth
+from mpprof.context import run_context
+from mpprof.distributed import announce_keras_3_multi_worker, worker_role
+from mpprof.fit_state import FitState
+from mpprof.guard import Guard
+from mpprof.hard_stop import FlushClock, SigtermFlush
+from mpprof.keras_api import keras_api_for
+from mpprof.patching import Patches
+from mpprof.routing import RecordRouting
+from mpprof.train_functions import TrainFunctions
+
+if TYPE_CHECKING:
+    from mpprof.callback import AcrossFits, MixedPrecisionProfiler
+
+# The key under which the plain train step reports the skipped-step count in
+# its logs (taken out before Keras sees them): reading a tensor the step
+# already returns is far cheaper than a variable read per step.
+_SKIPPED_LOG = "_mpprof_skipped_steps"
+
+# The fit being profiled on each model, to refuse a second profiler in the
+# same fit and to finish one whose fit was ended by another's exception.
+_ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def start(profiler: MixedPrecisionProfiler, across_fits: AcrossFits) -> ProfiledFit:
+    """Begins profiling the fit `profiler.model` is starting.
+
+    Args:
+        profiler: the `MixedPrecisionProfiler` (its settings and its place
+            among the fit's callbacks).
+        across_fits: what the profiler's earlier fits left.
+
+    Raises:
+        ValueError: another profiler runs in the same fit.
+    """
+    model = profiler.model
+    api = keras_api_for(model)
+    _take_over(profiler, model, api)
+    fit = ProfiledFit(profiler, model, api, across_fits)
+    _ACTIVE[model] = fit
+    fit.begin()
+    return fit
+
+
+def _take_over(profiler, model, keras_api) -> None:
+    """Refuses a second profiler in the same fit; finishes the model's
+    earlier profiled fit if it never ended (another callback's exception
+    stopped that fit before `on_train_end`)."""
+    other = _ACTIVE.get(model)
+    if other is None:
+        return
+    if other.profiler is not profiler:
+        siblings = kernel_collector.sibling_callbacks(profiler, keras_api.callback_list_class)
+        if any(c is other.profiler for c in siblings):
+            raise ValueError(
+                "Two mpprof.MixedPrecisionProfiler callbacks in one fit: they would "
+                "patch the same train step. Pass one (it records everything)."
+            )
+    other.finish(schema.FIT_FAILED)
+
+
+class ProfiledFit:
+    """The collectors of one fit and everything that drives them.
+
+    Args:
+        profiler: the `MixedPrecisionProfiler` whose settings apply.
+        model: the model being trained.
+        api: the model's Keras flavour (`mpprof.keras_api`).
+        across_fits: what earlier fits left; updated when this one ends.
+    """
+
+    def __init__(self, profiler: MixedPrecisionProfiler, model, api,
+                 across_fits: AcrossFits):
+        self.profiler = profiler
+        self.model = model
+        self._api = api
+        self._across_fits = across_fits
+        self._schedule = across_fits.schedule
+        self._role = worker_role(model.distribute_strategy)
+        self._distribution_note = (
+            announce_keras_3_multi_worker()
+            if self._role.multi_worker and not api.fits_across_workers else None
+        )
+        self._guard = Guard()
+        self._routing: RecordRouting | None = RecordRouting(
+            profiler.run_dir, self._role, self._guard
+        )
+        self._patches = Patches()
+        self._fit_state = schema.FIT_RUNNING
+        across_fits.fit_count += 1
+        self._fit: FitState | None = None
+        self._collectors: list[Collector] = []
+        self._batch_pending = False
+        self._sigterm = SigtermFlush(self._flush)
+        atexit.register(self._finish_unended)
+
+    def begin(self) -> None:
+        """Installs the collectors; a failure ends the profiling, not the fit."""
+        try:
+            self._begin()
+        except Exception as e:  # noqa: BLE001 - mpprof's failure must not stop fit
+            self._guard.fail("profiler", e)
+            self.finish(schema.FIT_FAILED)
+
+    def _begin(self) -> None:
+        model = self.model
+        usage = OptimizerUsage(self._api, model)
+        self._schedule.start_fit()
+        fit = FitState(
+            model=model, guard=self._guard, writer=self._routing.model,
+            host_writer=self._routing.host, usage=usage,
+            schedule=self._schedule,
+        )
+        self._collectors = self._make_collectors(usage)
+        fit.step = self._start_step(usage)
+        self._fit_start_step = fit.step
+        self._steps_since_flush = 0
+        self._flush_clock = FlushClock(self.profiler.flush_every_seconds)
+        usage.install(self._patches)
+        self._report_skips_in_logs(fit)
+        self._functions = TrainFunctions(model, self._api, self.profiler.numerics_every is not None)
+        self._functions.install(self._run_train_function, self._patches)
+        self._fit = fit
+        for collector in self._collectors:
+            self._guard.run(collector.name, collector.install, fit, self._patches)
+        self._sigterm.install()
+        self._write_context()
+
+    def _make_collectors(self, usage: OptimizerUsage) -> list[Collector]:
+        """Every collector of the fit, in the order their hooks run."""
+        model, api, profiler = self.model, self._api, self.profiler
+        strategy = model.distribute_strategy
+        capacity = 2 * (profiler.flush_every_steps + _steps_per_execution(model))
+        self._inventory = Inventory(model, self._guard)
+        self._loss_scales = LossScales(
+            api, usage, strategy, capacity, self._across_fits.loss_scales
+        )
+        self._health = RunHealth(api, usage, strategy, self._loss_scales.graph_step_of,
+                                 self._across_fits.health)
+        self._numerics = NumericsSamples(
+            api.numerics_collector, self._inventory, self._loss_scales, self._health,
+            {"every": profiler.numerics_every, "forensic_budget": profiler.forensic_budget,
+             "forensic_spacing": profiler.forensic_spacing},
+        )
+        window = self._across_fits.profile_window
+        if window is not None and self._role.worker_run is not None:
+            # Each worker traces its own host, into its own run.
+            window.run_dir = posixpath.join(profiler.run_dir, self._role.worker_run)
+        self._host = HostRecorder(profiler.gpu_interval, window, profiler, api)
+        return [
+            self._inventory, self._loss_scales, self._health, self._numerics, self._host,
+            Float8State(model, self._loss_scales),
+        ]
+
+    # The Keras hooks the callback passes on.
+
+    def batch_begin(self) -> None:
+        self._batch_pending = True
+
+    def epoch_end(self) -> None:
+        if self._fit is None:
+            return
+        self._guard.run(self._health.name, self._health.check_weights, self.model)
+        self._flush()
+
+    # The train function fit calls while this profiler runs.
+
+    def _run_train_function(self, iterator):
+        fit = self._fit
+        if not self._batch_pending or fit is None:
+            # Called outside a profiled batch: a later fit or train_on_batch
+            # after this fit was stopped by someone else's exception.
+            self.finish(schema.FIT_FAILED)
+            return self.model.train_function(iterator)
+        self._batch_pending = False
+        numerics = self._numerics
+        sampling = (self._functions.instrumented is not None
+                    and self._schedule.due(fit.calls)
+                    and bool(self._guard.run(numerics.name, numerics.prepare, fit)))
+        fit.forensic = self._schedule.sampled() if sampling else False
+        fit.sample_step = self._measured_step() if sampling else None
+        numerics.instrument(sampling)
+        try:
+            logs = self._functions.run(
+                iterator, sampling, on_abort=self._abort,
+                on_instrumented_failure=lambda reason: self._guard.fail(numerics.name, reason),
+            )
+        finally:
+            numerics.instrument(False)
+        fit.reported_skips = logs.pop(_SKIPPED_LOG, None) if isinstance(logs, dict) else None
+        self._guard.run("profiler", self._after_call, fit)
+        return logs
+
+    def _report_skips_in_logs(self, fit) -> None:
+        """Makes the train step return the skipped-step count in its logs
+        (Keras 3, while forensic samples can still be taken)."""
+        skipped = self._loss_scales.skipped_total
+        if (not fit.usage.watched or not self._loss_scales.by_name
+                or not self._schedule.watching_overflows):
+            return
+        train_step = self.model.train_step
+
+        def train_step_reporting_skips(data):
+            logs = train_step(data)
+            if not isinstance(logs, dict):
+                return logs
+            return {**logs, _SKIPPED_LOG: skipped()}
+
+        self._patches.set(self.model, "train_step", train_step_reporting_skips)
+
+    def _after_call(self, fit: FitState) -> None:
+        """Bookkeeping after each call; reads the device only when it must."""
+        first_call = fit.calls == 0
+        fit.calls += 1
+        steps = _steps_per_execution(self.model)  # exact but for an epoch's last call
+        fit.step += steps
+        self._steps_since_flush += steps
+        self._schedule.after_call(steps)
+        if first_call:
+            # Tracing showed which optimizers the step uses: say so at once,
+            # with where their loss scales start.
+            fit.usage.mark_traced()
+            fit.step = self._measured_step()
+            self._guard.run(self._loss_scales.name, self._loss_scales.flush, fit)
+            self._write_context()
+        elif fit.sample_step is not None:
+            fit.step = self._measured_step()
+        for collector in self._collectors:
+            self._guard.run(collector.name, collector.after_call, fit)
+        if (self._steps_since_flush >= self.profiler.flush_every_steps
+                or self._flush_clock.due()):
+            self._flush()
+
+    # Steps.
+
+    def _start_step(self, usage) -> int:
+        if self._across_fits.last_step is not None:
+            return self._across_fits.last_step
+        return self._loss_scales.step_of(usage.uses[0]) if usage.uses else 0
+
+    def _measured_step(self) -> int:
+        """Steps run so far: the primary optimizer's (iterations, plus skipped
+        steps under loss scaling) or, when the step applies no optimizer,
+        the host's count of steps run."""
+        fit = self._fit
+        primary = fit.usage.primary() if fit.usage.traced else None
+        if primary is None or (primary.loss_scale and not self._guard.ok("loss_scale")):
+            return fit.step
+        return self._loss_scales.step_of(primary)
+
+    # Writing.
+
+    def _flush(self) -> None:
+        """Reads the in-graph counters and writes every pending record."""
+        fit = self._fit
+        if fit is None or self._routing is None:
+            return
+        fit.step = self._guard.run("profiler", self._measured_step) or fit.step
+        for collector in self._collectors:
+            self._guard.run(collector.name, collector.flush, fit)
+        self._write_context()
+        self._routing.flush()
+        self._steps_since_flush = 0
+        self._flush_clock.reset()
+
+    # Ending the fit.
+
+    def finish(self, fit_state: str) -> None:
+        """Ends the profiling of this fit: `fit_state` says how the fit ended
+        (`schema.FIT_ENDED` or `schema.FIT_FAILED`). Once only."""
+        self._fit_state = fit_state
+        self._finish()
+
+    def _abort(self) -> None:
+        """`fit` is raising from inside a train step: keep what was recorded."""
+        self.finish(schema.FIT_FAILED)
+
+    def _finish_unended(self) -> None:
+        """At interpreter exit, for a fit that never reached its end."""
+        self.finish(schema.FIT_FAILED)
+
+    def _finish(self) -> None:
+        if self._routing is None:
+            return
+        atexit.unregister(self._finish_unended)
+        self._sigterm.remove()
+        fit = self._fit
+        try:
+            if fit is not None:
+                for collector in self._collectors:
+                    self._guard.run(collector.name, collector.end, fit)
+                self._flush()
+                self._across_fits.last_step = fit.step
+                self._across_fits.loss_scales = {
+                    id(c.optimizer): c for c in self._loss_scales.by_name.values()
+                }
+                self._across_fits.health = self._health.by_optimizer()
+            else:
+                self._write_context()
+        finally:
+            if fit is not None:
+                self._host.release()
+                self._functions.release()
+            for failure in self._patches.restore():
+                print(f"mpprof: could not undo a patch ({failure})")
+            self._fit = None
+            self._routing.close()
+            self._routing = None
+            if _ACTIVE.get(self.model) is self:
+                del _ACTIVE[self.model]
+
+    # The run context.
+
+    def _context(self) -> dict:
+        fit = self._fit
+        collectors = {c.name: self._guard.context(c.name, c.context()) for c in self._collectors}
+        if fit is not None:
+            collectors[self._numerics.name].setdefault(
+                "forensic_used", self._schedule.forensic_used
+            )
+            kernels = self._host.kernels_context()
+            if kernels is not None:
+                collectors["kernels"] = self._guard.context(self._host.name, kernels)
+        for name in ("recording", "profiler", "run_context"):
+            if not self._guard.ok(name):
+                collectors[name] = self._guard.context(name, {})
+        step = fit.step if fit is not None else self._across_fits.last_step or 0
+        context = run_context(
+            self.model, collectors=collectors,
+            hardware=self._host.hardware if fit is not None else None,
+            step=self._fit_start_step if fit is not None else step,
+            fit_count=self._across_fits.fit_count,
+        )
+        if fit is not None:
+            context["optimizers"] = fit.usage.describe()
+            primary = fit.usage.primary() if fit.usage.traced else None
+            if primary is not None:
+                context["optimizer"] = type(primary.optimizer).__name__
+        context["fit_state"] = self._fit_state
+        context["records_reach_disk"] = {
+            "every_steps": self.profiler.flush_every_steps,
+            "every_seconds": self.profiler.flush_every_seconds,
+            "on_sigterm": self._sigterm.state,
+        }
+        context["distributed"] = self._role.describe(schema.TRAIN_RUN)
+        if self._distribution_note is not None:
+            context["distributed"]["note"] = self._distribution_note
+        return context
+
+    def _write_context(self) -> None:
+        self._guard.run("run_context", self._write_contexts)
+
+    def _write_contexts(self) -> None:
+        fit = self._fit
+        step = fit.step if fit is not None else self._across_fits.last_step or 0
+        evidence = None
+        if fit is not None and self._routing.worker is not None:
+            health = self._guard.run(self._health.name, self._health.record, step) or {}
+            evidence = {"steps_run": step, "skipped_steps": self._loss_scales.skipped_steps(),
+                        **health}
+        self._routing.write_context(self._context(), step, evidence)
+
+
+def _steps_per_execution(model) -> int:
+    return tf_keras_support.steps_per_execution(model)
