@@ -195,7 +195,15 @@ def _statistics(values: np.ndarray, dtype: str, *, dynamic: bool, jit: bool = Fa
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
-def test_large_tensor_nonfinite_count_and_abs_max_stay_exact(dtype, jit):
+@pytest.mark.parametrize("integer_maximum", [True, False], ids=["int_max", "float_max"])
+def test_large_tensor_nonfinite_count_and_abs_max_stay_exact(
+    dtype, jit, integer_maximum, monkeypatch
+):
+    """Also with the float maximum a GPU host takes (no integer maximum there)."""
+    from mpprof.collectors import tensor_statistics
+
+    monkeypatch.setattr(tensor_statistics, "_integer_maximum_available",
+                        lambda: integer_maximum)
     rng = np.random.default_rng(0)
     values = rng.uniform(-1.0, 1.0, (8, 64, 64, 16)).astype(np.float32)
     assert values.size > 8 * SAMPLE_VALUES
