@@ -47,19 +47,27 @@ KERNEL_STATS = "kernels/tensor_core_share"
 
 # One JSON object naming the rows of the numerics records below:
 # {"layers": [leaf layer names in call order], "variables": [...],
-#  "hist_edges": NUMERICS_HIST_EDGES, "policy_max": ..., "aggregation": ...}.
+#  "hist_edges": NUMERICS_HIST_EDGES, "policy_max": ..., "aggregation": ...,
+#  "estimated": {"columns", "histograms", "sample_values", "how"}}: which
+#  statistics of a large tensor are estimated from a sample of its values
+#  (absent from older logs, whose counts are all exact).
 NUMERICS_LAYOUT = "numerics/layout"
 # One sampled step: float64 [len(NUMERICS_STEP_COLUMNS)].
 NUMERICS_STEP = "numerics/step"
 # float64 [layers, len(NUMERICS_STAT_COLUMNS)]: each leaf layer's output, and
 # the gradient flowing into that output (scaled, as the loss scale sees it).
+# "count", "nonfinite" and "abs_max" are exact; of a tensor larger than the
+# layout's "estimated"["sample_values"], the "zero", "below_normal" and
+# "below_subnormal" counts and the histograms are estimated from that many of
+# its values spread evenly over it (each standing for the values around it).
 NUMERICS_FORWARD = "numerics/forward"
 NUMERICS_BACKWARD = "numerics/backward"
 # float64 [layers, len(NUMERICS_HIST_EDGES) + 1]: counts of log2|x| per bin.
 NUMERICS_FORWARD_HIST = "numerics/forward_hist"
 NUMERICS_BACKWARD_HIST = "numerics/backward_hist"
 # float64 [variables, len(NUMERICS_STAT_COLUMNS)]: each trainable variable's
-# gradient as the optimizer receives it (scaled) and divided by the scale.
+# gradient as the optimizer receives it (scaled) and divided by the scale;
+# exact and estimated columns as above.
 NUMERICS_GRADIENTS = "numerics/gradients"
 NUMERICS_UNSCALED_GRADIENTS = "numerics/unscaled_gradients"
 # One JSON object: {"first_nonfinite_loss_step", "nonfinite_loss_steps",

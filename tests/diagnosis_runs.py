@@ -251,8 +251,9 @@ def nan_weights(log_dir):
     _fit(log_dir, _classifier("float32", optimizer=keras.optimizers.SGD(0.1)), x, y)
 
 
-def _tiny_loss_model(policy, scale):
-    """tanh -> relu (half precision) -> float32 readout, the loss times `scale`."""
+def _tiny_loss_model(policy, scale, width=16):
+    """tanh -> relu (half precision, `width` units) -> float32 readout, the
+    loss times `scale`."""
 
     def shrunk_mse(y_true, y_pred):
         return scale * keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
@@ -261,19 +262,25 @@ def _tiny_loss_model(policy, scale):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.layers.Input((16,)),
-        keras.layers.Dense(24, activation="tanh", name="encoder"),
-        keras.layers.Dense(16, activation="relu", name="features"),
+        keras.layers.Dense(width + 8, activation="tanh", name="encoder"),
+        keras.layers.Dense(width, activation="relu", name="features"),
         keras.layers.Dense(2, dtype="float32", name="readout"),
     ])
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss=shrunk_mse)
     return model
 
 
-def _tiny_loss_data():
+def _tiny_loss_data(samples=40):
     rng = np.random.default_rng(1)
-    return rng.normal(size=(40, 16)).astype(np.float32), rng.normal(size=(40, 2)).astype(
-        np.float32
-    )
+    return rng.normal(size=(samples, 16)).astype(np.float32), rng.normal(
+        size=(samples, 2)
+    ).astype(np.float32)
+
+
+# Units and batch of the "_sampled" runs: each layer's output and incoming
+# gradient, 64 x 128 values, is larger than the sample its shares are
+# estimated from (tensor_statistics.SAMPLE_VALUES, 4,096).
+_WIDE, _WIDE_BATCH = 128, 64
 
 
 def flushed_gradients(log_dir):
@@ -288,6 +295,19 @@ def unshrunk_gradients(log_dir):
     """No MP005: the same model with the loss as it is."""
     _fit(log_dir, _tiny_loss_model("mixed_float16", 1.0), *_tiny_loss_data(),
          batch_size=8, numerics_every=1)
+
+
+def flushed_gradients_sampled(log_dir):
+    """MP005 from estimated shares: `flushed_gradients` with 128 units, so
+    every layer's shares come from a sample of its values."""
+    _fit(log_dir, _tiny_loss_model("mixed_float16", 1e-13, width=_WIDE),
+         *_tiny_loss_data(5 * _WIDE_BATCH), batch_size=_WIDE_BATCH, numerics_every=1)
+
+
+def unshrunk_gradients_sampled(log_dir):
+    """No MP005 from estimated shares: the same wide model, the loss as it is."""
+    _fit(log_dir, _tiny_loss_model("mixed_float16", 1.0, width=_WIDE),
+         *_tiny_loss_data(5 * _WIDE_BATCH), batch_size=_WIDE_BATCH, numerics_every=1)
 
 
 def flushed_gradients_bf16(log_dir):
@@ -645,6 +665,8 @@ BUILDERS = {
         float32_softmax_confident,
         overflow_every_step,
         unshrunk_gradients,
+        flushed_gradients_sampled,
+        unshrunk_gradients_sampled,
         flushed_gradients_bf16,
         flushed_gradients_two_samples,
         conv_bias_before_batch_norm,

@@ -361,6 +361,25 @@ def test_mp005_quiet_on_the_same_model_with_a_normal_loss():
     assert check_status(run, "MP005") == "checked"
 
 
+def test_mp005_judges_estimated_shares_of_large_tensors_alike():
+    """Shares of a tensor larger than the sample are estimated from it: the
+    fault is still found, on the same layer, and its healthy twin stays quiet."""
+    from mpprof.collectors.tensor_statistics import SAMPLE_VALUES
+
+    run = read("flushed_gradients_sampled")
+    layout = run.latest(schema.NUMERICS_LAYOUT)
+    assert layout["estimated"]["sample_values"] == SAMPLE_VALUES
+    features = run.numerics.layers.index("features")
+    assert (run.numerics.backward["count"][:, features] > SAMPLE_VALUES).all()
+    finding = only(run, "MP005")
+    assert finding.layer == "features"
+    assert finding.evidence["how"] == "flushed to zero"
+    healthy = read("unshrunk_gradients_sampled")
+    assert (healthy.numerics.backward["count"][:, features] > SAMPLE_VALUES).all()
+    assert "MP005" not in codes(healthy)
+    assert check_status(healthy, "MP005") == "checked"
+
+
 def test_mp005_not_applicable_in_bfloat16():
     assert check_status(read("flushed_gradients_bf16"), "MP005") == "not applicable"
 

@@ -7,6 +7,7 @@ from conftest import overflow_data, overflow_model
 
 import mpprof
 from mpprof import diagnosis, reader, schema
+from mpprof.collectors.tensor_statistics import SAMPLE_VALUES
 
 
 def _fit(model, x, y, logdir, epochs=1, batch_size=8, **profiler_kwargs):
@@ -157,6 +158,107 @@ def test_tensor_statistics_counts_and_log2_bins():
     expected = np.bincount(np.searchsorted(edges, np.log2(finite_nonzero), side="right"),
                            minlength=len(edges) + 1)
     np.testing.assert_array_equal(histogram, expected)
+
+
+def _exact_columns(values: np.ndarray) -> dict[str, float]:
+    """The count columns of `values`, computed on every value by numpy."""
+    magnitude = np.abs(values.astype(np.float64))
+    finite = np.isfinite(magnitude)
+    nonzero = finite & (magnitude > 0)
+    return {
+        "count": values.size,
+        "nonfinite": int((~finite).sum()),
+        "zero": int((finite & (magnitude == 0)).sum()),
+        "below_normal": int((nonzero & (magnitude < schema.FLOAT16_SMALLEST_NORMAL)).sum()),
+        "below_subnormal": int(
+            (nonzero & (magnitude < schema.FLOAT16_SMALLEST_SUBNORMAL)).sum()),
+    }
+
+
+def _statistics(values: np.ndarray, dtype: str, *, dynamic: bool, jit: bool = False):
+    """The statistics of `values` cast to `dtype`, their device part traced
+    with the first dimension unknown (as a batch is) when `dynamic`,
+    XLA-compiled when `jit`."""
+    import tensorflow as tf
+
+    from mpprof.collectors.tensor_statistics import raw_statistics, statistics_of_rows
+
+    shape = [None, *values.shape[1:]] if dynamic else list(values.shape)
+    function = tf.function(
+        lambda t: raw_statistics(tf.cast(t, dtype)),
+        input_signature=[tf.TensorSpec(shape, tf.float32)], jit_compile=jit,
+    )
+    stats, histogram = statistics_of_rows(function(tf.constant(values, tf.float32)).numpy())
+    columns = dict(zip(schema.NUMERICS_STAT_COLUMNS, stats, strict=True))
+    return columns, float(columns.pop("abs_max")), histogram
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
+@pytest.mark.parametrize("integer_maximum", [True, False], ids=["int_max", "float_max"])
+def test_large_tensor_nonfinite_count_and_abs_max_stay_exact(
+    dtype, jit, integer_maximum, monkeypatch
+):
+    """Also with the float maximum a GPU host takes (no integer maximum there)."""
+    from mpprof.collectors import tensor_statistics
+
+    monkeypatch.setattr(tensor_statistics, "_integer_maximum_available",
+                        lambda: integer_maximum)
+    rng = np.random.default_rng(0)
+    values = rng.uniform(-1.0, 1.0, (8, 64, 64, 16)).astype(np.float32)
+    assert values.size > 8 * SAMPLE_VALUES
+    # A few values no sample of 1 in 32 would be sure to meet: one NaN, two
+    # infinities, and the largest finite value, all in one channel.
+    flat = values.reshape(-1)
+    flat[[16 * 1001 + 3, 16 * 20_000 + 3, 16 * 30_007 + 3]] = [np.nan, np.inf, -np.inf]
+    flat[16 * 12_345 + 3] = -300.0
+    for dynamic in (False, True):
+        columns, abs_max, _ = _statistics(values, dtype, dynamic=dynamic, jit=jit)
+        assert columns["count"] == values.size
+        assert columns["nonfinite"] == 3
+        assert abs_max == 300.0
+    # Without a non-finite value the largest magnitude still comes out exact.
+    flat[[16 * 1001 + 3, 16 * 20_000 + 3, 16 * 30_007 + 3]] = 0.5
+    columns, abs_max, _ = _statistics(values, dtype, dynamic=True, jit=jit)
+    assert columns["nonfinite"] == 0 and abs_max == 300.0
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "unknown_batch"])
+def test_large_tensor_shares_are_estimated_from_every_channel(dynamic):
+    """Channel 0 is all zero and channel 1 all subnormal: a stride in step with
+    the 16 channels would see one share of 100% and the other of 0%."""
+    rng = np.random.default_rng(1)
+    values = rng.uniform(0.5, 2.0, (8, 64, 64, 16)).astype(np.float32)
+    values[..., 0] = 0.0
+    values[..., 1] = 1e-6
+    values[..., 2] = rng.uniform(-1e-5, 1e-5, (8, 64, 64))  # mixed normal and not
+    columns, abs_max, histogram = _statistics(values, "float16", dynamic=dynamic)
+    exact = _exact_columns(values.astype(np.float16))
+    assert columns["count"] == exact["count"] and columns["nonfinite"] == 0
+    assert abs_max == float(np.abs(values.astype(np.float16)).max())
+    # Within four standard errors of a share (at most 0.5 / sqrt(sample)).
+    tolerance = 4 * 0.5 / np.sqrt(SAMPLE_VALUES)
+    for column in ("zero", "below_normal", "below_subnormal"):
+        share, true_share = columns[column] / values.size, exact[column] / values.size
+        assert share == pytest.approx(true_share, abs=tolerance), column
+    # The histogram is scaled to the whole tensor: it counts its non-zero values.
+    assert histogram.sum() / values.size == pytest.approx(
+        1 - exact["zero"] / values.size, abs=tolerance)
+
+
+@pytest.mark.parametrize("length", [0, 9, SAMPLE_VALUES])
+def test_small_tensor_of_unknown_length_is_measured_whole(length):
+    """A tensor no larger than the sample, traced with an unknown length: every
+    count exact (the sample's unused places are masked out)."""
+    rng = np.random.default_rng(2)
+    values = rng.choice(
+        np.array([0.0, 1e-9, -1e-5, 1.0, -3.0, np.inf, np.nan], np.float32), length
+    ).reshape(length, 1)
+    columns, abs_max, histogram = _statistics(values, "float32", dynamic=True)
+    assert columns == _exact_columns(values)
+    finite = np.abs(values[np.isfinite(values)])
+    assert abs_max == (float(finite.max()) if finite.size else 0.0)
+    assert histogram.sum() == int((finite > 0).sum())
 
 
 def _sequence_data(samples=16, steps=5, features=4):

@@ -92,25 +92,25 @@ class LossScaleCollector:
         def state_before():
             step = self.graph_step()
             scale_before = tf.cast(tf.convert_to_tensor(opt.dynamic_scale), tf.float64)
-            grows = tf.equal(
-                tf.convert_to_tensor(opt.step_counter), opt.dynamic_growth_steps - 1
-            )
-            return step, scale_before, grows
+            return step, scale_before
+
+        def record_growth():
+            step, scale_before = state_before()
+            self._append(step, scale_before, 2.0 * scale_before, schema.EVENT_GROWTH)
+            return tf.no_op()
 
         def handle_finite_grads(grads, trainable_variables):
-            before = self.traced(state_before)
-            result = finite(grads, trainable_variables)
-            if before is not None:
-                step, scale_before, grows = before
-                self.traced(lambda: tf.cond(
-                    grows,
-                    lambda: self._append(step, scale_before, 2.0 * scale_before,
-                                         schema.EVENT_GROWTH),
-                    tf.no_op,
-                ))
-            return result
+            # Decided before the optimizer's own update (which doubles the
+            # scale and resets the counter on this step), and the step and
+            # scale read only on a growth: a finite step that does not grow
+            # the scale adds one read and one comparison.
+            self.traced(lambda: tf.cond(
+                tf.equal(tf.convert_to_tensor(opt.step_counter), opt.dynamic_growth_steps - 1),
+                record_growth, tf.no_op,
+            ))
+            return finite(grads, trainable_variables)
 
-        def record_overflow(step, scale_before, _):
+        def record_overflow(step, scale_before):
             self._append(step, scale_before, 0.5 * scale_before, schema.EVENT_OVERFLOW)
             self._skipped.assign_add(1)
 

@@ -33,7 +33,11 @@ import tensorflow as tf
 
 from mpprof import schema
 from mpprof.collectors.layer_calls import control_flow_inside_caller, walk_layers
-from mpprof.collectors.tensor_statistics import StatisticsTable
+from mpprof.collectors.tensor_statistics import (
+    ESTIMATED_COLUMNS,
+    SAMPLE_VALUES,
+    StatisticsTable,
+)
 from mpprof.patching import Patches
 from mpprof.tf_keras_support import variable_path
 
@@ -272,6 +276,9 @@ class NumericsCollector:
     def layout(self, policy_max: float) -> dict:
         """The JSON record naming the rows of every sample.
 
+        "estimated" says which statistics of a large tensor come from a sample
+        of its values (see `tensor_statistics`).
+
         "skipped" lists the layers left unmeasured: {"layer", "reason",
         "measured_at"} (the enclosing layer measured instead, or None).
         """
@@ -284,6 +291,16 @@ class NumericsCollector:
                 "per layer, summed over its call sites in the step and over the "
                 "steps of one execution (abs_max: maximum)"
             ),
+            "estimated": {
+                "columns": list(ESTIMATED_COLUMNS),
+                "histograms": True,
+                "sample_values": SAMPLE_VALUES,
+                "how": (
+                    "a tensor of more than sample_values values is cut into that many "
+                    "equal strata and one value at a fixed jitter in each stands for "
+                    "its stratum; count, nonfinite and abs_max are exact"
+                ),
+            },
             "skipped": [
                 {
                     "layer": self.layer_names[row],
