@@ -104,6 +104,16 @@ class LossScale:
             scales.append(scales[-1])
         return np.asarray(steps, dtype=np.int64), np.asarray(scales)
 
+    @property
+    def initial_descent(self) -> int:
+        """How many overflows in a row the run started with: the scale
+        calibrating down from its initial value."""
+        steps = np.sort(self.overflow_steps)
+        if not len(steps) or steps[0] != self.first_step:
+            return 0
+        gaps = np.flatnonzero(np.diff(steps) != 1)
+        return int(gaps[0] + 1) if len(gaps) else len(steps)
+
     def scale_after(self, steps) -> np.ndarray:
         """The scale after each of `steps` (exact: it changes only at events)."""
         vertex_steps, vertex_scales = self.series()

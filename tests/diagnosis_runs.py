@@ -175,6 +175,15 @@ def storm(log_dir):
     _fit(log_dir, _regression(initial_scale=2.0**30), x, y, numerics_every=None)
 
 
+def storm_sampled(log_dir):
+    """The storm with every step sampled: its descent's samples show
+    gradients beyond float16, which the initial scale alone puts there; the
+    descent ends (the gradients fit) about 25 steps in."""
+    x, y = _ones(8 * 40, 1000.0)
+    _fit(log_dir, _regression(initial_scale=2.0**30), x, y, numerics_every=1,
+         forensic_budget=0)
+
+
 def collapse(log_dir):
     """MP001: targets of 1e8 overflow float16 gradients even at scale 1."""
     x, y = _ones(8 * 32, 1e8)
@@ -651,6 +660,7 @@ BUILDERS = {
         healthy_bfloat16,
         growth_probes,
         storm,
+        storm_sampled,
         collapse,
         forward_overflow,
         headroom,

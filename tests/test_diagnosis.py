@@ -432,6 +432,21 @@ def test_mp019_quiet_when_the_loss_scale_copes():
         assert "MP019" not in codes(read(name))
 
 
+def test_mp019_quiet_on_samples_of_the_loss_scales_initial_descent():
+    # Gradients beyond float16 on the descent's samples are the initial
+    # scale's, not a layer's: MP002's fix (start the scale lower) is the
+    # answer, not a layer in float32.
+    run = read("storm_sampled")
+    numerics = run.numerics
+    descent_end = run.loss_scale.first_step + run.loss_scale.initial_descent
+    in_descent = numerics.steps < descent_end
+    assert in_descent.any() and (numerics.backward["nonfinite_frac"][in_descent] > 0).any()
+    assert "MP019" not in codes(run)
+    mp002 = only(run, "MP002")
+    assert "initial_scale=2.0**" in mp002.fix
+    assert "gradient_overflow_starts_at" not in mp002.evidence
+
+
 def test_scale_falling_below_one_defers_instead_of_suggesting_a_tiny_scale():
     run = read("overflow_every_step")
     assert run.loss_scale.final_scale < 1

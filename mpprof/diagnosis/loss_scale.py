@@ -137,7 +137,7 @@ def overflow_share(view: RunView) -> list:
     probes = loss_scale.skipped_steps - len(excess)
     if len(excess) < MIN_EXCESS_OVERFLOWS or len(excess) / steps < EXCESS_OVERFLOW_SHARE:
         return []
-    descent = _initial_descent(loss_scale)
+    descent = loss_scale.initial_descent
     settled = (float(loss_scale.overflows[descent - 1, _EVENT.scale_after]) if descent
                else loss_scale.final_scale)
     evidence = {
@@ -215,15 +215,6 @@ def _excess_overflows(loss_scale) -> np.ndarray:
     excused = np.zeros(len(overflows), dtype=bool)
     excused[first_after[valid]] = True
     return overflows[~excused]
-
-
-def _initial_descent(loss_scale) -> int:
-    """How many overflows in a row the run started with (scale calibration)."""
-    steps = np.sort(loss_scale.overflow_steps)
-    if not len(steps) or steps[0] != loss_scale.first_step:
-        return 0
-    gaps = np.flatnonzero(np.diff(steps) != 1)
-    return int(gaps[0] + 1) if len(gaps) else len(steps)
 
 
 @rule("MP008", "critical", "mixed_float16 without loss scaling", view="overview",

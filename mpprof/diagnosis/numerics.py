@@ -9,6 +9,7 @@ import numpy as np
 from mpprof.diagnosis.core import REGISTRY, NotApplicable, NotMeasured, finding, rule
 from mpprof.diagnosis.view import RunView, backward_overflow_mask, forward_overflow_mask
 from mpprof.dtypes import DTYPE_MAX, HALF_DTYPES
+from mpprof.schema import LOSS_SCALE_EVENT_COLUMN
 
 # How many layers a rule names one by one before summarising the rest.
 MAX_LAYER_FINDINGS = 10
@@ -152,6 +153,24 @@ def headroom(view: RunView) -> list:
     return [finding("MP004", title, layer=layer, step=step, evidence=evidence, fix=fix)]
 
 
+def _calibrated_from(view: RunView) -> int:
+    """The first step after the loss scale's initial descent, when that
+    descent settled on a scale of at least 1 and a finite step followed:
+    samples before it show the initial scale's overflows (2**15 by default,
+    halved until the gradients fit), not a layer's. Otherwise the first step
+    (a descent that never settles is the layers' doing)."""
+    loss_scale = view.loss_scale
+    if loss_scale is None:
+        return 0
+    descent = loss_scale.initial_descent
+    if not descent or loss_scale.first_step + descent >= loss_scale.steps_run:
+        return loss_scale.first_step
+    settled = float(loss_scale.overflows[descent - 1, LOSS_SCALE_EVENT_COLUMN.scale_after])
+    if settled < 1.0:
+        return loss_scale.first_step
+    return loss_scale.first_step + descent
+
+
 def gradient_overflow_origin(view: RunView) -> dict | None:
     """Where a gradient overflow starts: the first layer from the loss
     backwards whose incoming gradient was non-finite (else the first variable
@@ -180,6 +199,7 @@ def gradient_overflow_origin(view: RunView) -> dict | None:
     forward = forward_overflow_mask(view.run, view)
     if forward.size:
         hit_rows &= ~forward.any(axis=1)
+    hit_rows &= np.asarray(numerics.steps) >= _calibrated_from(view)
     rows = np.flatnonzero(hit_rows)
     if not len(rows):
         return None
