@@ -185,10 +185,12 @@ class ProfiledFit:
         self._host = HostRecorder(profiler.gpu_interval, window, profiler, api)
         self._replay = ReplayCapture(profiler.replay_budget, api, self._loss_scales,
                                      self._health, lambda: self._numerics.instrumenting)
-        self._float8_shares = Float8Shares(model, profiler.numerics_every is not None)
+        float8_shares = Float8Shares(model, profiler.numerics_every is not None)
+        # The collectors whose in-graph taps run on sampled calls only.
+        self._sampling_collectors = [self._numerics, float8_shares]
         return [
             self._inventory, self._loss_scales, self._health, self._numerics, self._host,
-            Float8State(model, self._loss_scales), self._float8_shares, self._replay,
+            Float8State(model, self._loss_scales), float8_shares, self._replay,
         ]
 
     # The Keras hooks the callback passes on.
@@ -218,19 +220,19 @@ class ProfiledFit:
                     and bool(self._guard.run(numerics.name, numerics.prepare, fit)))
         fit.forensic = self._schedule.sampled() if sampling else False
         fit.sample_step = self._measured_step() if sampling else None
-        numerics.instrument(sampling)
-        shares = self._float8_shares
-        self._guard.run(shares.name, shares.instrument, sampling)
+        for collector in self._sampling_collectors:
+            collector.instrument(sampling)  # sets a flag the traced taps read
         try:
             logs = self._functions.run(
                 iterator, sampling, on_abort=self._abort,
                 on_instrumented_failure=lambda reason: self._guard.fail(numerics.name, reason),
             )
         finally:
-            numerics.instrument(False)
-            shares.instrument(False)
-        fit.reported_skips = logs.pop(_SKIPPED_LOG, None) if isinstance(logs, dict) else None
-        fit.replay_outputs = logs.pop(_REPLAY_LOG, None) if isinstance(logs, dict) else None
+            for collector in self._sampling_collectors:
+                collector.instrument(False)
+        profiler_logs = logs if isinstance(logs, dict) else {}
+        fit.reported_skips = profiler_logs.pop(_SKIPPED_LOG, None)
+        fit.replay_outputs = profiler_logs.pop(_REPLAY_LOG, None)
         self._guard.run("profiler", self._after_call, fit)
         return logs
 
