@@ -142,11 +142,6 @@ class ProfiledFit:
             schedule=self._schedule,
         )
         self._collectors = self._make_collectors(usage)
-        # The collectors with work after each call: the others' hook does
-        # nothing, and a call per step each adds up on fast steps.
-        self._after_call_collectors = [
-            c for c in self._collectors if type(c).after_call is not Collector.after_call
-        ]
         fit.step = self._start_step(usage)
         self._fit_start_step = fit.step
         self._steps_since_flush = 0
@@ -159,6 +154,9 @@ class ProfiledFit:
         self._fit = fit
         for collector in self._collectors:
             self._guard.run(collector.name, collector.install, fit, self._patches)
+        # The collectors with work after every call (a call per step each
+        # adds up on fast steps).
+        self._after_call_collectors = [c for c in self._collectors if c.after_each_call]
         self._sigterm.install()
         self._write_context()
 
@@ -172,7 +170,7 @@ class ProfiledFit:
             api, usage, strategy, capacity, self._across_fits.loss_scales
         )
         self._health = RunHealth(api, usage, strategy, self._loss_scales.graph_step_of,
-                                 self._across_fits.health)
+                                 self._across_fits.health, lambda: self._numerics.instrumenting)
         self._numerics = NumericsSamples(
             api.numerics_collector, self._inventory, self._loss_scales, self._health,
             {"every": profiler.numerics_every, "forensic_budget": profiler.forensic_budget,
@@ -214,27 +212,42 @@ class ProfiledFit:
             self.finish(schema.FIT_FAILED)
             return self.model.train_function(iterator)
         self._batch_pending = False
+        if self._sample_now(fit):
+            logs = self._run_sampled(iterator, fit)
+        else:
+            # Most steps: the plain function, and as little Python as can be.
+            fit.sample_step = None
+            logs = self._functions.run(iterator, False, on_abort=self._abort,
+                                       on_instrumented_failure=self._instrumented_failed)
+        if isinstance(logs, dict):
+            fit.reported_skips = logs.pop(_SKIPPED_LOG, None)
+            fit.replay_outputs = logs.pop(_REPLAY_LOG, None)
+        self._guard.run("profiler", self._after_call, fit)
+        return logs
+
+    def _sample_now(self, fit: FitState) -> bool:
+        """Whether this call is sampled (a sample is due and the numerics
+        collector is ready)."""
+        if self._functions.instrumented is None or not self._schedule.due(fit.calls):
+            return False
         numerics = self._numerics
-        sampling = (self._functions.instrumented is not None
-                    and self._schedule.due(fit.calls)
-                    and bool(self._guard.run(numerics.name, numerics.prepare, fit)))
-        fit.forensic = self._schedule.sampled() if sampling else False
-        fit.sample_step = self._measured_step() if sampling else None
+        return bool(self._guard.run(numerics.name, numerics.prepare, fit))
+
+    def _run_sampled(self, iterator, fit: FitState):
+        """Runs the instrumented function, its collectors' taps switched on."""
+        fit.forensic = self._schedule.sampled()
+        fit.sample_step = self._measured_step()
         for collector in self._sampling_collectors:
-            collector.instrument(sampling)  # sets a flag the traced taps read
+            collector.instrument(True)  # sets a flag the traced taps read
         try:
-            logs = self._functions.run(
-                iterator, sampling, on_abort=self._abort,
-                on_instrumented_failure=lambda reason: self._guard.fail(numerics.name, reason),
-            )
+            return self._functions.run(iterator, True, on_abort=self._abort,
+                                       on_instrumented_failure=self._instrumented_failed)
         finally:
             for collector in self._sampling_collectors:
                 collector.instrument(False)
-        profiler_logs = logs if isinstance(logs, dict) else {}
-        fit.reported_skips = profiler_logs.pop(_SKIPPED_LOG, None)
-        fit.replay_outputs = profiler_logs.pop(_REPLAY_LOG, None)
-        self._guard.run("profiler", self._after_call, fit)
-        return logs
+
+    def _instrumented_failed(self, reason: str) -> None:
+        self._guard.fail(self._numerics.name, reason)
 
     def _report_skips_in_logs(self, fit) -> None:
         """Makes the train step return the skipped-step count in its logs
@@ -272,6 +285,9 @@ class ProfiledFit:
             fit.step = self._measured_step()
         for collector in self._after_call_collectors:
             self._guard.run(collector.name, collector.after_call, fit)
+        if fit.sample_step is not None:
+            for collector in self._collectors:
+                self._guard.run(collector.name, collector.after_sample, fit)
         if (self._steps_since_flush >= self.profiler.flush_every_steps
                 or self._flush_clock.due()):
             self._flush()

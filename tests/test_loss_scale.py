@@ -6,8 +6,8 @@ import pytest
 from conftest import mnist_like, overflow_data, overflow_model, seed_model
 
 import mpprof
-from mpprof import reader
-from mpprof.collectors import loss_scale
+from mpprof import reader, schema
+from mpprof.collectors import loss_scale, loss_scale_growth
 
 
 class _ScaleProbe(keras.callbacks.Callback):
@@ -107,3 +107,54 @@ def test_runs_without_loss_scaling_record_no_loss_scale(tmp_path, policy):
     assert run.context["collectors"]["loss_scale"]["state"] == "absent"
     assert run.context["model_policy"] == policy
     assert len(run.inventory["layers"]) == 2
+
+
+def test_growth_events_follow_from_the_overflows():
+    state = loss_scale_growth.ScaleState
+    # growth every 3 finite steps; counter 1 at step 10, scale 8.
+    overflows = np.array([[14.0, 16.0], [15.0, 8.0]])
+    events, consistent = loss_scale_growth.growth_events(
+        state(10, 1, 8.0), overflows, state(22, 0, 16.0), growth_steps=3)
+    assert consistent
+    growth, overflow = schema.EVENT_GROWTH, schema.EVENT_OVERFLOW
+    np.testing.assert_array_equal(events, [
+        [11, 8, 16, growth],   # the step finding the counter at 2
+        [14, 16, 8, overflow],
+        [15, 8, 4, overflow],
+        [18, 4, 8, growth],    # three finite steps after the overflow
+        [21, 8, 16, growth],
+    ])
+    # An overflow that does not find the derived scale, or an end state the
+    # derivation does not reach: no growth is made up.
+    for overflows, end in ((np.array([[14.0, 32.0]]), state(22, 0, 16.0)),
+                           (np.empty((0, 2)), state(22, 0, 64.0))):
+        events, consistent = loss_scale_growth.growth_events(
+            state(10, 1, 8.0), overflows, end, growth_steps=3)
+        assert not consistent
+        assert (events[:, schema.LOSS_SCALE_EVENT_COLUMN.kind] == overflow).all()
+
+
+class _ScaleSetter(keras.callbacks.Callback):
+    """User code that sets the loss scale itself, mid-epoch."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 6:
+            self.model.optimizer.dynamic_scale.assign(2.0**10)
+
+
+def test_a_scale_changed_from_outside_makes_no_growth_up(tmp_path, reference):
+    keras.utils.set_random_seed(1)
+    model = overflow_model(growth_steps=4)
+    x, y = overflow_data()
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False,
+              callbacks=[_ScaleSetter(), mpprof.MixedPrecisionProfiler(log_dir=str(tmp_path))])
+    run = reader.read_run(tmp_path, "train")
+    settings = run.context["collectors"]["loss_scale"]
+    assert settings["growth_events_missing_between_steps"], settings
+    # Every growth that is recorded doubles the scale it found, and none
+    # falls inside a window that could not be derived.
+    growths = run.loss_scale.growths
+    np.testing.assert_array_equal(growths[:, 2], growths[:, 1] * 2)
+    for start, end in settings["growth_events_missing_between_steps"]:
+        assert not ((growths[:, 0] >= start) & (growths[:, 0] < end)).any()
+    assert run.loss_scale.final_scale == float(model.optimizer.dynamic_scale.numpy())

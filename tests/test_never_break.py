@@ -259,11 +259,11 @@ def test_users_own_error_passes_through_unchanged(tmp_path):
 INJECTIONS = [
     ("loss_scale", LossScales, "flush"),
     ("loss_scale", LossScales, "after_call"),
-    ("numerics", NumericsSamples, "after_call"),
+    ("numerics", NumericsSamples, "after_sample"),
     ("loss_health", RunHealth, "record"),
     ("precision", Inventory, "after_call"),
     ("precision", PrecisionCollector, "inventory"),
-    ("gpu", HostRecorder, "after_call"),
+    ("gpu", HostRecorder, "flush"),
     ("numerics", NumericsCollector, "on_call"),
     ("loss_scale", LossScaleCollector, "_append"),
     ("loss_health", LossHealthCollector, "_watch"),

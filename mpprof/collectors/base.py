@@ -10,7 +10,11 @@ fit, with the reason in the run context, and training goes on.
                             patches (through `patches`, so that they are all
                             undone when the fit ends) and device state
     after_call(fit)         after each train-function call: host bookkeeping,
-                            no device read unless one is due
+                            no device read unless one is due (it runs on
+                            every step: a collector with nothing to do then
+                            says so with `after_each_call`)
+    after_sample(fit)       after each sampled (instrumented) call: read what
+                            the instrumented step recorded
     flush(fit)              at flush points (every N steps or seconds, epoch
                             ends, the end of fit, SIGTERM): read the device
                             state and write the records
@@ -36,7 +40,16 @@ class Collector:
         """Called once at train begin, before the first step is traced."""
 
     def after_call(self, fit) -> None:
-        """Called after each train-function call."""
+        """Called after each train-function call, when `after_each_call`."""
+
+    @property
+    def after_each_call(self) -> bool:
+        """Whether `after_call` has work (asked once the collector is
+        installed): a call per step each adds up on fast steps."""
+        return type(self).after_call is not Collector.after_call
+
+    def after_sample(self, fit) -> None:
+        """Called after each sampled call (`fit.sample_step` is its step)."""
 
     def flush(self, fit) -> None:
         """Reads what the device holds and writes the pending records."""

@@ -236,9 +236,9 @@ class Float8Shares(Collector):
             self._table.assign(tf.zeros_like(self._table))
         return tf.identity(values)
 
-    def after_call(self, fit) -> None:
-        """Writes the shares of the call just sampled, if it was."""
-        if fit.sample_step is None or self._table is None:
+    def after_sample(self, fit) -> None:
+        """Writes the shares of the call just sampled."""
+        if self._table is None:
             return
         rows = self._read_and_reset().numpy().astype(np.float64)
         if not rows[..., _COLUMN.count].any():

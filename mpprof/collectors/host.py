@@ -48,6 +48,10 @@ class HostRecorder(Collector):
             )
             self._window.begin(fit.step, siblings, self._api.tensorboard_class)
 
+    @property
+    def after_each_call(self) -> bool:
+        return self._sampler is not None or self._window is not None
+
     def after_call(self, fit) -> None:
         if self._sampler is not None:
             self._sampler.step = fit.step

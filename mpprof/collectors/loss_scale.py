@@ -3,12 +3,14 @@
 Keras 3's LossScaleOptimizer branches, inside the traced train step, to
 `_stateful_handle_non_finite_grads` (overflow: skip, halve) or
 `_stateful_handle_finite_grads` (apply; double after `dynamic_growth_steps`).
-Wrapping both at instance level lets the graph itself append each overflow and
-growth to a ring buffer of variables, so the host reads the buffer only every
-`read_every` steps and no step pays for a device-to-host copy. A finite step
-that does not grow the scale adds one comparison.
+Wrapping the first at instance level lets the graph itself append each
+overflow (its step and the scale it found) to a ring buffer of variables, so
+the host reads the buffer only at flush points and no step pays for a
+device-to-host copy. Finite steps run nothing of mpprof's: the growths
+between two reads follow from the overflows and the optimizer's state
+(`loss_scale_growth`), checked at every read.
 
-When those private methods are missing (another Keras), the collector falls
+When that private method is missing (another Keras), the collector falls
 back to reading the scale and `iterations` on the host after every batch; it
 is then exact only with `steps_per_execution=1`, and the run context says so.
 """
@@ -19,11 +21,15 @@ import numpy as np
 import tensorflow as tf
 
 from mpprof import schema
+from mpprof.collectors.loss_scale_growth import ScaleState, growth_events
 from mpprof.guard import TracedGuard
 from mpprof.patching import Patches
 
 _FINITE = "_stateful_handle_finite_grads"
 _NON_FINITE = "_stateful_handle_non_finite_grads"
+
+# Windows named in the run context when growths could not be derived.
+_MAX_WINDOWS_NAMED = 20
 
 MODE_GRAPH = "graph_counters"
 MODE_HOST = "host_polling"
@@ -66,13 +72,17 @@ class LossScaleCollector:
                                         name="mpprof_skipped_steps")
         self._events_read = 0
         self.dropped_events = 0
+        # Where the optimizer stood at the last read, and the steps between
+        # which growth events could not be derived.
+        self._state: ScaleState | None = None
+        self.unverified_growth: list[tuple[int, int]] = []
         # Runs this collector's own ops inside the traced step.
         self.traced = TracedGuard()
         self._last_polled: tuple[int, float] | None = None
 
     def settings(self) -> dict:
         opt = self.optimizer
-        return {
+        settings = {
             "mode": self.mode,
             "initial_scale": float(opt.initial_scale),
             "dynamic_growth_steps": int(opt.dynamic_growth_steps),
@@ -80,48 +90,33 @@ class LossScaleCollector:
             "buffer_capacity": self.capacity,
             "dropped_events": self.dropped_events,
         }
+        if self.mode == MODE_GRAPH:
+            settings["growth_events"] = "derived from the overflows, checked at every read"
+            if self.unverified_growth:
+                settings["growth_events_missing_between_steps"] = [
+                    list(window) for window in self.unverified_growth[:_MAX_WINDOWS_NAMED]
+                ]
+        return settings
 
     def install(self, patches: Patches) -> None:
-        """Wraps the optimizer's two branches (undone by `patches.restore`)."""
+        """Wraps the optimizer's overflow branch (undone by `patches.restore`)."""
         if self.mode != MODE_GRAPH:
             return
         opt = self.optimizer
-        finite = getattr(opt, _FINITE)
         non_finite = getattr(opt, _NON_FINITE)
 
-        def state_before():
-            step = self.graph_step()
+        def record_overflow():
+            # Read before the optimizer halves the scale: automatic control
+            # dependencies keep program order per variable.
             scale_before = tf.cast(tf.convert_to_tensor(opt.dynamic_scale), tf.float64)
-            return step, scale_before
-
-        def record_growth():
-            step, scale_before = state_before()
-            self._append(step, scale_before, 2.0 * scale_before, schema.EVENT_GROWTH)
-            return tf.no_op()
-
-        def handle_finite_grads(grads, trainable_variables):
-            # Decided before the optimizer's own update (which doubles the
-            # scale and resets the counter on this step), and the step and
-            # scale read only on a growth: a finite step that does not grow
-            # the scale adds one read and one comparison.
-            self.traced(lambda: tf.cond(
-                tf.equal(tf.convert_to_tensor(opt.step_counter), opt.dynamic_growth_steps - 1),
-                record_growth, tf.no_op,
-            ))
-            return finite(grads, trainable_variables)
-
-        def record_overflow(step, scale_before):
-            self._append(step, scale_before, 0.5 * scale_before, schema.EVENT_OVERFLOW)
+            self._append(self.graph_step(), scale_before, 0.5 * scale_before,
+                         schema.EVENT_OVERFLOW)
             self._skipped.assign_add(1)
 
         def handle_non_finite_grads():
-            before = self.traced(state_before)
-            result = non_finite()
-            if before is not None:
-                self.traced(lambda: record_overflow(*before))
-            return result
+            self.traced(record_overflow)
+            return non_finite()
 
-        patches.set(opt, _FINITE, handle_finite_grads)
         patches.set(opt, _NON_FINITE, handle_non_finite_grads)
 
     def graph_step(self) -> tf.Tensor:
@@ -132,6 +127,7 @@ class LossScaleCollector:
         row = tf.stack([tf.cast(step, tf.float64), scale_before, scale_after,
                         tf.constant(kind, tf.float64)])
         slot = tf.math.floormod(self._event_count, self.capacity)
+        # (A MirroredVariable has no scatter_nd_update.)
         self._events.assign(
             tf.tensor_scatter_nd_update(self._events, [[slot]], [row])
         )
@@ -160,18 +156,41 @@ class LossScaleCollector:
             self._poll()
         count = int(self._event_count.numpy())
         new = count - self._events_read
-        if new > self.capacity:
-            self.dropped_events += new - self.capacity
-            new = self.capacity
+        lost = max(0, new - self.capacity)
+        self.dropped_events += lost
+        new -= lost
         buffer = self._events.numpy()
         slots = np.arange(count - new, count) % self.capacity
         self._events_read = count
+        events = buffer[slots]
         progress = np.array([
             self.current_step(),
             self._scale(),
             self.skipped_steps(),
         ], dtype=np.float64)
-        return buffer[slots], progress
+        if self.mode == MODE_GRAPH and self.derives_growth:
+            events = self._with_growths(events, complete=not lost)
+        return events, progress
+
+    # Finite steps record nothing in the graph: their growths are derived.
+    derives_growth = True
+
+    def _with_growths(self, overflows: np.ndarray, complete: bool) -> np.ndarray:
+        """The overflows read, with the growths derived since the last read
+        (none when `complete` is False: some overflows were overwritten)."""
+        column = schema.LOSS_SCALE_EVENT_COLUMN
+        now = ScaleState(self.current_step(), self._counter(), self._scale())
+        start, self._state = self._state, now
+        if start is None:
+            return overflows  # the first read: where the derivation starts
+        events, consistent = growth_events(
+            start, overflows[:, [column.step, column.scale_before]], now,
+            int(self.optimizer.dynamic_growth_steps),
+        )
+        if consistent and complete:
+            return events
+        self.unverified_growth.append((start.step, now.step))
+        return overflows
 
     def scale_tensor(self) -> tf.Tensor:
         """The current scale inside the graph; the initial one until the
@@ -185,6 +204,11 @@ class LossScaleCollector:
         if not self.optimizer.built:
             return float(self.optimizer.initial_scale)
         return float(self.optimizer.dynamic_scale.numpy())
+
+    def _counter(self) -> int:
+        if not self.optimizer.built:
+            return 0
+        return int(self.optimizer.step_counter.numpy())
 
     def poll_if_host_mode(self) -> None:
         if self.mode == MODE_HOST:

@@ -40,6 +40,7 @@ class LossScales(Collector):
         self._replicas = int(strategy.num_replicas_in_sync)
         self._overflows_seen: int | None = None
         self._start: dict[str, object] = {}
+        self._active: dict[str, object] | None = None
         self.by_name = {}
         for use in usage.uses:
             if not use.loss_scale:
@@ -63,9 +64,10 @@ class LossScales(Collector):
 
     def after_call(self, fit) -> None:
         """Polls in host mode; arms a forensic sample after a new overflow."""
-        if not self:
+        active = self.active()
+        if not active:
             return
-        for collector in self.active().values():
+        for collector in active.values():
             collector.poll_if_host_mode()
         if not fit.schedule.watching_overflows:
             return
@@ -94,9 +96,15 @@ class LossScales(Collector):
             fit.writer.write_array(schema.LOSS_SCALE_PROGRESS, progress, step, series=series)
 
     def active(self) -> dict[str, object]:
-        """The series of optimizers the step uses (all of them until traced)."""
+        """The series of optimizers the step uses (all of them until traced;
+        asked after every call, so kept once the step was traced)."""
+        if self._active is not None:
+            return self._active
         used = {use.name for use in self._usage.used()}
-        return {name: c for name, c in self.by_name.items() if name in used}
+        active = {name: c for name, c in self.by_name.items() if name in used}
+        if self._usage.traced:
+            self._active = active
+        return active
 
     def primary(self):
         """The collector of the primary optimizer, or None when it has no

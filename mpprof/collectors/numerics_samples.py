@@ -75,10 +75,8 @@ class NumericsSamples(Collector):
         if self.collector is not None:
             self.collector.instrumenting = on
 
-    def after_call(self, fit) -> None:
-        """Reads the sample the last call recorded, if it was sampled."""
-        if fit.sample_step is None:
-            return
+    def after_sample(self, fit) -> None:
+        """Reads the sample the call just made recorded."""
         self._forensic_used = fit.schedule.forensic_used
         sample = self.collector.read()
         sample.pop("loss", None)  # the loss comes from the health watchers

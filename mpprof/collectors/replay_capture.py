@@ -132,10 +132,10 @@ class ReplayCapture(Collector):
             return None
         return tf.cast(self._loss_scales.graph_step_of(primary.name)(), tf.int64)
 
-    def after_call(self, fit) -> None:
+    def after_sample(self, fit) -> None:
         """Writes a capture when the sampled step just run went wrong."""
         outputs, fit.replay_outputs = fit.replay_outputs, None
-        if outputs is None or fit.sample_step is None or len(self.captured) >= self.budget:
+        if outputs is None or len(self.captured) >= self.budget:
             return
         skipped = int(outputs["skipped"].numpy()) if "skipped" in outputs else 0
         watched = self._health.watched() is not None if fit.guard.ok(self._health.name) else False

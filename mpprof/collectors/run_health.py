@@ -10,6 +10,7 @@ says so and holds no value for it, rather than a number nobody measured.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import tensorflow as tf
 
@@ -29,12 +30,16 @@ class RunHealth(Collector):
         step_of: for an optimizer's name, a function giving its step in-graph.
         reuse: watchers of an earlier fit, by optimizer id (they keep the
             first non-finite step across fits).
+        instrumenting: returns whether the step being traced is the
+            instrumented one (whose loss the watchers keep for its sample).
     """
 
     name = "loss_health"
 
-    def __init__(self, keras_api, usage: OptimizerUsage, strategy, step_of, reuse: dict):
+    def __init__(self, keras_api, usage: OptimizerUsage, strategy, step_of, reuse: dict,
+                 instrumenting: Callable[[], bool]):
         self._usage = usage
+        self._instrumenting = instrumenting
         self.watchers = {}
         for use in usage.uses:
             watcher = reuse.get(id(use.optimizer))
@@ -47,6 +52,7 @@ class RunHealth(Collector):
 
     def install(self, fit, patches: Patches) -> None:
         for watcher in self.watchers.values():
+            watcher.instrumenting = self._instrumenting
             watcher.traced.on_error = lambda error: fit.guard.fail(self.name, error)
             watcher.install(patches)
 
@@ -77,7 +83,7 @@ class RunHealth(Collector):
         return None
 
     def last_loss(self) -> float:
-        """The last step's loss, NaN when no loss was watched."""
+        """The last instrumented step's loss, NaN when no loss was watched."""
         watcher = self.watched()
         return watcher.last_loss() if watcher is not None else math.nan
 

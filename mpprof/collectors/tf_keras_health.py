@@ -28,7 +28,7 @@ class TfKerasLossHealthCollector(LossHealthCollector):
 
         def watched_minimize(loss, var_list, *args, **kwargs):
             if not callable(loss):  # a loss callable is traced by minimize itself
-                self.traced(lambda: self._watch(tf.cast(tf.reduce_sum(loss), tf.float32)))
+                self.traced(lambda: self._watch(loss))
             return minimize(loss, var_list, *args, **kwargs)
 
         patches.set(self.optimizer, "minimize", watched_minimize)

@@ -50,6 +50,10 @@ class TfKerasLossScaleCollector(LossScaleCollector):
         capacity: events the ring buffer holds between two reads.
     """
 
+    # `update` records growths in the step (tf-keras's scale has a floor,
+    # and its counter another rule).
+    derives_growth = False
+
     def __init__(self, optimizer, strategy, capacity: int):
         super().__init__(optimizer, strategy, capacity)
         self.mode = MODE_GRAPH if callable(getattr(self._state, _UPDATE, None)) else MODE_HOST
