@@ -217,8 +217,7 @@ class ProfiledFit:
         else:
             # Most steps: the plain function, and as little Python as can be.
             fit.sample_step = None
-            logs = self._functions.run(iterator, False, on_abort=self._abort,
-                                       on_instrumented_failure=self._instrumented_failed)
+            logs = self._functions.run_plain(iterator, on_abort=self._abort)
         if isinstance(logs, dict):
             fit.reported_skips = logs.pop(_SKIPPED_LOG, None)
             fit.replay_outputs = logs.pop(_REPLAY_LOG, None)
@@ -240,8 +239,8 @@ class ProfiledFit:
         for collector in self._sampling_collectors:
             collector.instrument(True)  # sets a flag the traced taps read
         try:
-            return self._functions.run(iterator, True, on_abort=self._abort,
-                                       on_instrumented_failure=self._instrumented_failed)
+            return self._functions.run_instrumented(iterator, on_abort=self._abort,
+                                                    on_failure=self._instrumented_failed)
         finally:
             for collector in self._sampling_collectors:
                 collector.instrument(False)

@@ -34,7 +34,7 @@ class TrainFunctions:
         self._want_instrumented = instrumented
         self.plain = None
         self.instrumented = None
-        self._ran: set[int] = set()
+        self._instrumented_ran = False
 
     def install(self, dispatcher: Callable, patches: Patches) -> None:
         """Makes both functions and puts `dispatcher` in `model.train_function`
@@ -59,33 +59,41 @@ class TrainFunctions:
             setattr(model, traced_attribute, original_traced)
             patches.set(model, traced_attribute, plain_traced)
 
-    def run(self, iterator, instrumented: bool, *, on_abort: Callable[[], None],
-            on_instrumented_failure: Callable[[str], None]):
-        """Runs one call of the chosen function and returns its logs.
-
-        If the instrumented function fails on its first run, it is dropped
-        (`on_instrumented_failure` gets the reason) and the plain one runs
-        instead: mpprof's hooks inside the step catch their own errors, so
-        what the plain step raises is the user's own error, and it is raised
-        unchanged after `on_abort`.
-        """
-        function = self.instrumented if instrumented else self.plain
+    def run_plain(self, iterator, *, on_abort: Callable[[], None]):
+        """Runs one call of the plain function (most steps: the least Python
+        that keeps `on_abort` before the user's own error)."""
         try:
-            logs = function(iterator)
+            return self.plain(iterator)
         except (StopIteration, tf.errors.OutOfRangeError):
             raise  # the end of the data: fit ends the epoch
-        except Exception as error:
-            if not instrumented or id(function) in self._ran:
-                on_abort()
-                raise
-            self.instrumented = None
-            on_instrumented_failure(f"the instrumented train step failed: {describe_error(error)}")
-            return self.run(iterator, False, on_abort=on_abort,
-                            on_instrumented_failure=on_instrumented_failure)
         except BaseException:
             on_abort()
             raise
-        self._ran.add(id(function))
+
+    def run_instrumented(self, iterator, *, on_abort: Callable[[], None],
+                         on_failure: Callable[[str], None]):
+        """Runs one call of the instrumented function and returns its logs.
+
+        If it fails on its first run, it is dropped (`on_failure` gets the
+        reason) and the plain one runs instead: mpprof's hooks inside the step
+        catch their own errors, so what the plain step raises is the user's
+        own error, and it is raised unchanged after `on_abort`.
+        """
+        try:
+            logs = self.instrumented(iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            raise  # the end of the data: fit ends the epoch
+        except Exception as error:
+            if self._instrumented_ran:
+                on_abort()
+                raise
+            self.instrumented = None
+            on_failure(f"the instrumented train step failed: {describe_error(error)}")
+            return self.run_plain(iterator, on_abort=on_abort)
+        except BaseException:
+            on_abort()
+            raise
+        self._instrumented_ran = True
         return logs
 
     def release(self) -> None:

@@ -114,8 +114,10 @@ class LossScales(Collector):
 
     def skipped_total(self) -> tf.Tensor | None:
         """In-graph sum of every series' skipped steps (None: no series)."""
-        counters = [c.skipped_counter for c in self.by_name.values()]
-        return tf.add_n([tf.identity(c) for c in counters]) if counters else None
+        counters = [tf.convert_to_tensor(c.skipped_counter) for c in self.by_name.values()]
+        if not counters:
+            return None
+        return counters[0] if len(counters) == 1 else tf.add_n(counters)
 
     def skipped_steps(self) -> int:
         """Skipped steps of every used series so far (a host read)."""
