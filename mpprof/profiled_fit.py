@@ -154,11 +154,14 @@ class ProfiledFit:
         self._fit = fit
         for collector in self._collectors:
             self._guard.run(collector.name, collector.install, fit, self._patches)
-        # The collectors with work after every call (a call per step each
-        # adds up on fast steps).
-        self._after_call_collectors = [c for c in self._collectors if c.after_each_call]
+        self._after_call_collectors = self._with_work_after_each_call()
         self._sigterm.install()
         self._write_context()
+
+    def _with_work_after_each_call(self) -> list[Collector]:
+        """The collectors whose `after_call` has work (a call per step each
+        adds up on fast steps)."""
+        return [c for c in self._collectors if c.after_each_call]
 
     def _make_collectors(self, usage: OptimizerUsage) -> list[Collector]:
         """Every collector of the fit, in the order their hooks run."""
@@ -287,6 +290,8 @@ class ProfiledFit:
         if fit.sample_step is not None:
             for collector in self._collectors:
                 self._guard.run(collector.name, collector.after_sample, fit)
+        if first_call or fit.sample_step is not None:
+            self._after_call_collectors = self._with_work_after_each_call()
         if (self._steps_since_flush >= self.profiler.flush_every_steps
                 or self._flush_clock.due()):
             self._flush()

@@ -45,7 +45,8 @@ class Collector:
     @property
     def after_each_call(self) -> bool:
         """Whether `after_call` has work (asked once the collector is
-        installed): a call per step each adds up on fast steps."""
+        installed, then after the first call and after each sampled call): a
+        call per step each adds up on fast steps."""
         return type(self).after_call is not Collector.after_call
 
     def after_sample(self, fit) -> None:

@@ -38,6 +38,10 @@ class Inventory(Collector):
         """Lets `hook` see every layer call too, guarded as `collector`."""
         self.layer_patch.add_hook(GuardedHook(collector, hook, self._guard))
 
+    @property
+    def after_each_call(self) -> bool:
+        return not self._written
+
     def after_call(self, fit) -> None:
         self._steps_ran = True
         if not self._written and self.precision.traced:

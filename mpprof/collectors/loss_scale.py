@@ -74,7 +74,7 @@ class LossScaleCollector:
         self.dropped_events = 0
         # Where the optimizer stood at the last read, and the steps between
         # which growth events could not be derived.
-        self._state: ScaleState | None = None
+        self._last_read: ScaleState | None = None
         self.unverified_growth: list[tuple[int, int]] = []
         # Runs this collector's own ops inside the traced step.
         self.traced = TracedGuard()
@@ -180,7 +180,7 @@ class LossScaleCollector:
         (none when `complete` is False: some overflows were overwritten)."""
         column = schema.LOSS_SCALE_EVENT_COLUMN
         now = ScaleState(self.current_step(), self._counter(), self._scale())
-        start, self._state = self._state, now
+        start, self._last_read = self._last_read, now
         if start is None:
             return overflows  # the first read: where the derivation starts
         events, consistent = growth_events(

@@ -62,6 +62,10 @@ class LossScales(Collector):
         # which optimizers it uses (and so under which tags).
         self._start = {name: c.read()[1] for name, c in self.by_name.items()}
 
+    @property
+    def after_each_call(self) -> bool:
+        return bool(self.active())
+
     def after_call(self, fit) -> None:
         """Polls in host mode; arms a forensic sample after a new overflow."""
         active = self.active()
