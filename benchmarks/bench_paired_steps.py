@@ -42,7 +42,7 @@ import tensorflow as tf
 import mpprof
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_overhead import BATCH_SIZE, FIRST_SAMPLE_STEP, MODELS  # noqa: E402
+from bench_overhead import BATCH_SIZE, FIRST_SAMPLE_STEP, MODELS
 
 
 def _compiled(build) -> keras.Model:
@@ -118,7 +118,7 @@ def report(times: dict[str, list[float]], block: int) -> None:
     plain = times["plain"]
     print(f"{'arm':18s} {'us/step':>8s} {'paired ratio':>12s} {'q1-q3':>13s} {'of totals':>9s}")
     for name, series in times.items():
-        ratios = [t / p for t, p in zip(series, plain)]
+        ratios = [t / p for t, p in zip(series, plain, strict=True)]
         q1, median, q3 = statistics.quantiles(ratios, n=4)
         per_step = statistics.median(series) / block * 1e6
         print(f"{name:18s} {per_step:8.0f} {median:12.3f} {q1:6.3f}-{q3:6.3f} "

@@ -88,4 +88,5 @@ def growth_events(start: ScaleState, overflows: np.ndarray, end: ScaleState,
     else:
         consistent = False
     chosen = rows if consistent else overflow_events
-    return np.array(chosen, np.float64).reshape(-1, len(schema.LOSS_SCALE_EVENT_COLUMNS)), consistent
+    columns = len(schema.LOSS_SCALE_EVENT_COLUMNS)
+    return np.array(chosen, np.float64).reshape(-1, columns), consistent

@@ -8,8 +8,6 @@ training: `evaluate` never calls it, so validation losses are not counted.
 
 from __future__ import annotations
 
-import tensorflow as tf
-
 from mpprof.collectors.health import LossHealthCollector
 from mpprof.patching import Patches
 
