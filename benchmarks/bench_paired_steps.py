@@ -8,7 +8,7 @@ profiled; once both are past their warm-up (tracing, and the profiled fit's
 first numerics sample, where it traces its instrumented step), it alternates
 blocks of `--block` steps of the plain model's Keras train function and of
 the profiled model's (mpprof's dispatcher, after the profiler's
-`on_train_batch_begin` as Keras calls it), the order swapped every round.
+`on_train_batch_begin` as Keras calls it), the order rotated every round.
 Each round's ratio of the two blocks cancels what the machine did meanwhile.
 
 Reported: per-step microseconds of each arm (medians of blocks), the median
@@ -77,7 +77,10 @@ class _PairedBlocks(keras.callbacks.Callback):
         self.times = {name: [] for name in self._arms}
         names = list(self._arms)
         for round_index in range(self._rounds):
-            for name in names if round_index % 2 == 0 else names[::-1]:
+            # Each arm takes each place in the round equally often: the arm
+            # that follows another runs on warmer or colder caches.
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
                 function, iterator = self._arms[name], iterators[name]
                 profiled = name == "mpprof defaults"
                 start = time.perf_counter()

@@ -56,9 +56,15 @@ class LossScaleCollector:
             the steps run between reads.
     """
 
+    # Finite steps record nothing in the graph: the growths are derived at
+    # each read (`loss_scale_growth`).
+    derives_growth = True
+
     def __init__(self, optimizer, strategy, capacity: int):
         self.optimizer = optimizer
         self.capacity = int(capacity)
+        # Only the overflow branch is wrapped; the growth derivation relies on
+        # the finite one being Keras 3's: without either, another Keras.
         hooks_present = all(callable(getattr(optimizer, n, None)) for n in (_FINITE, _NON_FINITE))
         self.mode = MODE_GRAPH if hooks_present else MODE_HOST
         with strategy.scope():
@@ -171,9 +177,6 @@ class LossScaleCollector:
         if self.mode == MODE_GRAPH and self.derives_growth:
             events = self._with_growths(events, complete=not lost)
         return events, progress
-
-    # Finite steps record nothing in the graph: their growths are derived.
-    derives_growth = True
 
     def _with_growths(self, overflows: np.ndarray, complete: bool) -> np.ndarray:
         """The overflows read, with the growths derived since the last read
