@@ -52,7 +52,8 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
       and Tensor Core shape alignment (once per fit, at trace time);
     - the dynamic loss scale of every LossScaleOptimizer the train step uses
       (a GAN's own optimizers included) and every overflow (skipped step) and
-      growth, exact to the step, counted inside the traced train step;
+      growth, exact to the step: overflows recorded inside the traced train
+      step, growths derived from them at each read (and checked);
     - per-layer numerics on sampled steps: for each leaf layer's output and
       the gradient flowing into it, the abs-max, non-finite, zero and
       underflow shares and a log2 histogram; for each variable its gradient,
