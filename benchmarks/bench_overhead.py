@@ -20,6 +20,9 @@ each tree, each in its own process, the trees' order alternating, and a last
 table sets each configuration's ratio and added seconds per epoch before and
 after side by side.
 
+Epoch medians cannot resolve a cost of a few percent on a shared machine:
+`bench_paired_steps.py` measures mpprof's cost per step at its defaults.
+
 Configurations: plain fit; mpprof at defaults; mpprof with numerics on every
 step; keras.callbacks.TensorBoard(histogram_freq=1); TensorFlow Debugger V2
 (`tf.debugging.experimental.enable_dump_debug_info`) in NO_TENSOR and
