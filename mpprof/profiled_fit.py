@@ -166,6 +166,11 @@ class ProfiledFit:
     def _make_collectors(self, usage: OptimizerUsage) -> list[Collector]:
         """Every collector of the fit, in the order their hooks run."""
         model, api, profiler = self.model, self._api, self.profiler
+
+        def instrumenting() -> bool:
+            """Whether the step being traced is the instrumented one."""
+            return self._numerics.instrumenting
+
         strategy = model.distribute_strategy
         capacity = 2 * (profiler.flush_every_steps + _steps_per_execution(model))
         self._inventory = Inventory(model, self._guard)
@@ -173,7 +178,7 @@ class ProfiledFit:
             api, usage, strategy, capacity, self._across_fits.loss_scales
         )
         self._health = RunHealth(api, usage, strategy, self._loss_scales.graph_step_of,
-                                 self._across_fits.health, lambda: self._numerics.instrumenting)
+                                 self._across_fits.health, instrumenting)
         self._numerics = NumericsSamples(
             api.numerics_collector, self._inventory, self._loss_scales, self._health,
             {"every": profiler.numerics_every, "forensic_budget": profiler.forensic_budget,
@@ -185,7 +190,7 @@ class ProfiledFit:
             window.run_dir = posixpath.join(profiler.run_dir, self._role.worker_run)
         self._host = HostRecorder(profiler.gpu_interval, window, profiler, api)
         self._replay = ReplayCapture(profiler.replay_budget, api, self._loss_scales,
-                                     self._health, lambda: self._numerics.instrumenting)
+                                     self._health, instrumenting)
         float8_shares = Float8Shares(model, profiler.numerics_every is not None)
         # The collectors whose in-graph taps run on sampled calls only.
         self._sampling_collectors = [self._numerics, float8_shares]

@@ -57,36 +57,37 @@ def growth_events(start: ScaleState, overflows: np.ndarray, end: ScaleState,
         whether the derivation agreed with every overflow and with `end`).
         When it did not, the events are the overflows alone.
     """
-    overflow_events = [(step, before, before * 0.5, schema.EVENT_OVERFLOW)
-                       for step, before in overflows]
+    columns = len(schema.LOSS_SCALE_EVENT_COLUMNS)
+    overflow_events = np.array(
+        [(step, before, before * 0.5, schema.EVENT_OVERFLOW) for step, before in overflows],
+        np.float64,
+    ).reshape(-1, columns)
+    if not 0 <= start.counter < growth_steps:
+        return overflow_events, False  # not a state Keras 3's rule reaches
     rows: list[tuple] = []
     step, counter, scale = start.step, start.counter, np.float32(start.scale)
-    consistent = True
 
     def run_finite(steps: int) -> None:
         nonlocal counter, scale
         # The k-th finite step (from 0) grows the scale when the counter it
         # finds is growth_steps - 1; after a growth the counter is 0 again.
-        first = growth_steps - 1 - counter if counter < growth_steps else steps
-        for k in range(first, steps, growth_steps):
+        for k in range(growth_steps - 1 - counter, steps, growth_steps):
             rows.append((step + k, float(scale), float(scale * 2), schema.EVENT_GROWTH))
             scale = np.float32(scale * 2)
-        counter = (counter + steps) % growth_steps if counter < growth_steps else counter + steps
+        counter = (counter + steps) % growth_steps
 
-    for (overflow_step, before, after, kind) in overflow_events:
+    for overflow_step, before, after, kind in overflow_events:
         overflow_step = int(overflow_step)
         if overflow_step < step:
-            consistent = False
-            break
+            return overflow_events, False
         run_finite(overflow_step - step)
-        consistent = consistent and float(scale) == before
+        if float(scale) != before:
+            return overflow_events, False
         rows.append((overflow_step, before, after, kind))
         step, counter, scale = overflow_step + 1, 0, np.float32(after)
-    if consistent and end.step >= step:
-        run_finite(end.step - step)
-        consistent = counter == end.counter and float(scale) == end.scale
-    else:
-        consistent = False
-    chosen = rows if consistent else overflow_events
-    columns = len(schema.LOSS_SCALE_EVENT_COLUMNS)
-    return np.array(chosen, np.float64).reshape(-1, columns), consistent
+    if end.step < step:
+        return overflow_events, False
+    run_finite(end.step - step)
+    if counter != end.counter or float(scale) != end.scale:
+        return overflow_events, False
+    return np.array(rows, np.float64).reshape(-1, columns), True

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from mpprof import schema
 from mpprof.collectors.base import Collector
+from mpprof.collectors.loss_scale import MODE_HOST
 from mpprof.collectors.optimizers import OptimizerUsage
 from mpprof.distributed import keras_3_skip_decided_by
 from mpprof.patching import Patches
@@ -41,6 +42,7 @@ class LossScales(Collector):
         self._overflows_seen: int | None = None
         self._start: dict[str, object] = {}
         self._active: dict[str, object] | None = None
+        self._schedule = None
         self.by_name = {}
         for use in usage.uses:
             if not use.loss_scale:
@@ -54,6 +56,7 @@ class LossScales(Collector):
         return bool(self.active())
 
     def install(self, fit, patches: Patches) -> None:
+        self._schedule = fit.schedule
         for collector in self.by_name.values():
             collector.traced.on_error = lambda error: fit.guard.fail(self.name, error)
             collector.install(patches)
@@ -64,7 +67,11 @@ class LossScales(Collector):
 
     @property
     def after_each_call(self) -> bool:
-        return bool(self.active())
+        """Work after every call: host polling, or arming forensic samples
+        while the schedule still takes them (asked again after each sample)."""
+        active = self.active()
+        return any(c.mode == MODE_HOST for c in active.values()) or bool(
+            active and self._schedule is not None and self._schedule.watching_overflows)
 
     def after_call(self, fit) -> None:
         """Polls in host mode; arms a forensic sample after a new overflow."""
