@@ -28,8 +28,6 @@ class FitState:
         sample_step: for the call just made, the step its numerics sample
             starts at (None: the call was not sampled).
         forensic: whether that sample was taken because of an overflow.
-        reported_skips: the skipped-step count the call returned in its
-            logs, if it did.
         replay_outputs: what an instrumented call returned for a replay
             capture (`mpprof.collectors.replay_capture`), if anything.
     """
@@ -44,5 +42,4 @@ class FitState:
     calls: int = 0
     sample_step: int | None = None
     forensic: bool = False
-    reported_skips: object = field(default=None, repr=False)
     replay_outputs: object = field(default=None, repr=False)

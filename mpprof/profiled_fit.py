@@ -17,6 +17,8 @@ import weakref
 from typing import TYPE_CHECKING
 
 from mpprof import schema, tf_keras_support
+from mpprof.call_alarm import LOGS_KEY as _ALARM_LOG
+from mpprof.call_alarm import CallAlarm
 from mpprof.collectors import kernels as kernel_collector
 from mpprof.collectors.base import Collector
 from mpprof.collectors.float8 import Float8State
@@ -41,11 +43,6 @@ from mpprof.train_functions import TrainFunctions
 
 if TYPE_CHECKING:
     from mpprof.callback import AcrossFits, MixedPrecisionProfiler
-
-# The key under which the plain train step reports the skipped-step count in
-# its logs (taken out before Keras sees them): reading a tensor the step
-# already returns is far cheaper than a variable read per step.
-_SKIPPED_LOG = "_mpprof_skipped_steps"
 
 # The fit being profiled on each model, to refuse a second profiler in the
 # same fit and to finish one whose fit was ended by another's exception.
@@ -147,7 +144,9 @@ class ProfiledFit:
         self._steps_since_flush = 0
         self._flush_clock = FlushClock(self.profiler.flush_every_seconds)
         usage.install(self._patches)
-        self._report_skips_in_logs(fit)
+        self._alarm = CallAlarm(self._alarm_counters, lambda: (
+            usage.watched or self._schedule.watching_overflows))
+        self._guard.run("profiler", self._alarm.install, model, self._patches, usage.watched)
         self._guard.run(self._replay.name, self._replay.wrap_train_step, fit, self._patches)
         self._functions = TrainFunctions(model, self._api, self.profiler.numerics_every is not None)
         self._functions.install(self._run_train_function, self._patches)
@@ -226,10 +225,11 @@ class ProfiledFit:
             # Most steps: the plain function, and as little Python as can be.
             fit.sample_step = None
             logs = self._functions.run_plain(iterator, on_abort=self._abort)
+        alarm = None
         if isinstance(logs, dict):
-            fit.reported_skips = logs.pop(_SKIPPED_LOG, None)
+            alarm = logs.pop(_ALARM_LOG, None)
             fit.replay_outputs = logs.pop(_REPLAY_LOG, None)
-        self._guard.run("profiler", self._after_call, fit)
+        self._guard.run("profiler", self._after_call, fit, alarm)
         return logs
 
     def _sample_now(self, fit: FitState) -> bool:
@@ -256,25 +256,24 @@ class ProfiledFit:
     def _instrumented_failed(self, reason: str) -> None:
         self._guard.fail(self._numerics.name, reason)
 
-    def _report_skips_in_logs(self, fit) -> None:
-        """Makes the train step return the skipped-step count in its logs
-        (Keras 3, while forensic samples can still be taken)."""
-        skipped = self._loss_scales.skipped_total
-        if (not fit.usage.watched or not self._loss_scales.by_name
-                or not self._schedule.watching_overflows):
+    def _alarm_counters(self) -> list:
+        """What the alarm sums: every loss-scale series' skipped steps and
+        every loss watcher's non-finite steps."""
+        return ([c.skipped_counter for c in self._loss_scales.by_name.values()]
+                + [w.nonfinite_counter for w in self._health.watchers.values() if w.available])
+
+    def _on_alarm(self, fit: FitState, steps: tuple[int, int] | None) -> None:
+        """A call's alarm rang (`steps`: its first and last step, None: it
+        did not): date the first non-finite loss, and arm a forensic sample
+        after an overflow."""
+        if steps is None:
             return
-        train_step = self.model.train_step
+        self._guard.run(self._health.name, self._health.note_calls, *steps)
+        self._guard.run(self._loss_scales.name, self._loss_scales.note_overflows, fit)
 
-        def train_step_reporting_skips(data):
-            logs = train_step(data)
-            if not isinstance(logs, dict):
-                return logs
-            return {**logs, _SKIPPED_LOG: skipped()}
-
-        self._patches.set(self.model, "train_step", train_step_reporting_skips)
-
-    def _after_call(self, fit: FitState) -> None:
-        """Bookkeeping after each call; reads the device only when it must."""
+    def _after_call(self, fit: FitState, alarm) -> None:
+        """Bookkeeping after each call (`alarm`: the one its logs held, if
+        any); reads the device only when it must."""
         first_call = fit.calls == 0
         fit.calls += 1
         steps = _steps_per_execution(self.model)  # exact but for an epoch's last call
@@ -290,6 +289,9 @@ class ProfiledFit:
             self._write_context()
         elif fit.sample_step is not None:
             fit.step = self._measured_step()
+        for rang in self._alarm.hold(alarm, fit.step - steps, fit.step - 1,
+                                     wait=self._schedule.watching_overflows):
+            self._on_alarm(fit, rang)
         for collector in self._after_call_collectors:
             self._guard.run(collector.name, collector.after_call, fit)
         if fit.sample_step is not None:
@@ -326,6 +328,7 @@ class ProfiledFit:
         if fit is None or self._routing is None:
             return
         fit.step = self._guard.run("profiler", self._measured_step) or fit.step
+        self._on_alarm(fit, self._alarm.drain())
         for collector in self._collectors:
             self._guard.run(collector.name, collector.flush, fit)
         self._write_context()

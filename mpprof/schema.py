@@ -70,8 +70,10 @@ NUMERICS_BACKWARD_HIST = "numerics/backward_hist"
 # exact and estimated columns as above.
 NUMERICS_GRADIENTS = "numerics/gradients"
 NUMERICS_UNSCALED_GRADIENTS = "numerics/unscaled_gradients"
-# One JSON object: {"first_nonfinite_loss_step", "nonfinite_loss_steps",
-#  "nonfinite_weights": [...], "checked_step"}.
+# One JSON object: {"first_nonfinite_loss_step", "first_nonfinite_loss_step_last",
+#  "nonfinite_loss_steps", "nonfinite_weights": [...], "checked_step"}: the first
+# non-finite loss came at a step from the first to the last (equal: exact; a
+# record without "..._last" is exact).
 HEALTH = "health"
 # One JSON object: {"layers": [{"name", "policy", "amax_history_length"}],
 #  "tensors": FLOAT8_TENSORS, "formats": {tensor: format}, "format_max":

@@ -15,6 +15,7 @@ from conftest import mnist_like, overflow_data, overflow_model, seed_model
 import mpprof
 from mpprof import reader, schema
 from mpprof.collectors.layer_calls import is_patched
+from mpprof.diagnosis import diagnose
 from mpprof.profiled_fit import ProfiledFit
 
 TESTS = os.path.dirname(__file__)
@@ -211,3 +212,35 @@ def test_first_nonfinite_loss_step_is_exact(tmp_path):
     # Adam's update with a NaN gradient makes every later loss NaN too.
     assert health["nonfinite_loss_steps"] == 3
     assert health["nonfinite_weights"] and health["checked_step"] == 6
+
+
+@pytest.mark.parametrize("numerics_every", [None, 100])
+def test_the_first_nonfinite_loss_is_dated_to_its_step_without_an_in_graph_step(
+        tmp_path, numerics_every):
+    """The count alone is kept in-graph; the host dates the first non-finite
+    loss from the call whose alarm rang: at once while a forensic sample can
+    be armed, one call late when none can (numerics_every=None)."""
+    model = seed_model("mixed_float16")
+    x, y = mnist_like(96)
+    x[2 * 16 + 1, 0] = np.inf  # in the batch of step 2
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
+              callbacks=[mpprof.MixedPrecisionProfiler(str(tmp_path),
+                                                       numerics_every=numerics_every)])
+    health = reader.read_run(tmp_path, "train").health
+    assert health["first_nonfinite_loss_step"] == health["first_nonfinite_loss_step_last"] == 2
+    assert health["nonfinite_loss_steps"] >= 1
+
+
+def test_under_steps_per_execution_the_first_nonfinite_loss_is_dated_to_its_call(tmp_path):
+    model = seed_model("float32")
+    model.compile(optimizer="adam", steps_per_execution=4,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = mnist_like(128)
+    x[5 * 16 + 3, 7] = np.nan  # step 5: the second call runs steps 4 to 7
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
+              callbacks=[mpprof.MixedPrecisionProfiler(str(tmp_path))])
+    run = reader.read_run(tmp_path, "train")
+    assert (run.health["first_nonfinite_loss_step"],
+            run.health["first_nonfinite_loss_step_last"]) == (4, 7)
+    titles = [f.title for f in diagnose(run) if f.code == "MP012"]
+    assert "Non-finite loss between steps 4 and 7, not caught as a gradient overflow" in titles

@@ -254,11 +254,13 @@ def test_users_own_error_passes_through_unchanged(tmp_path):
 
 
 # Each collector's own method made to fail: (collector named in the run
-# context, class, method). The first seven run on the host, the last four
-# while the train step is traced.
+# context, class, method). The first eight run on the host, the last four
+# while the train step is traced. The hooks that run after a call whose
+# alarm rang get a loss scale that overflows.
 INJECTIONS = [
     ("loss_scale", LossScales, "flush"),
-    ("loss_scale", LossScales, "after_call"),
+    ("loss_scale", LossScales, "note_overflows"),
+    ("loss_health", RunHealth, "note_calls"),
     ("numerics", NumericsSamples, "after_sample"),
     ("loss_health", RunHealth, "record"),
     ("precision", Inventory, "after_call"),
@@ -276,8 +278,10 @@ INJECTIONS = [
 def test_a_failing_collector_is_switched_off_and_training_goes_on(
         tmp_path, monkeypatch, collector, owner, method):
     monkeypatch.setattr(owner, method, _raising(f"injected into {method}"))
+    initial_scale = 2.0**40 if method in ("note_overflows", "note_calls") else None
     profiled = _fit_as_without_the_profiler(
-        tmp_path, f"stopped recording {collector}", numerics_every=2
+        tmp_path, f"stopped recording {collector}", initial_scale=initial_scale,
+        numerics_every=2,
     )
     context = reader.read_run(str(tmp_path), "train").context
     state = context["collectors"][collector]
@@ -334,13 +338,15 @@ def _raising(message: str):
     return broken
 
 
-def _fit_as_without_the_profiler(tmp_path, warning: str, **profiler_kwargs) -> keras.Model:
-    """Trains twin models from the same weights, one plain and one with the
-    profiler (which must warn `warning`); asserts they end with the same
-    weights and returns the profiled one."""
+def _fit_as_without_the_profiler(tmp_path, warning: str, initial_scale=None,
+                                 **profiler_kwargs) -> keras.Model:
+    """Trains twin models from the same weights (their loss scale starting at
+    `initial_scale`, or Keras' default), one plain and one with the profiler
+    (which must warn `warning`); asserts they end with the same weights and
+    returns the profiled one."""
     x, y = _small_data()
-    baseline = _small_model()
-    profiled = _small_model()
+    baseline = _small_model(initial_scale=initial_scale)
+    profiled = _small_model(initial_scale=initial_scale)
     profiled.set_weights(baseline.get_weights())
     baseline.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
     profiler = mpprof.MixedPrecisionProfiler(str(tmp_path), **profiler_kwargs)
@@ -352,13 +358,16 @@ def _fit_as_without_the_profiler(tmp_path, warning: str, **profiler_kwargs) -> k
     return profiled
 
 
-def _small_model(loss="mse") -> keras.Model:
+def _small_model(loss="mse", initial_scale=None) -> keras.Model:
     keras.mixed_precision.set_dtype_policy("mixed_float16")
     model = keras.Sequential([
         keras.layers.Input((4,)), keras.layers.Dense(8, activation="relu"),
         keras.layers.Dense(1, dtype="float32"),
     ])
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
+    optimizer = keras.optimizers.SGD(0.01)
+    if initial_scale is not None:
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=initial_scale)
+    model.compile(optimizer=optimizer, loss=loss)
     return model
 
 

@@ -42,7 +42,6 @@ class LossScales(Collector):
         self._overflows_seen: int | None = None
         self._start: dict[str, object] = {}
         self._active: dict[str, object] | None = None
-        self._schedule = None
         self.by_name = {}
         for use in usage.uses:
             if not use.loss_scale:
@@ -56,7 +55,6 @@ class LossScales(Collector):
         return bool(self.active())
 
     def install(self, fit, patches: Patches) -> None:
-        self._schedule = fit.schedule
         for collector in self.by_name.values():
             collector.traced.on_error = lambda error: fit.guard.fail(self.name, error)
             collector.install(patches)
@@ -67,24 +65,18 @@ class LossScales(Collector):
 
     @property
     def after_each_call(self) -> bool:
-        """Work after every call: host polling, or arming forensic samples
-        while the schedule still takes them (asked again after each sample)."""
-        active = self.active()
-        return any(c.mode == MODE_HOST for c in active.values()) or bool(
-            active and self._schedule is not None and self._schedule.watching_overflows)
+        """Work after every call: polling, for a series in host mode."""
+        return any(c.mode == MODE_HOST for c in self.active().values())
 
     def after_call(self, fit) -> None:
-        """Polls in host mode; arms a forensic sample after a new overflow."""
-        active = self.active()
-        if not active:
-            return
-        for collector in active.values():
+        """Polls the series in host mode."""
+        for collector in self.active().values():
             collector.poll_if_host_mode()
-        if not fit.schedule.watching_overflows:
-            return
-        # The count the step returned in its logs, when it did: no extra read.
-        reported = fit.reported_skips
-        skipped = int(reported) if reported is not None else self.skipped_steps()
+
+    def note_overflows(self, fit) -> None:
+        """After a call whose alarm rang: arms a forensic sample when a step
+        overflowed since the last look (a host read)."""
+        skipped = self.skipped_steps()
         if skipped > self._overflows_seen:
             fit.schedule.overflowed()
         self._overflows_seen = skipped

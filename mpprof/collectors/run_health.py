@@ -67,6 +67,13 @@ class RunHealth(Collector):
             return {"state": "ok"}
         return {"state": "absent", "reason": "no loss passed through a watched optimizer"}
 
+    def note_calls(self, first_step: int, last_step: int) -> None:
+        """After calls whose alarm rang: each watcher dates its first
+        non-finite loss when it is among steps `first_step` to `last_step`."""
+        for watcher in self.watchers.values():
+            if watcher.available:
+                watcher.note_calls(first_step, last_step)
+
     def watched(self):
         """The watcher of the loss the record reports (the primary optimizer's
         when the step scaled its loss, else the first one that saw a loss), or
@@ -103,6 +110,7 @@ class RunHealth(Collector):
             loss = {
                 "loss_watched": False,
                 "first_nonfinite_loss_step": None,
+                "first_nonfinite_loss_step_last": None,
                 "nonfinite_loss_steps": None,
             }
         return {**loss, "nonfinite_weights": self.nonfinite_weights, "checked_step": step}

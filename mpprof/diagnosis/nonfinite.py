@@ -50,10 +50,11 @@ def nonfinite(view: RunView) -> list:
         return findings
     loss_step = _nonfinite_loss(view, health, numerics)
     if loss_step is not None:
-        step, evidence = loss_step
+        step, last, evidence = loss_step
+        when = f"at step {step}" if last == step else f"between steps {step} and {last}"
         findings.append(finding(
             "MP012",
-            f"Non-finite loss at step {step}, not caught as a gradient overflow",
+            f"Non-finite loss {when}, not caught as a gradient overflow",
             step=step,
             evidence=evidence,
             fix=_fix(view, weights=False),
@@ -62,14 +63,21 @@ def nonfinite(view: RunView) -> list:
 
 
 def _nonfinite_loss(view: RunView, health, numerics):
-    """(step, evidence) of the first non-finite loss the loss scale did not catch."""
+    """(first step, last step, evidence) of the first non-finite loss the loss
+    scale did not catch: it came at a step from the first to the last (the
+    health record dates it to a call of several steps under
+    steps_per_execution)."""
     guarded = view.loss_scale is not None
     overflow_steps = set(view.loss_scale.overflow_steps.tolist()) if guarded else set()
     if health and health.get("first_nonfinite_loss_step") is not None:
         step = int(health["first_nonfinite_loss_step"])
-        if not guarded or step not in overflow_steps:
-            return step, {
+        last = health.get("first_nonfinite_loss_step_last")
+        last = step if last is None else max(step, int(last))
+        caught = guarded and all(s in overflow_steps for s in range(step, last + 1))
+        if not caught:
+            return step, last, {
                 "first_nonfinite_loss_step": step,
+                "first_nonfinite_loss_step_last": last,
                 "nonfinite_loss_batches": health.get(
                     "nonfinite_loss_batches", health.get("nonfinite_loss_steps")
                 ),
@@ -87,7 +95,7 @@ def _nonfinite_loss(view: RunView, health, numerics):
         for i in np.flatnonzero(bad):
             step = int(numerics.steps[i])
             if not guarded or step not in overflow_steps:
-                return step, {
+                return step, step, {
                     "loss": float(loss[i]),
                     "step": step,
                     "loss_scaled": guarded,
