@@ -34,7 +34,7 @@ _MODULUS = 2**24
 
 
 class CallAlarm:
-    """The train step's alarm, read one call late.
+    """The train step's alarm, read when its call returns or one call late.
 
     Args:
         counters: returns the in-graph counters the alarm sums (variables;

@@ -154,8 +154,18 @@ class ProfiledFit:
         for collector in self._collectors:
             self._guard.run(collector.name, collector.install, fit, self._patches)
         self._after_call_collectors = self._with_work_after_each_call()
+        self._waits_for_alarm = self._alarm_may_arm_a_sample()
+        # Keras 3 keeps an int; tf-keras a variable its tuner may change.
+        spe = getattr(model, "steps_per_execution", 1)
+        self._fixed_steps_per_call = spe if isinstance(spe, int) and spe > 0 else None
         self._sigterm.install()
         self._write_context()
+
+    def _alarm_may_arm_a_sample(self) -> bool:
+        """Whether the host reads each call's alarm as the call returns
+        (a new overflow may still arm a forensic sample of the next call)
+        rather than one call late."""
+        return self._schedule.watching_overflows and bool(self._loss_scales)
 
     def _with_work_after_each_call(self) -> list[Collector]:
         """The collectors whose `after_call` has work (a call per step each
@@ -276,7 +286,8 @@ class ProfiledFit:
         any); reads the device only when it must."""
         first_call = fit.calls == 0
         fit.calls += 1
-        steps = _steps_per_execution(self.model)  # exact but for an epoch's last call
+        # Exact but for an epoch's last call.
+        steps = self._fixed_steps_per_call or _steps_per_execution(self.model)
         fit.step += steps
         self._steps_since_flush += steps
         self._schedule.after_call(steps)
@@ -290,7 +301,7 @@ class ProfiledFit:
         elif fit.sample_step is not None:
             fit.step = self._measured_step()
         for rang in self._alarm.hold(alarm, fit.step - steps, fit.step - 1,
-                                     wait=self._schedule.watching_overflows):
+                                     wait=self._waits_for_alarm):
             self._on_alarm(fit, rang)
         for collector in self._after_call_collectors:
             self._guard.run(collector.name, collector.after_call, fit)
@@ -298,7 +309,9 @@ class ProfiledFit:
             for collector in self._collectors:
                 self._guard.run(collector.name, collector.after_sample, fit)
         if first_call or fit.sample_step is not None:
+            # What tracing showed, or a forensic sample used, changes these.
             self._after_call_collectors = self._with_work_after_each_call()
+            self._waits_for_alarm = self._alarm_may_arm_a_sample()
         if (self._steps_since_flush >= self.profiler.flush_every_steps
                 or self._flush_clock.due()):
             self._flush()

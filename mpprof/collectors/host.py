@@ -50,7 +50,11 @@ class HostRecorder(Collector):
 
     @property
     def after_each_call(self) -> bool:
-        return self._sampler is not None or self._window is not None
+        """A sampler that samples stamps each call's step; one that found no
+        GPU (a CPU-only machine) has nothing to do."""
+        sampling = (self._sampler is not None
+                    and self._sampler.mode != gpu_collector.MODE_UNAVAILABLE)
+        return sampling or self._window is not None
 
     def after_call(self, fit) -> None:
         if self._sampler is not None:
