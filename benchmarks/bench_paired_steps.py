@@ -21,7 +21,7 @@ ratio should read 1.00.
 without the scheduling noise of two thread pools sharing two cores.
 `--block 1` pairs single steps: each pair's ratio is noisier, but over a few
 thousand rounds the median is the steadiest figure this benchmark gives (on
-the seed model, three runs of 4,000 rounds agreed within 0.5%, where blocks
+the seed model, three runs of 4,000 rounds agreed within about 1%, where blocks
 of 16 over 240 rounds moved by 2%):
 
     python benchmarks/bench_paired_steps.py --model seed --pin --block 1 --rounds 4000
