@@ -155,9 +155,7 @@ class ProfiledFit:
             self._guard.run(collector.name, collector.install, fit, self._patches)
         self._after_call_collectors = self._with_work_after_each_call()
         self._waits_for_alarm = self._alarm_may_arm_a_sample()
-        # Keras 3 keeps an int; tf-keras a variable its tuner may change.
-        spe = getattr(model, "steps_per_execution", 1)
-        self._fixed_steps_per_call = spe if isinstance(spe, int) and spe > 0 else None
+        self._fixed_steps_per_call = tf_keras_support.fixed_steps_per_execution(model)
         self._sigterm.install()
         self._write_context()
 
@@ -269,8 +267,7 @@ class ProfiledFit:
     def _alarm_counters(self) -> list:
         """What the alarm sums: every loss-scale series' skipped steps and
         every loss watcher's non-finite steps."""
-        return ([c.skipped_counter for c in self._loss_scales.by_name.values()]
-                + [w.nonfinite_counter for w in self._health.watchers.values() if w.available])
+        return self._loss_scales.skipped_counters() + self._health.nonfinite_counters()
 
     def _on_alarm(self, fit: FitState, steps: tuple[int, int] | None) -> None:
         """A call's alarm rang (`steps`: its first and last step, None: it

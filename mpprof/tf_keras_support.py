@@ -89,6 +89,13 @@ def is_loss_scale_optimizer(optimizer) -> bool:
     return isinstance(optimizer, BaseLossScaleOptimizer)
 
 
+def fixed_steps_per_execution(model) -> int | None:
+    """Keras 3's steps per execution, fixed once compiled; None for tf-keras,
+    whose variable its tuner may change during fit."""
+    value = getattr(model, "steps_per_execution", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def steps_per_execution(model) -> int:
     """Keras 3 keeps an int; tf-keras a variable (mirrored under a strategy)."""
     value = getattr(model, "steps_per_execution", None)

@@ -91,9 +91,12 @@ class LossHealthCollector:
     def note_calls(self, first_step: int, last_step: int) -> None:
         """After calls that may have had a non-finite loss (the train step's
         alarm rose), steps `first_step` to `last_step`: a host read, which
-        dates the first non-finite loss when it is among them."""
+        dates the first non-finite loss when it is among them (none once
+        it is dated)."""
+        if self._first_calls is not None:
+            return
         counted = self.nonfinite_steps()
-        if counted > self._counted and self._first_calls is None:
+        if counted > self._counted:
             self._first_calls = (first_step, last_step)
         self._counted = counted
 

@@ -75,7 +75,9 @@ class LossScales(Collector):
 
     def note_overflows(self, fit) -> None:
         """After a call whose alarm rang: arms a forensic sample when a step
-        overflowed since the last look (a host read)."""
+        overflowed since the last look (a host read, while one can be armed)."""
+        if not fit.schedule.watching_overflows:
+            return
         skipped = self.skipped_steps()
         if skipped > self._overflows_seen:
             fit.schedule.overflowed()
@@ -115,9 +117,13 @@ class LossScales(Collector):
         primary = self._usage.primary()
         return self.by_name.get(primary.name) if primary is not None else None
 
+    def skipped_counters(self) -> list[tf.Variable]:
+        """Every series' in-graph count of skipped steps."""
+        return [c.skipped_counter for c in self.by_name.values()]
+
     def skipped_total(self) -> tf.Tensor | None:
         """In-graph sum of every series' skipped steps (None: no series)."""
-        counters = [tf.convert_to_tensor(c.skipped_counter) for c in self.by_name.values()]
+        counters = [tf.convert_to_tensor(c) for c in self.skipped_counters()]
         if not counters:
             return None
         return counters[0] if len(counters) == 1 else tf.add_n(counters)

@@ -67,6 +67,10 @@ class RunHealth(Collector):
             return {"state": "ok"}
         return {"state": "absent", "reason": "no loss passed through a watched optimizer"}
 
+    def nonfinite_counters(self) -> list[tf.Variable]:
+        """Every available watcher's in-graph count of non-finite losses."""
+        return [w.nonfinite_counter for w in self.watchers.values() if w.available]
+
     def note_calls(self, first_step: int, last_step: int) -> None:
         """After calls whose alarm rang: each watcher dates its first
         non-finite loss when it is among steps `first_step` to `last_step`."""
