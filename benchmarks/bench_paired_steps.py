@@ -42,6 +42,7 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.utils.python_utils import pythonify_logs
 
 import mpprof
 
@@ -88,12 +89,18 @@ class _PairedBlocks(keras.callbacks.Callback):
                 function, iterator = self._arms[name], iterators[name]
                 profiled = name == "mpprof defaults"
                 start = time.perf_counter()
-                for step in range(self._block):
-                    if profiled:
-                        self._profiler.on_train_batch_begin(step)
-                    logs = function(iterator)
-                float(logs["loss"])  # the block's last step has finished
+                for _ in range(self._block):
+                    self._step(function, iterator, profiled)
                 self.times[name].append(time.perf_counter() - start)
+
+    def _step(self, function, iterator, profiled: bool) -> None:
+        """One step as fit runs it."""
+        if profiled:
+            self._profiler.on_train_batch_begin(0)
+        # What fit does with every call's logs on TensorFlow: its callbacks
+        # get them as Python numbers (so each step has finished before the
+        # next is queued).
+        pythonify_logs(function(iterator))
 
 
 def measure(model_name: str, policy: str, block: int, rounds: int) -> dict[str, list[float]]:

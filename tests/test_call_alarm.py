@@ -1,7 +1,13 @@
 """The alarm each train-function call returns: which call had trouble."""
 
+import keras
+import numpy as np
+import pytest
 import tensorflow as tf
+from conftest import overflow_data, overflow_model
 
+import mpprof
+from mpprof import reader
 from mpprof.call_alarm import CallAlarm
 
 
@@ -56,3 +62,96 @@ def test_with_no_counter_there_is_no_alarm():
     alarm = CallAlarm(lambda: [], lambda: True)
     alarm.install(model=None, patches=None, in_logs=True)  # patches nothing
     assert alarm.hold(None, 0, 0, wait=True) == []
+
+
+class _BatchLogs(keras.callbacks.Callback):
+    """The logs Keras hands every callback after each batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(dict(logs))
+
+
+# Logs a custom train step may return, for its loss.
+_LOG_LAYOUTS = {
+    "the loss": lambda loss: {"loss": loss},
+    "another float32 scalar": lambda loss: {"count": tf.constant(1), "mse": loss},
+    "no float32 scalar": lambda loss: {"loss": tf.cast(loss, "float16"),
+                                       "count": tf.constant(1)},
+    "a vector": lambda loss: {"losses": tf.stack([loss, 2 * loss])},
+}
+
+
+class _CustomLogs(keras.Model):
+    """A custom train step (its loss watched through `scale_loss`) whose logs
+    take one of `_LOG_LAYOUTS`."""
+
+    def __init__(self, layout: str, **kwargs):
+        super().__init__(**kwargs)
+        self.layout = layout
+        self.dense = keras.layers.Dense(1, name="dense")
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(self(x, training=True) - y))
+            scaled = self.optimizer.scale_loss(loss)
+        gradients = tape.gradient(scaled, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        return _LOG_LAYOUTS[self.layout](loss)
+
+
+@pytest.mark.parametrize("layout", list(_LOG_LAYOUTS))
+def test_callbacks_see_the_step_s_own_logs_and_the_alarm_still_dates_the_loss(
+        tmp_path, layout):
+    """Whatever logs a custom step returns, Keras and every callback see them
+    as in a fit without mpprof (the alarm taken out), and the alarm dates the
+    first non-finite loss to its step."""
+    rng = np.random.default_rng(0)
+    x = rng.random((48, 4), dtype=np.float32)
+    y = rng.random((48, 1), dtype=np.float32)
+    x[2 * 8 + 3, 1] = np.nan  # in the batch of step 2
+    seen = {}
+    for profiled in (False, True):
+        keras.utils.set_random_seed(0)
+        model = _CustomLogs(layout, name="custom_logs")
+        model.compile(optimizer=keras.optimizers.SGD(0.01))
+        batch_logs = _BatchLogs()
+        profilers = [mpprof.MixedPrecisionProfiler(str(tmp_path))] if profiled else []
+        history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False,
+                            callbacks=[*profilers, batch_logs])
+        seen[profiled] = (batch_logs.seen, history.history)
+    np.testing.assert_equal(seen[True], seen[False])
+    assert len(seen[True][0]) == 12
+    health = reader.read_run(tmp_path, "train").health
+    assert health["first_nonfinite_loss_step"] == health["first_nonfinite_loss_step_last"] == 2
+
+
+def test_under_loss_scaling_callbacks_see_plain_logs_and_the_alarm_arms_forensics(tmp_path):
+    """Keras' own train step: the logs every callback sees equal a fit
+    without mpprof, and each overflow's alarm arms a forensic sample of the
+    next step."""
+    x, y = overflow_data(64)
+    seen = {}
+    for profiled in (False, True):
+        keras.utils.set_random_seed(0)
+        model = overflow_model(growth_steps=4)
+        batch_logs = _BatchLogs()
+        profilers = ([mpprof.MixedPrecisionProfiler(str(tmp_path), numerics_every=1000,
+                                                    forensic_budget=2, forensic_spacing=1)]
+                     if profiled else [])
+        history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False,
+                            callbacks=[*profilers, batch_logs])
+        seen[profiled] = (batch_logs.seen, history.history)
+    assert seen[True] == seen[False]
+    assert all(list(logs) == ["loss"] and isinstance(logs["loss"], float)
+               for logs in seen[True][0])
+    run = reader.read_run(tmp_path, "train")
+    assert set(run.numerics.steps) <= set(run.loss_scale.overflow_steps + 1)
+    assert run.context["collectors"]["numerics"]["forensic_used"] == 2

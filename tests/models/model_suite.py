@@ -21,11 +21,28 @@ from mpprof import cli, reader, schema
 FINDING_KEYS = {"code", "severity", "title", "layer", "step", "evidence", "fix"}
 
 
+class _BatchLogs(keras.callbacks.Callback):
+    """The logs Keras hands every callback after each batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(dict(logs))
+
+
 def fit_profiled(model, x, y=None, *, logdir, **fit_kwargs) -> reader.Run:
-    """`model.fit` with a profiler sampling numerics on every step; the run read back."""
+    """`model.fit` with a profiler sampling numerics on every step; the run
+    read back. Every callback saw the step's own logs, each a number."""
     profiler = mpprof.MixedPrecisionProfiler(str(logdir), numerics_every=1, gpu_interval=None)
+    batch_logs = _BatchLogs()
     fit_kwargs.setdefault("epochs", 1)
-    model.fit(x, y, verbose=0, callbacks=[profiler], **fit_kwargs)
+    model.fit(x, y, verbose=0, callbacks=[profiler, batch_logs], **fit_kwargs)
+    assert batch_logs.seen
+    for logs in batch_logs.seen:
+        assert not any(name.startswith("_mpprof") for name in logs), logs
+        assert all(isinstance(value, float) for value in logs.values()), logs
     return reader.read_run(logdir, schema.TRAIN_RUN)
 
 
