@@ -3,20 +3,23 @@
 The Keras 3 train step adds one number to its logs, the alarm: the steps
 skipped by every loss-scale series plus the steps whose loss was non-finite
 by every watched optimizer. The host compares each call's alarm with the one
-before. While an overflow would still arm a forensic sample of the next call,
-it does so as soon as the call returns (on a GPU the host then waits for the
-step before it queues the next one). Otherwise it does so one call late:
-call k's alarm is read once call k+1 has been queued, so the read never
-holds back the next step. Only when the alarm changed does the host read the
-counters behind it, to date the first non-finite loss (to the call, so to
-the step when a call runs one) and to arm a forensic sample.
+before, as the call returns: on a GPU that waits for the step, but Keras 3
+on TensorFlow waits for it too, since its callback list turns every call's
+logs into Python numbers before the next call (whatever `verbose`). Only
+when the alarm changed does the host read the counters behind it, to date
+the first non-finite loss (to the call, so to the step when a call runs one)
+and to arm a forensic sample.
+
+tf-keras's train step, or one whose logs are not a dict, reports no alarm;
+the host then reads the counters after each call while that is needed. As
+tf-keras need not wait for a step's logs, it reads them one call late (call
+k's counters once call k+1 is queued) unless an overflow could still arm a
+forensic sample of the next call.
 
 The alarm is a float32, the count modulo 2**24 (which float32 holds
 exactly): an output costs Keras' train function 15 to 20 us a call on
 TensorFlow 2.21's CPU executor, and an int64 one read no cheaper (seed
 model, each variant's step timed one at a time in shuffled order).
-tf-keras's train step, or one whose logs are not a dict, reports no alarm;
-the host then reads the counters after each call while that is needed.
 """
 
 from __future__ import annotations
@@ -81,6 +84,15 @@ class CallAlarm:
         counters = [tf.convert_to_tensor(c) for c in self._counters()]
         total = counters[0] if len(counters) == 1 else tf.add_n(counters)
         return tf.cast(tf.math.floormod(total, _MODULUS), tf.float32)
+
+    def unchanged(self, value) -> bool:
+        """Whether a call whose logs held the alarm `value` (None: none)
+        surely had no trouble: its alarm is the one last seen, or there are
+        no counters. The quick check of a call with nothing else to do; any
+        other call goes through `hold`."""
+        if value is None:
+            return self._seen is None
+        return float(value) == self._seen
 
     def hold(self, value, first_step: int, last_step: int, *,
              wait: bool) -> list[tuple[int, int]]:

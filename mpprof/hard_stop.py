@@ -10,6 +10,7 @@ there before, or to the default action, which ends the process).
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -32,7 +33,11 @@ class FlushClock:
         self._last = time.monotonic()
 
     def due(self) -> bool:
-        return self.interval_s is not None and time.monotonic() - self._last >= self.interval_s
+        return time.monotonic() >= self.deadline()
+
+    def deadline(self) -> float:
+        """The `time.monotonic()` at which a flush falls due (inf: never)."""
+        return math.inf if self.interval_s is None else self._last + self.interval_s
 
 
 class SigtermFlush:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import posixpath
+import time
 import weakref
 from typing import TYPE_CHECKING
 
@@ -143,10 +144,18 @@ class ProfiledFit:
         self._fit_start_step = fit.step
         self._steps_since_flush = 0
         self._flush_clock = FlushClock(self.profiler.flush_every_seconds)
+        # Quiet calls: those with nothing due but their count and the
+        # alarm's check (`_run_quiet`); how many may come, and how many
+        # came since the last bookkeeping.
+        self._quiet_calls = 0
+        self._quiet_made = 0
+        self._quiet_until = 0.0
         usage.install(self._patches)
         self._alarm = CallAlarm(self._alarm_counters, lambda: (
             usage.watched or self._schedule.watching_overflows))
-        self._guard.run("profiler", self._alarm.install, model, self._patches, usage.watched)
+        self._alarm_in_logs = usage.watched  # Keras 3's train step reports it
+        self._guard.run("profiler", self._alarm.install, model, self._patches,
+                        self._alarm_in_logs)
         self._guard.run(self._replay.name, self._replay.wrap_train_step, fit, self._patches)
         self._functions = TrainFunctions(model, self._api, self.profiler.numerics_every is not None)
         self._functions.install(self._run_train_function, self._patches)
@@ -154,16 +163,19 @@ class ProfiledFit:
         for collector in self._collectors:
             self._guard.run(collector.name, collector.install, fit, self._patches)
         self._after_call_collectors = self._with_work_after_each_call()
-        self._waits_for_alarm = self._alarm_may_arm_a_sample()
+        self._waits_for_alarm = self._reads_alarm_at_once()
         self._fixed_steps_per_call = tf_keras_support.fixed_steps_per_execution(model)
         self._sigterm.install()
         self._write_context()
 
-    def _alarm_may_arm_a_sample(self) -> bool:
-        """Whether the host reads each call's alarm as the call returns
-        (a new overflow may still arm a forensic sample of the next call)
-        rather than one call late."""
-        return self._schedule.watching_overflows and bool(self._loss_scales)
+    def _reads_alarm_at_once(self) -> bool:
+        """Whether the host examines each call's alarm as the call returns,
+        rather than one call late: where the step reports it in its logs
+        (Keras 3 on TensorFlow turns every call's logs into Python numbers
+        before the next call, so this waits for nothing more), and while a
+        new overflow may still arm a forensic sample of the next call."""
+        return self._alarm_in_logs or (
+            self._schedule.watching_overflows and bool(self._loss_scales))
 
     def _with_work_after_each_call(self) -> list[Collector]:
         """The collectors whose `after_call` has work (a call per step each
@@ -227,10 +239,13 @@ class ProfiledFit:
             self.finish(schema.FIT_FAILED)
             return self.model.train_function(iterator)
         self._batch_pending = False
+        if self._quiet_calls:
+            return self._run_quiet(iterator, fit)
+        # A call with something to do: the first, a sample, a flush, after
+        # an alarm, or every call where quiet ones are not possible.
         if self._sample_now(fit):
             logs = self._run_sampled(iterator, fit)
         else:
-            # Most steps: the plain function, and as little Python as can be.
             fit.sample_step = None
             logs = self._functions.run_plain(iterator, on_abort=self._abort)
         alarm = None
@@ -239,6 +254,52 @@ class ProfiledFit:
             fit.replay_outputs = logs.pop(_REPLAY_LOG, None)
         self._guard.run("profiler", self._after_call, fit, alarm)
         return logs
+
+    def _run_quiet(self, iterator, fit: FitState):
+        """Runs a call with nothing due (most calls): the plain function, the
+        alarm's quick check and a count. Per-call Python runs on caches the
+        step has just flushed (tens of us where a tight loop would take a
+        few), so a quiet call touches as little as it can; the bookkeeping
+        of quiet calls waits for the next call that has something to do."""
+        self._quiet_calls -= 1
+        logs = self._functions.run_plain(iterator, on_abort=self._abort)
+        alarm = logs.pop(_ALARM_LOG, None) if isinstance(logs, dict) else None
+        try:
+            if self._alarm.unchanged(alarm) and time.monotonic() < self._quiet_until:
+                self._quiet_made += 1
+                return logs
+        except Exception as e:  # noqa: BLE001 - mpprof's failure must not stop fit
+            self._quiet_calls = 0
+            self._guard.fail("profiler", e)
+            return logs
+        # Trouble, or a flush fell due: the whole bookkeeping, for this call.
+        self._quiet_calls = 0
+        self._guard.run("profiler", self._after_call, fit, alarm)
+        return logs
+
+    def _settle_quiet_calls(self) -> None:
+        """Counts the quiet calls made since the last bookkeeping (before
+        anything reads the step, the calls or the schedule)."""
+        made, self._quiet_made = self._quiet_made, 0
+        if made:
+            steps = made * self._fixed_steps_per_call
+            self._fit.calls += made
+            self._fit.step += steps
+            self._steps_since_flush += steps
+            self._schedule.after_call(steps)
+
+    def _quiet_calls_ahead(self, fit: FitState) -> int:
+        """How many of the next calls may run quiet: none has a sample or a
+        flush due before it, no collector has work after each call, and the
+        steps of each call are known."""
+        steps = self._fixed_steps_per_call
+        if not steps or self._after_call_collectors:
+            return 0
+        steps_free = self.profiler.flush_every_steps - self._steps_since_flush - 1
+        if self._functions.instrumented is not None:
+            steps_free = min(steps_free, self._schedule.steps_before_due())
+        self._quiet_until = self._flush_clock.deadline()
+        return max(0, int(steps_free) // steps)
 
     def _sample_now(self, fit: FitState) -> bool:
         """Whether this call is sampled (a sample is due and the numerics
@@ -275,12 +336,14 @@ class ProfiledFit:
         after an overflow."""
         if steps is None:
             return
+        self._quiet_calls = 0  # a forensic sample may now be due
         self._guard.run(self._health.name, self._health.note_calls, *steps)
         self._guard.run(self._loss_scales.name, self._loss_scales.note_overflows, fit)
 
     def _after_call(self, fit: FitState, alarm) -> None:
         """Bookkeeping after each call (`alarm`: the one its logs held, if
         any); reads the device only when it must."""
+        self._settle_quiet_calls()
         first_call = fit.calls == 0
         fit.calls += 1
         # Exact but for an epoch's last call.
@@ -308,10 +371,13 @@ class ProfiledFit:
         if first_call or fit.sample_step is not None:
             # What tracing showed, or a forensic sample used, changes these.
             self._after_call_collectors = self._with_work_after_each_call()
-            self._waits_for_alarm = self._alarm_may_arm_a_sample()
+            self._waits_for_alarm = self._reads_alarm_at_once()
         if (self._steps_since_flush >= self.profiler.flush_every_steps
                 or self._flush_clock.due()):
             self._flush()
+        self._quiet_calls = self._quiet_calls_ahead(fit)
+        if self._quiet_calls:
+            fit.sample_step = None  # quiet calls are not sampled
 
     # Steps.
 
@@ -337,6 +403,7 @@ class ProfiledFit:
         fit = self._fit
         if fit is None or self._routing is None:
             return
+        self._settle_quiet_calls()
         fit.step = self._guard.run("profiler", self._measured_step) or fit.step
         self._on_alarm(fit, self._alarm.drain())
         for collector in self._collectors:
@@ -370,6 +437,7 @@ class ProfiledFit:
         fit = self._fit
         try:
             if fit is not None:
+                self._settle_quiet_calls()
                 for collector in self._collectors:
                     self._guard.run(collector.name, collector.end, fit)
                 self._flush()

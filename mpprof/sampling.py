@@ -9,6 +9,8 @@ otherwise run mostly instrumented steps at first.
 
 from __future__ import annotations
 
+import math
+
 
 class SampleSchedule:
     """Decides, before each train-function call, whether to instrument it.
@@ -42,6 +44,15 @@ class SampleSchedule:
         if self.every is None or calls == 0:
             return False
         return self._forensic_due or self._steps_since_sample >= self.every
+
+    def steps_before_due(self) -> float:
+        """Steps that can run before `due` may say yes (inf: never, as long
+        as no overflow arms a forensic sample)."""
+        if self.every is None:
+            return math.inf
+        if self._forensic_due:
+            return 0
+        return self.every - self._steps_since_sample
 
     def sampled(self) -> bool:
         """Takes the sample that `due` announced; returns whether it is forensic."""

@@ -218,8 +218,8 @@ def test_first_nonfinite_loss_step_is_exact(tmp_path):
 def test_the_first_nonfinite_loss_is_dated_to_its_step_without_an_in_graph_step(
         tmp_path, numerics_every):
     """The count alone is kept in-graph; the host dates the first non-finite
-    loss from the call whose alarm rang: at once while a forensic sample can
-    be armed, one call late when none can (numerics_every=None)."""
+    loss from the call whose alarm rang, whether a forensic sample can be
+    armed or not (numerics_every=None)."""
     model = seed_model("mixed_float16")
     x, y = mnist_like(96)
     x[2 * 16 + 1, 0] = np.inf  # in the batch of step 2

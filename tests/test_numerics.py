@@ -1,5 +1,7 @@
 """Per-layer numerics on real training runs on CPU."""
 
+import time
+
 import keras
 import numpy as np
 import pytest
@@ -423,3 +425,49 @@ def test_optimizers_wrapped_once_each_and_restored():
     assert len(patches) == 2
     assert not patches.restore()
     assert "apply" not in vars(first) and "apply" not in vars(second)
+
+
+def test_an_overflow_amid_quiet_calls_is_dated_and_sampled_at_once(tmp_path):
+    """Most calls run quiet (only a count and the alarm's check, their
+    bookkeeping settled later): an overflow among them is dated to its step,
+    arms a forensic sample of the very next step, and the flushes and the
+    step count stay exact."""
+    model = overflow_model(initial_scale=1.0, growth_steps=10**6)
+    x, y = overflow_data(8 * 64)
+    x[8 * 40] = 1e5  # float16 activations overflow on step 40 only
+    run = _fit(model, x, y, tmp_path, numerics_every=1000, flush_every_steps=16)
+    assert run.loss_scale.overflow_steps.tolist() == [40]
+    assert run.health["first_nonfinite_loss_step"] == run.health[
+        "first_nonfinite_loss_step_last"] == 40
+    assert run.numerics.steps.tolist() == [41] and run.numerics.forensic.all()
+    flushed = [r.step for r in run.records[schema.HEALTH]]
+    assert flushed[:4] == [16, 32, 48, 64] and set(flushed[4:]) == {64}  # then epoch, fit end
+    assert run.health["checked_step"] == 64
+
+
+class _SlowBatches(keras.callbacks.Callback):
+    """Makes each step last at least `seconds`."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(self.seconds)
+
+
+def test_quiet_calls_still_flush_on_time(tmp_path):
+    """A flush by seconds falls due in the midst of quiet calls: the call
+    after its deadline flushes (steps last at least 20 ms here, so 100 ms
+    span at most 5 of them)."""
+    keras.utils.set_random_seed(0)
+    model = overflow_model(initial_scale=1.0, growth_steps=10**6)
+    x, y = overflow_data(8 * 40)
+    profiler = mpprof.MixedPrecisionProfiler(str(tmp_path), numerics_every=None,
+                                             flush_every_steps=10**5, flush_every_seconds=0.1)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+              callbacks=[profiler, _SlowBatches(0.02)])
+    flushed = [r.step for r in reader.read_run(tmp_path, "train").records[schema.HEALTH]]
+    on_time = [step for step in flushed if step < 40]
+    assert len(on_time) >= 3
+    assert max(b - a for a, b in zip([0, *on_time], on_time, strict=False)) <= 6
