@@ -7,9 +7,9 @@ the step number and no branch. The train step reports that count, with the
 skipped steps, in its logs (`mpprof.call_alarm`), so the host learns which
 call first had a non-finite loss without a read of its own: the step itself
 when each call runs one step (Keras' default), else the call's steps. (Keras'
-own batch logs hold a running mean that stays NaN once it was; reading them
-every batch would stall the pipeline.) The loss itself is kept only by the
-instrumented step, for its sample.
+own batch logs hold a running mean that stays NaN once it was: it counts
+nothing, and a custom step logs what it likes.) The loss itself is kept only
+by the instrumented step, for its sample.
 """
 
 from __future__ import annotations
