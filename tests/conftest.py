@@ -68,6 +68,17 @@ def overflow_data(samples: int = 128):
     return np.ones((samples, 8), np.float32), np.full((samples, 1), 1000.0, np.float32)
 
 
+class BatchLogs(keras.callbacks.Callback):
+    """The logs Keras hands every callback after each batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(dict(logs))
+
+
 @pytest.fixture(scope="session")
 def seed_logdir(tmp_path_factory):
     """A healthy mixed_float16 run of the seed model (float32 logits)."""

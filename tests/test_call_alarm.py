@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import overflow_data, overflow_model
+from conftest import BatchLogs, overflow_data, overflow_model
 
 import mpprof
 from mpprof import reader
@@ -64,17 +64,6 @@ def test_with_no_counter_there_is_no_alarm():
     assert alarm.hold(None, 0, 0, wait=True) == []
 
 
-class _BatchLogs(keras.callbacks.Callback):
-    """The logs Keras hands every callback after each batch."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen.append(dict(logs))
-
-
 # Logs a custom train step may return, for its loss.
 _LOG_LAYOUTS = {
     "the loss": lambda loss: {"loss": loss},
@@ -122,7 +111,7 @@ def test_callbacks_see_the_step_s_own_logs_and_the_alarm_still_dates_the_loss(
         keras.utils.set_random_seed(0)
         model = _CustomLogs(layout, name="custom_logs")
         model.compile(optimizer=keras.optimizers.SGD(0.01))
-        batch_logs = _BatchLogs()
+        batch_logs = BatchLogs()
         profilers = [mpprof.MixedPrecisionProfiler(str(tmp_path))] if profiled else []
         history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False,
                             callbacks=[*profilers, batch_logs])
@@ -142,7 +131,7 @@ def test_under_loss_scaling_callbacks_see_plain_logs_and_the_alarm_arms_forensic
     for profiled in (False, True):
         keras.utils.set_random_seed(0)
         model = overflow_model(growth_steps=4)
-        batch_logs = _BatchLogs()
+        batch_logs = BatchLogs()
         profilers = ([mpprof.MixedPrecisionProfiler(str(tmp_path), numerics_every=1000,
                                                     forensic_budget=2, forensic_spacing=1)]
                      if profiled else [])

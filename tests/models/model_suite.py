@@ -13,6 +13,7 @@ import collections
 import json
 
 import keras
+from conftest import BatchLogs
 
 import mpprof
 from mpprof import cli, reader, schema
@@ -21,22 +22,11 @@ from mpprof import cli, reader, schema
 FINDING_KEYS = {"code", "severity", "title", "layer", "step", "evidence", "fix"}
 
 
-class _BatchLogs(keras.callbacks.Callback):
-    """The logs Keras hands every callback after each batch."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen.append(dict(logs))
-
-
 def fit_profiled(model, x, y=None, *, logdir, **fit_kwargs) -> reader.Run:
     """`model.fit` with a profiler sampling numerics on every step; the run
     read back. Every callback saw the step's own logs, each a number."""
     profiler = mpprof.MixedPrecisionProfiler(str(logdir), numerics_every=1, gpu_interval=None)
-    batch_logs = _BatchLogs()
+    batch_logs = BatchLogs()
     fit_kwargs.setdefault("epochs", 1)
     model.fit(x, y, verbose=0, callbacks=[profiler, batch_logs], **fit_kwargs)
     assert batch_logs.seen
