@@ -136,13 +136,15 @@ def main(argv=None) -> int:
         load = _load_generator(args.size)
         print(f"load: {load.name} on {load.device_name}, {args.size}^2 matmuls")
         phases = {}
+        phase_index = 0
+        sampler.step_source = lambda: phase_index  # each row's phase
         for phase in ("idle", "fp16", "fp32"):
             start = time.time()
             if phase == "idle":
                 time.sleep(min(args.seconds, 3.0))
                 work = 0
             else:
-                sampler.step += 1
+                phase_index += 1
                 work = load.run(phase, args.seconds)
             phases[phase] = (start, time.time(), work)
         time.sleep(2 * args.interval)

@@ -266,39 +266,46 @@ class ProfiledFit:
         alarm = logs.pop(_ALARM_LOG, None) if isinstance(logs, dict) else None
         try:
             if self._alarm.unchanged(alarm) and time.monotonic() < self._quiet_until:
+                # The step stays current: the GPU sampler's thread reads it.
+                fit.step += self._fixed_steps_per_call
                 self._quiet_made += 1
                 return logs
         except Exception as e:  # noqa: BLE001 - mpprof's failure must not stop fit
             self._quiet_calls = 0
             self._guard.fail("profiler", e)
             return logs
-        # Trouble, or a flush fell due: the whole bookkeeping, for this call.
+        # Trouble, or a deadline passed: the whole bookkeeping, for this call.
         self._quiet_calls = 0
         self._guard.run("profiler", self._after_call, fit, alarm)
         return logs
 
     def _settle_quiet_calls(self) -> None:
         """Counts the quiet calls made since the last bookkeeping (before
-        anything reads the step, the calls or the schedule)."""
+        anything reads the calls, the steps since the last flush or the
+        schedule)."""
         made, self._quiet_made = self._quiet_made, 0
         if made:
             steps = made * self._fixed_steps_per_call
             self._fit.calls += made
-            self._fit.step += steps
             self._steps_since_flush += steps
             self._schedule.after_call(steps)
 
     def _quiet_calls_ahead(self, fit: FitState) -> int:
         """How many of the next calls may run quiet: none has a sample or a
-        flush due before it, no collector has work after each call, and the
-        steps of each call are known."""
+        flush due before it, the steps of each call are known, and each
+        collector with work after calls can wait (until `_quiet_until`, with
+        the flush clock's deadline)."""
         steps = self._fixed_steps_per_call
-        if not steps or self._after_call_collectors:
+        if not steps:
             return 0
+        until = min([self._flush_clock.deadline()]
+                    + [c.quiet_until() for c in self._after_call_collectors])
+        if until <= time.monotonic():
+            return 0
+        self._quiet_until = until
         steps_free = self.profiler.flush_every_steps - self._steps_since_flush - 1
         if self._functions.instrumented is not None:
             steps_free = min(steps_free, self._schedule.steps_before_due())
-        self._quiet_until = self._flush_clock.deadline()
         return max(0, int(steps_free) // steps)
 
     def _sample_now(self, fit: FitState) -> bool:

@@ -22,6 +22,7 @@ from fake_nvml import FakeGpu, FakeNvmlLibrary, ampere_gpu, installed
 import mpprof
 from mpprof import reader, schema
 from mpprof.collectors import gpu
+from mpprof.collectors.host import HostRecorder
 from mpprof.hardware import hardware_facts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,7 +130,7 @@ def test_gpm_mode_reads_every_metric_through_pynvml():
     library = FakeNvmlLibrary([fake])
     with installed(library):
         sampler = started(library)
-        sampler.step = 7
+        sampler.step_source = lambda: 7
         sampler.sample_round()
         sampler.sample_round()
         rows = sampler.drain()
@@ -249,7 +250,7 @@ def test_a_device_vanishing_mid_run_stops_only_its_samples():
         sampler = started(library)
         sampler.sample_round()
         library.gpus[1].lost = True
-        sampler.step = 3
+        sampler.step_source = lambda: 3
         sampler.sample_round()
         sampler.sample_round()
         rows = sampler.drain()
@@ -327,7 +328,7 @@ def test_memory_stays_bounded_over_a_long_simulated_run():
         before = tracemalloc.take_snapshot()
         rounds = 20_000
         for step in range(rounds):
-            sampler.step = step
+            sampler.step_source = lambda: step  # noqa: B023 - asked in this round
             sampler.sample_round()
         after = tracemalloc.take_snapshot()
         growth = sum(s.size_diff for s in after.compare_to(before, "filename"))
@@ -357,30 +358,44 @@ def test_hardware_facts_from_nvml_while_tensorflow_sees_no_gpu():
     assert facts["cpu_only"] is True and facts["gpus_visible_to_tensorflow"] == 0
 
 
-class _StepClock(keras.callbacks.Callback):
-    """Times each batch end; optionally slows batches so samples span steps."""
+class _BatchTimes(keras.callbacks.Callback):
+    """Times each batch's begin and end, then sleeps (so that the sampler
+    sees several steps in progress)."""
 
-    def __init__(self, ends: list, sleep_s: float = 0.0):
+    def __init__(self, sleep_s: float):
         super().__init__()
-        self.ends, self.sleep_s = ends, sleep_s
+        self.begins, self.ends, self.sleep_s = [], [], sleep_s
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.begins.append(time.time())
 
     def on_train_batch_end(self, batch, logs=None):
         self.ends.append(time.time())
         time.sleep(self.sleep_s)
 
 
+def assert_rows_line_up_with_steps(run, times: _BatchTimes, steps: int) -> None:
+    """Each row's step was in progress at its wall time: the train function
+    moves the step on as its call returns, between a batch's begin and end."""
+    wall_time, step = run.gpu.column("wall_time"), run.gpu.column("step").astype(int)
+    assert len(set(step.tolist())) >= 2
+    assert (np.diff(step) >= 0).all()  # in time order, steps never go back
+    for t, s in zip(wall_time, step, strict=True):
+        assert 0 <= s <= steps
+        if s > 0:
+            assert t > times.begins[s - 1]  # the call of step s-1 had begun...
+        if s < steps:
+            assert t < times.ends[s]  # ...and the call of step s had not returned
+
+
 def test_fit_records_samples_that_line_up_with_steps(tmp_path):
     library = FakeNvmlLibrary([FakeGpu()])
     fake = library.gpus[0]
     steps = 4
-    # Callbacks run in list order: `before[k]` is taken just before mpprof
-    # moves on from step k to k+1, `after[k]` just after (then it sleeps, so
-    # the sampler sees several steps in progress).
-    before, after = [], []
+    times = _BatchTimes(sleep_s=0.3)
     with installed(library):
         profiler = mpprof.MixedPrecisionProfiler(str(tmp_path), gpu_interval=0.1)
-        fit_with(profiler, steps=steps, before=[_StepClock(before)],
-                 after=[_StepClock(after, sleep_s=0.3)])
+        fit_with(profiler, steps=steps, after=[times])
 
     assert not sampler_threads() and library.shutdowns == 1
     run = reader.read_run(tmp_path, schema.TRAIN_RUN)
@@ -388,15 +403,40 @@ def test_fit_records_samples_that_line_up_with_steps(tmp_path):
     tensor = fake.gpm_values[pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL]
     assert (run.gpu.column("tensor_util") == tensor).all()
     assert (run.gpu.column("tensor_util", device=0) == tensor).all()
-    wall_time, step = run.gpu.column("wall_time"), run.gpu.column("step").astype(int)
-    assert len(set(step.tolist())) >= 2
-    assert (np.diff(step) >= 0).all()  # in time order, steps never go back
-    for t, s in zip(wall_time, step, strict=True):
-        assert 0 <= s <= steps
-        if s > 0:
-            assert t > before[s - 1]  # step s-1 had ended...
-        if s < steps:
-            assert t < after[s]  # ...and step s had not
+    assert_rows_line_up_with_steps(run, times, steps)
+
+
+def test_calls_stay_quiet_while_sampling_and_drain_the_buffer_in_time(tmp_path, monkeypatch):
+    """While a GPU is sampled most calls still run quiet (no `after_call`):
+    the sampler's thread reads the step itself, so each row carries the step
+    in progress at its time, and calls stop being quiet to drain the buffer
+    before it is half full, so no row is lost although the run samples far
+    more rows than the buffer holds."""
+    monkeypatch.setattr(gpu, "DEFAULT_CAPACITY_ROWS", 8)
+    after_calls = []
+    after_call = HostRecorder.after_call
+
+    def counted_after_call(self, fit):
+        after_calls.append(fit.step)
+        after_call(self, fit)
+
+    monkeypatch.setattr(HostRecorder, "after_call", counted_after_call)
+    library = FakeNvmlLibrary([FakeGpu()])
+    steps = 60
+    times = _BatchTimes(sleep_s=0.03)
+    with installed(library):
+        profiler = mpprof.MixedPrecisionProfiler(
+            str(tmp_path), gpu_interval=gpu.MIN_INTERVAL_S, numerics_every=None,
+            flush_every_steps=10**5, flush_every_seconds=None,
+        )
+        fit_with(profiler, steps=steps, after=[times])
+
+    run = reader.read_run(tmp_path, schema.TRAIN_RUN)
+    sampler = run.context["collectors"]["gpu"]
+    assert sampler["capacity_rows"] == 8 and sampler["dropped_rows"] == 0
+    assert len(run.gpu.column("step")) > 2 * 8  # the buffer holds 8
+    assert len(after_calls) <= steps // 4, after_calls  # most calls were quiet
+    assert_rows_line_up_with_steps(run, times, steps)
 
 
 def test_an_unexpected_error_while_opening_leaves_nvml_shut_down():

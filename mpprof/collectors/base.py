@@ -12,7 +12,8 @@ fit, with the reason in the run context, and training goes on.
     after_call(fit)         after each train-function call: host bookkeeping,
                             no device read unless one is due (it runs on
                             every step: a collector with nothing to do then
-                            says so with `after_each_call`)
+                            says so with `after_each_call`, one that can
+                            wait a while with `quiet_until`)
     after_sample(fit)       after each sampled (instrumented) call: read what
                             the instrumented step recorded
     flush(fit)              at flush points (every N steps or seconds, epoch
@@ -26,6 +27,8 @@ Collectors never judge (`mpprof.diagnosis` does) and write only through
 """
 
 from __future__ import annotations
+
+import math
 
 from mpprof.patching import Patches
 
@@ -48,6 +51,12 @@ class Collector:
         installed, then after the first call and after each sampled call): a
         call per step each adds up on fast steps."""
         return type(self).after_call is not Collector.after_call
+
+    def quiet_until(self) -> float:
+        """Until when (a `time.monotonic()`) the calls after this one may
+        skip `after_call` ("quiet calls": `fit.step` is still kept current on
+        each); asked after each call that ran it. By default, never: -inf."""
+        return -math.inf
 
     def after_sample(self, fit) -> None:
         """Called after each sampled call (`fit.sample_step` is its step)."""

@@ -95,8 +95,9 @@ class GpuSampler:
         clock: wall-clock function for the "wall_time" column.
 
     Attributes:
-        step: the train step in progress; the training thread sets it, every
-            row carries it.
+        step_source: returns the train step in progress (every row carries
+            it); the sampling thread asks it at each round, so the training
+            thread need not tell the sampler each step.
         mode: "gpm", "basic" or "unavailable" (after `start`).
         reason: why that mode, in words.
     """
@@ -110,7 +111,7 @@ class GpuSampler:
         clock: Callable[[], float] = time.time,
     ):
         self.interval_s = validate_interval(interval_s)
-        self.step = 0
+        self.step_source: Callable[[], int] = lambda: 0
         self.mode = MODE_UNAVAILABLE
         self.reason = "not started"
         self.warnings: list[str] = []
@@ -184,6 +185,14 @@ class GpuSampler:
     def dropped_rows(self) -> int:
         return self._ring.dropped
 
+    def seconds_before_half_full(self) -> float:
+        """How long the ring can go undrained before it is half full, at one
+        row per live device each `interval_s` (a drain by then loses no row,
+        with the other half to spare)."""
+        live = sum(not d.lost for d in self._devices) or 1
+        rounds_left = (self.capacity_rows // 2 - self.pending_rows) // live
+        return max(0, rounds_left) * self.interval_s
+
     def sample_round(self) -> None:
         """Samples every live device once (the thread calls this each interval)."""
         wall_time, step = self._time_and_step()
@@ -209,13 +218,13 @@ class GpuSampler:
     def _time_and_step(self) -> tuple[float, int]:
         """A wall time and the step in progress AT that time.
 
-        The training thread moves `step` on at any moment: reading it before
-        and after the clock, and retrying if it moved, pins the pair.
+        The training thread moves the step on at any moment: reading it
+        before and after the clock, and retrying if it moved, pins the pair.
         """
         while True:
-            step = self.step
+            step = self.step_source()
             wall_time = self._clock()
-            if self.step == step:
+            if self.step_source() == step:
                 return wall_time, step
 
     def context(self) -> dict:

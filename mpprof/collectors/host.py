@@ -8,6 +8,9 @@ MultiWorkerMirroredStrategy, else the model run).
 
 from __future__ import annotations
 
+import math
+import time
+
 from mpprof import schema
 from mpprof.collectors import gpu as gpu_collector
 from mpprof.collectors import kernels as kernel_collector
@@ -38,8 +41,12 @@ class HostRecorder(Collector):
 
     def install(self, fit, patches: Patches) -> None:
         if self._interval_s is not None:
-            self._sampler = gpu_collector.GpuSampler(self._interval_s)
-            self._sampler.step = fit.step
+            self._sampler = gpu_collector.GpuSampler(
+                self._interval_s, capacity_rows=gpu_collector.DEFAULT_CAPACITY_ROWS
+            )
+            # Read by the sampling thread; the profiler keeps `fit.step`
+            # current on every call, quiet ones included.
+            self._sampler.step_source = lambda: fit.step
             self._sampler.start()
         self.hardware = hardware_facts(self._sampler)
         if self._window is not None:
@@ -50,20 +57,34 @@ class HostRecorder(Collector):
 
     @property
     def after_each_call(self) -> bool:
-        """A sampler that samples stamps each call's step; one that found no
-        GPU (a CPU-only machine) has nothing to do."""
-        sampling = (self._sampler is not None
-                    and self._sampler.mode != gpu_collector.MODE_UNAVAILABLE)
-        return sampling or self._window is not None
+        """A sampler that samples must be drained in time, an XProf window
+        opened and closed on its steps; a sampler that found no GPU (a
+        CPU-only machine) and a window that is over have nothing to do."""
+        return self._sampling() or self._window_pending()
+
+    def quiet_until(self) -> float:
+        """Calls may skip `after_call` until the sampler's ring is half full
+        (they keep the step it reads current); none may while an XProf
+        window waits for its first step or traces."""
+        if self._window_pending():
+            return -math.inf
+        if not self._sampling():
+            return math.inf
+        return time.monotonic() + self._sampler.seconds_before_half_full()
 
     def after_call(self, fit) -> None:
-        if self._sampler is not None:
-            self._sampler.step = fit.step
-            # Write before the ring buffer would overwrite unwritten rows.
-            if self._sampler.pending_rows >= self._sampler.capacity_rows // 2:
-                self._write_samples(fit)
+        # Write before the ring buffer would overwrite unwritten rows.
+        if self._sampling() and self._sampler.seconds_before_half_full() <= 0:
+            self._write_samples(fit)
         if self._window is not None:
             self._write_kernel_stats(fit, self._window.after_steps(fit.step))
+
+    def _sampling(self) -> bool:
+        return (self._sampler is not None
+                and self._sampler.mode != gpu_collector.MODE_UNAVAILABLE)
+
+    def _window_pending(self) -> bool:
+        return self._window is not None and self._window.state in ("waiting", "tracing")
 
     def flush(self, fit) -> None:
         self._write_samples(fit)
