@@ -1,9 +1,9 @@
 """The floating-point dtypes of mixed precision and what hardware does with them.
 
 Defined once here: each dtype's range (float8 formats included), which dtypes
-are half precision, the GEMM dimension multiple Tensor Cores want and the
-compute capabilities that bring fast float16 and bfloat16. The collectors, the diagnosis and the
-front ends import them.
+are half precision, the GEMM dimension multiples Tensor Cores want (float8
+included) and the compute capabilities that bring fast float16 and bfloat16.
+The collectors, the diagnosis and the front ends import them.
 """
 
 from __future__ import annotations
@@ -21,6 +21,25 @@ HALF_DTYPES = ("float16", "bfloat16")
 # dimensions are multiples of 8 (NVIDIA's "Matrix Multiplication Background
 # User's Guide"; cuBLAS pads or falls back otherwise).
 TENSOR_CORE_MULTIPLE = 8
+
+# A float8 layer's matmul (Keras quantize-dequantizes its operands) runs as a
+# float8 GEMM where XLA compiles it for a GPU with FP8 Tensor Cores: XLA's
+# GEMM rewriter recognizes the pattern and calls cuBLASLt's FP8 GEMM, whose
+# non-batch dimensions must be multiples of 16 (XLA pads both operands to
+# them otherwise, a copy of each on every call).
+FLOAT8_GEMM_MULTIPLE = 16
+
+
+def gemm_multiple(compute_dtype: str | None, quantization_mode: str | None) -> int | None:
+    """The multiple a layer's GEMM dimensions should be for Tensor Cores:
+    16 for a float8 layer (whatever dtype it dequantizes to), 8 for one
+    computing in float16/bfloat16, None for any other (float32 GEMMs are
+    not judged)."""
+    if quantization_mode == "float8":
+        return FLOAT8_GEMM_MULTIPLE
+    if compute_dtype in HALF_DTYPES:
+        return TENSOR_CORE_MULTIPLE
+    return None
 
 # Tensor Cores first shipped with compute capability 7.0 (Volta); native
 # bfloat16 with 8.0 (Ampere).

@@ -356,8 +356,11 @@ def test_float8_layers_are_seen_by_the_inventory_and_the_numerics(tmp_path, poli
         assert "float8 layers quantize their matmul operands" in notes["MP003"]
     else:
         # The float8 layers' outputs are float16 and judged by its range:
-        # healthy here, nothing found on them.
-        assert not [f for f in checked.findings if f.layer in ("f8/hidden", "hidden", "head")]
+        # healthy here, nothing found on them but their float8 GEMMs'
+        # shapes (input size 8, output size 1: not multiples of 16).
+        on_float8 = [f for f in checked.findings if f.layer in ("f8/hidden", "hidden", "head")]
+        assert {(f.code, f.layer, f.evidence["multiple"]) for f in on_float8} == {
+            ("MP007", "hidden", 16), ("MP007", "head", 16)}
     # Training is what it is without the profiler, and the layers are left as found.
     for expected, got in zip(baseline.get_weights(), profiled.get_weights(), strict=True):
         np.testing.assert_array_equal(expected, got)
@@ -387,3 +390,55 @@ def test_other_quantized_layers_are_seen_too(tmp_path, mode):
     assert np.all(run.numerics.forward["count"][:, column] > 0)
     for layer in [model, *model._flatten_layers(include_self=False)]:
         assert not {"call", "quantized_call"} & set(vars(layer)), layer.name
+
+
+def _dense_model(sizes: tuple[int, int, int], policy: str, float8: bool) -> keras.Model:
+    """Input(sizes[0]) -> Dense(sizes[1]) -> Dense(sizes[2]) under `policy`,
+    both Dense layers in float8 when `float8`."""
+    keras.utils.set_random_seed(0)
+    keras.mixed_precision.set_dtype_policy(policy)
+    model = keras.Sequential([
+        keras.layers.Input((sizes[0],)),
+        keras.layers.Dense(sizes[1], activation="relu", name="hidden"),
+        keras.layers.Dense(sizes[2], name="head"),
+    ], name="gemm")
+    if float8:
+        model.quantize("float8", filters=lambda layer: isinstance(layer, keras.layers.Dense))
+    return model
+
+
+def _gemm_run(tmp_path, sizes, policy="float32", float8=True):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH * STEPS, sizes[0])).astype(np.float32)
+    y = rng.normal(size=(BATCH * STEPS, sizes[2])).astype(np.float32)
+    return _fit(tmp_path, _dense_model(sizes, policy, float8), x, y)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_mp007_judges_float8_gemms_by_multiples_of_16(tmp_path, policy):
+    """A float8 layer's GEMM needs multiples of 16 (cuBLASLt's FP8 GEMM under
+    XLA), whatever it dequantizes to: 8 and 24 are not, though they suit
+    float16/bfloat16 Tensor Cores."""
+    run = _gemm_run(tmp_path, (8, 24, 16), policy)
+    found = {f.layer: f for f in _findings(run, "MP007")}
+    assert set(found) == {"hidden", "head"}
+    hidden = found["hidden"]
+    assert hidden.evidence["multiple"] == dtypes.FLOAT8_GEMM_MULTIPLE == 16
+    assert hidden.evidence["misaligned_dims"] == [8, 24]
+    assert hidden.evidence["quantization_mode"] == "float8"
+    assert "input size 8 -> 16" in hidden.fix and "output size 24 -> 32" in hidden.fix
+    assert "units=32" in hidden.fix and "FP8" in hidden.fix
+    assert found["head"].evidence["misaligned_dims"] == [24]
+
+
+def test_mp007_passes_float8_gemms_in_multiples_of_16(tmp_path):
+    run = _gemm_run(tmp_path, (16, 32, 16))
+    assert not _findings(run, "MP007")
+    assert all(layer["tensor_core_friendly"] for layer in run.inventory["layers"]
+               if layer.get("quantization_mode") == "float8")
+
+
+def test_mp007_keeps_multiples_of_8_for_bfloat16_layers(tmp_path):
+    """The same shapes without float8: bfloat16 GEMMs want multiples of 8 only."""
+    run = _gemm_run(tmp_path, (8, 24, 16), "mixed_bfloat16", float8=False)
+    assert not _findings(run, "MP007")

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from mpprof import schema
 from mpprof.collectors.layer_calls import walk_layers
-from mpprof.dtypes import HALF_DTYPES, TENSOR_CORE_MULTIPLE
+from mpprof.dtypes import HALF_DTYPES, gemm_multiple
 from mpprof.tf_keras_support import variable_short_name
 
 
@@ -234,9 +234,9 @@ def _layer_record(name, layer, parent, *, is_leaf, mixed, call_index,
     own_gemm = is_leaf or type(layer).__name__ == "MultiHeadAttention"
     gemm = gemm_layout(layer) if own_gemm else None
     dims = [d["size"] for d in gemm] if gemm else None
-    half = compute_dtype in HALF_DTYPES
     quantization_mode = getattr(policy, "quantization_mode", None)
-    misaligned = [d for d in dims or () if d % TENSOR_CORE_MULTIPLE]
+    multiple = gemm_multiple(compute_dtype, quantization_mode)
+    misaligned = [d for d in dims or () if multiple and d % multiple]
     return {
         "name": name,
         "class": type(layer).__name__,
@@ -258,8 +258,8 @@ def _layer_record(name, layer, parent, *, is_leaf, mixed, call_index,
         "gemm_dims": dims,
         "gemm_roles": [d["role"] for d in gemm] if gemm else None,
         "gemm_arguments": [d["argument"] for d in gemm] if gemm else None,
-        "misaligned_dims": misaligned if half else [],
-        "tensor_core_friendly": (not misaligned) if (dims and half) else None,
+        "misaligned_dims": misaligned,
+        "tensor_core_friendly": (not misaligned) if (dims and multiple) else None,
         "float32_island": bool(
             mixed and is_leaf and call_index is not None
             and compute_dtype == "float32"

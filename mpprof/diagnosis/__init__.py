@@ -68,7 +68,7 @@ from mpprof.diagnosis.numerics import (
     MIN_UNDERFLOW_SAMPLES,
     UNDERFLOW_SHARE,
 )
-from mpprof.diagnosis.precision import TENSOR_CORE_MULTIPLE
+from mpprof.diagnosis.precision import FLOAT8_GEMM_MULTIPLE, TENSOR_CORE_MULTIPLE
 from mpprof.diagnosis.text import exceeds, format_text
 from mpprof.diagnosis.view import (
     RunView,
@@ -86,7 +86,7 @@ CATALOGUE: dict[str, Rule] = dict(sorted(REGISTRY.items()))
 __all__ = [
     "BF16_CAPABILITY", "BUSY_GPU_UTIL_PERCENT", "CATALOGUE", "EXCESS_OVERFLOW_SHARE",
     "FLOAT8_STEP_SHARE", "FLOAT8_UNDERFLOW_SHARE", "FLOOR_OVERFLOWS_LIMIT", "FLUSH_GAP",
-    "FLUSH_SHARE",
+    "FLOAT8_GEMM_MULTIPLE", "FLUSH_SHARE",
     "FP16_TENSOR_CORE_CAPABILITY",
     "HEADROOM_FACTOR", "LOW_TENSOR_CORE_SHARE", "LOW_TENSOR_UTIL_PERCENT",
     "MAX_LAYER_FINDINGS", "MIN_EXCESS_OVERFLOWS", "MIN_FLOAT8_STEPS", "MIN_HEALTHY_LOSS_SCALE",

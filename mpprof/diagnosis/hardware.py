@@ -13,7 +13,6 @@ from mpprof.dtypes import (
     BF16_CAPABILITY,
     DTYPE_MAX,
     FP16_TENSOR_CORE_CAPABILITY,
-    TENSOR_CORE_MULTIPLE,
 )
 
 # MP010: share of GPU kernel time in Tensor Core kernels. Matmul/conv heavy
@@ -102,8 +101,8 @@ def _tensor_core_fix(view: RunView) -> str:
     lines = ["Tensor-Core-eligible work is not reaching the Tensor Cores:"]
     if misaligned:
         lines.append(
-            f"- round the GEMM dimensions of {', '.join(misaligned[:5])} to "
-            f"multiples of {TENSOR_CORE_MULTIPLE} (MP007);"
+            f"- round the GEMM dimensions of {', '.join(misaligned[:5])} to the "
+            "multiples MP007 names;"
         )
     lines += [
         "- use batch sizes and sequence lengths that are multiples of 8;",

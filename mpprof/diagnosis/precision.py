@@ -1,5 +1,5 @@
 """Precision rules read from the inventory: half-precision model output
-(MP006), Tensor Core shape lint (MP007), policy set after building (MP009)
+(MP006), Tensor Core shape lint (MP007, float8 layers included), policy set after building (MP009)
 and a probability loss on an output that is not a probability (MP014)."""
 
 from __future__ import annotations
@@ -11,7 +11,12 @@ import numpy as np
 from mpprof.diagnosis.core import NotApplicable, NotMeasured, finding, rule
 from mpprof.diagnosis.numerics import MAX_LAYER_FINDINGS
 from mpprof.diagnosis.view import RunView, layer_dtype
-from mpprof.dtypes import HALF_DTYPES, TENSOR_CORE_MULTIPLE
+from mpprof.dtypes import (
+    FLOAT8_GEMM_MULTIPLE,
+    HALF_DTYPES,
+    TENSOR_CORE_MULTIPLE,
+    gemm_multiple,
+)
 
 # Losses that expect probabilities unless from_logits=True, by the names
 # Keras gives their classes and functions.
@@ -51,59 +56,66 @@ def half_output(view: RunView) -> list:
     return [finding("MP006", title, layer=last, evidence=evidence, fix=fix)]
 
 
-@rule("MP007", "info", "GEMM dimension not a multiple of 8 (Tensor Cores)",
+@rule("MP007", "info", "GEMM dimension not a multiple of 8 (16 for float8; Tensor Cores)",
       view="inventory", data="inventory")
 def tensor_core_shapes(view: RunView) -> list:
     """A GEMM dimension of a layer computing in float16/bfloat16 is not a
-    multiple of `TENSOR_CORE_MULTIPLE`, read from the layer's real kernel
-    layout (Dense, EinsumDense, ConvND, ConvNDTranspose, SeparableConv's
-    pointwise part, MultiHeadAttention's head sizes). DepthwiseConv2D is not
-    a GEMM and is not judged. One finding per layer, up to
-    `MAX_LAYER_FINDINGS`, then one summarising the rest."""
-    view.require_mixed()
+    multiple of `TENSOR_CORE_MULTIPLE`, or of a float8 layer not a multiple
+    of `FLOAT8_GEMM_MULTIPLE` (`mpprof.dtypes.gemm_multiple`), read from the
+    layer's real kernel layout (Dense, EinsumDense, ConvND, ConvNDTranspose,
+    SeparableConv's pointwise part, MultiHeadAttention's head sizes).
+    DepthwiseConv2D is not a GEMM and is not judged. One finding per layer,
+    up to `MAX_LAYER_FINDINGS`, then one summarising the rest."""
+    if not any(layer.get("quantization_mode") == "float8" for layer in view.leaf_layers):
+        view.require_mixed()
     inventory = view.require_inventory()
     misaligned = []
     for layer in inventory.get("layers", []):
-        dims = layer.get("gemm_dims") or []
-        if layer_dtype(layer) not in HALF_DTYPES and layer.get("compute_dtype") not in HALF_DTYPES:
+        multiple = _gemm_multiple(layer)
+        if multiple is None:
             continue
         if layer.get("call_index") is None and layer.get("is_leaf"):
             continue
-        odd = [d for d in dims if d % TENSOR_CORE_MULTIPLE]
+        dims = layer.get("gemm_dims") or []
+        odd = [d for d in dims if d % multiple]
         if odd:
-            misaligned.append((layer, dims, odd))
+            misaligned.append((layer, dims, odd, multiple))
     findings = []
-    for layer, dims, odd in misaligned[:MAX_LAYER_FINDINGS]:
+    for layer, dims, odd, multiple in misaligned[:MAX_LAYER_FINDINGS]:
         roles = layer.get("gemm_roles") or ["input size", "output size"]
         arguments = layer.get("gemm_arguments") or [None, None]
+        float8 = multiple == FLOAT8_GEMM_MULTIPLE
         changes = [
-            f"{role} {d} -> {_round_up(d)}"
-            for role, d in zip(roles, dims, strict=False) if d % TENSOR_CORE_MULTIPLE
+            f"{role} {d} -> {_round_up(d, multiple)}"
+            for role, d in zip(roles, dims, strict=False) if d % multiple
         ]
         lines = [
-            f"Round {', '.join(changes)} (a multiple of {TENSOR_CORE_MULTIPLE}) so the "
-            "GEMM runs on Tensor Cores at full speed"
+            f"Round {', '.join(changes)} (a multiple of {multiple}) so the GEMM runs on "
+            + ("FP8 Tensor Cores without padding: compiled by XLA for a GPU with FP8 "
+               "Tensor Cores, a float8 layer's matmul is cuBLASLt's FP8 GEMM, and XLA "
+               "pads both operands to multiples of 16 on every call otherwise"
+               if float8 else "Tensor Cores at full speed")
         ]
         for role, d, argument in zip(roles, dims, arguments, strict=False):
-            if d % TENSOR_CORE_MULTIPLE and argument:
-                lines.append(
-                    f"    {view.api.layer(layer['class'], f'{argument}={_round_up(d)}, ...')}"
-                )
-            elif d % TENSOR_CORE_MULTIPLE:
+            if d % multiple and argument:
+                rounded = f"{argument}={_round_up(d, multiple)}, ..."
+                lines.append(f"    {view.api.layer(layer['class'], rounded)}")
+            elif d % multiple:
                 lines.append(
                     f"    ({role} {d}: pad the features, or the previous layer's "
-                    "units/filters, to a multiple of 8)"
+                    f"units/filters, to a multiple of {multiple})"
                 )
         evidence = {
             "gemm_dims": dims,
             "gemm_roles": roles,
             "misaligned_dims": odd,
-            "multiple": TENSOR_CORE_MULTIPLE,
+            "multiple": multiple,
             "compute_dtype": layer.get("compute_dtype"),
+            "quantization_mode": layer.get("quantization_mode"),
         }
         title = (
-            f"{layer['name']}: GEMM dimension(s) {odd} not a multiple of "
-            f"{TENSOR_CORE_MULTIPLE} (Tensor Cores)"
+            f"{layer['name']}: GEMM dimension(s) {odd} not a multiple of {multiple} "
+            + ("(float8 GEMM)" if float8 else "(Tensor Cores)")
         )
         findings.append(finding("MP007", title, layer=layer["name"], evidence=evidence,
                                 fix="\n".join(lines)))
@@ -112,15 +124,25 @@ def tensor_core_shapes(view: RunView) -> list:
         findings.append(finding(
             "MP007",
             f"{len(rest)} more layers with GEMM dimensions not a multiple of "
-            f"{TENSOR_CORE_MULTIPLE}",
-            evidence={"layers": {layer["name"]: odd for layer, _, odd in rest}},
-            fix=f"Round each listed dimension up to a multiple of {TENSOR_CORE_MULTIPLE}.",
+            f"{TENSOR_CORE_MULTIPLE} (float16/bfloat16) or {FLOAT8_GEMM_MULTIPLE} (float8)",
+            evidence={"layers": {layer["name"]: odd for layer, _, odd, _ in rest}},
+            fix="Round each listed dimension up to the multiple its layer needs: "
+                f"{TENSOR_CORE_MULTIPLE} in float16/bfloat16, {FLOAT8_GEMM_MULTIPLE} in float8.",
         ))
     return findings
 
 
-def _round_up(value: int) -> int:
-    return -(-int(value) // TENSOR_CORE_MULTIPLE) * TENSOR_CORE_MULTIPLE
+def _gemm_multiple(layer: dict) -> int | None:
+    """The multiple `layer`'s GEMM should have, by the dtype it really
+    computed in (traced, else its compute dtype) and its quantization."""
+    dtype = layer_dtype(layer)
+    if dtype not in HALF_DTYPES:
+        dtype = layer.get("compute_dtype")
+    return gemm_multiple(dtype, layer.get("quantization_mode"))
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-int(value) // multiple) * multiple
 
 
 @rule("MP009", "warning", "mixed policy set, but the model's layers are float32",
