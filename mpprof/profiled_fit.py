@@ -298,8 +298,9 @@ class ProfiledFit:
         steps = self._fixed_steps_per_call
         if not steps:
             return 0
-        until = min([self._flush_clock.deadline()]
-                    + [c.quiet_until() for c in self._after_call_collectors])
+        waits = [self._guard.run(c.name, c.quiet_until) for c in self._after_call_collectors]
+        # (None: that collector failed, and its `after_call` no longer runs.)
+        until = min([self._flush_clock.deadline()] + [w for w in waits if w is not None])
         if until <= time.monotonic():
             return 0
         self._quiet_until = until

@@ -451,3 +451,24 @@ def test_an_unexpected_error_while_opening_leaves_nvml_shut_down():
     assert sampler.mode == gpu.MODE_UNAVAILABLE
     assert "failed to start" in sampler.reason and "OSError" in sampler.reason
     assert library.shutdowns == 1 and not sampler.running
+
+
+def test_a_sampler_that_fails_to_say_how_long_calls_may_run_quiet_is_switched_off(
+        tmp_path, monkeypatch):
+    def failing(self):
+        raise RuntimeError("injected into quiet_until")
+
+    monkeypatch.setattr(HostRecorder, "quiet_until", failing)
+    library = FakeNvmlLibrary([FakeGpu()])
+    with installed(library), pytest.warns(RuntimeWarning, match="stopped recording gpu"):
+        history = fit_with(mpprof.MixedPrecisionProfiler(str(tmp_path), gpu_interval=0.1),
+                           steps=6)
+
+    assert len(history.history["loss"]) == 1 and math.isfinite(history.history["loss"][0])
+    run = reader.read_run(tmp_path, schema.TRAIN_RUN)
+    state = run.context["collectors"]["gpu"]
+    assert state["state"] == "failed" and "injected into quiet_until" in state["reason"]
+    # Only the sampler's collector is off: the rest recorded every step.
+    assert run.context["collectors"]["loss_scale"]["state"] == "ok"
+    assert run.health["checked_step"] == 6
+    assert not sampler_threads()

@@ -1,6 +1,7 @@
 """Precision rules read from the inventory: half-precision model output
-(MP006), Tensor Core shape lint (MP007, float8 layers included), policy set after building (MP009)
-and a probability loss on an output that is not a probability (MP014)."""
+(MP006), Tensor Core shape lint (MP007, float8 layers included), policy set
+after building (MP009) and a probability loss on an output that is not a
+probability (MP014)."""
 
 from __future__ import annotations
 
