@@ -3,6 +3,7 @@
 import _thread
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -105,7 +106,17 @@ class InterruptInsideStep(keras.layers.Layer):
         return input_shape
 
 
-def test_interrupted_fit_keeps_records_and_restores_the_model(tmp_path):
+@pytest.fixture
+def ctrl_c_raises():
+    """Ctrl+C raises KeyboardInterrupt, as in a terminal: a test runner started
+    in the background inherits SIGINT ignored, and `_thread.interrupt_main()`
+    then does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_interrupted_fit_keeps_records_and_restores_the_model(tmp_path, ctrl_c_raises):
     keras.utils.set_random_seed(4)
     keras.mixed_precision.set_dtype_policy("mixed_float16")
     inputs = keras.Input((8,))
