@@ -41,9 +41,7 @@ class SampleSchedule:
     def due(self, calls: int) -> bool:
         """Whether the next call is sampled (`calls`: calls made so far; the
         first one builds the model and always runs plain)."""
-        if self.every is None or calls == 0:
-            return False
-        return self._forensic_due or self._steps_since_sample >= self.every
+        return calls > 0 and self.steps_before_due() <= 0
 
     def steps_before_due(self) -> float:
         """Steps that can run before `due` may say yes (inf: never, as long

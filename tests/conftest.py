@@ -1,6 +1,7 @@
 """Shared fixtures: logdirs written by real (small) training runs on CPU."""
 
 import os
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # TensorFlow's oneDNN float16 kernels are emulated on CPUs without native
@@ -77,6 +78,22 @@ class BatchLogs(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.seen.append(dict(logs))
+
+
+class BatchTimes(keras.callbacks.Callback):
+    """Times each batch's begin and end, then sleeps `sleep_s` (so that each
+    step lasts at least that long)."""
+
+    def __init__(self, sleep_s: float):
+        super().__init__()
+        self.begins, self.ends, self.sleep_s = [], [], sleep_s
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.begins.append(time.time())
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append(time.time())
+        time.sleep(self.sleep_s)
 
 
 @pytest.fixture(scope="session")

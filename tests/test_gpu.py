@@ -12,11 +12,10 @@ import time
 import tracemalloc
 from pathlib import Path
 
-import keras
 import numpy as np
 import pynvml
 import pytest
-from conftest import mnist_like, seed_model
+from conftest import BatchTimes, mnist_like, seed_model
 from fake_nvml import FakeGpu, FakeNvmlLibrary, ampere_gpu, installed
 
 import mpprof
@@ -358,23 +357,7 @@ def test_hardware_facts_from_nvml_while_tensorflow_sees_no_gpu():
     assert facts["cpu_only"] is True and facts["gpus_visible_to_tensorflow"] == 0
 
 
-class _BatchTimes(keras.callbacks.Callback):
-    """Times each batch's begin and end, then sleeps (so that the sampler
-    sees several steps in progress)."""
-
-    def __init__(self, sleep_s: float):
-        super().__init__()
-        self.begins, self.ends, self.sleep_s = [], [], sleep_s
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self.begins.append(time.time())
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.ends.append(time.time())
-        time.sleep(self.sleep_s)
-
-
-def assert_rows_line_up_with_steps(run, times: _BatchTimes, steps: int) -> None:
+def assert_rows_line_up_with_steps(run, times: BatchTimes, steps: int) -> None:
     """Each row's step was in progress at its wall time: the train function
     moves the step on as its call returns, between a batch's begin and end."""
     wall_time, step = run.gpu.column("wall_time"), run.gpu.column("step").astype(int)
@@ -392,7 +375,7 @@ def test_fit_records_samples_that_line_up_with_steps(tmp_path):
     library = FakeNvmlLibrary([FakeGpu()])
     fake = library.gpus[0]
     steps = 4
-    times = _BatchTimes(sleep_s=0.3)
+    times = BatchTimes(sleep_s=0.3)
     with installed(library):
         profiler = mpprof.MixedPrecisionProfiler(str(tmp_path), gpu_interval=0.1)
         fit_with(profiler, steps=steps, after=[times])
@@ -423,7 +406,7 @@ def test_calls_stay_quiet_while_sampling_and_drain_the_buffer_in_time(tmp_path, 
     monkeypatch.setattr(HostRecorder, "after_call", counted_after_call)
     library = FakeNvmlLibrary([FakeGpu()])
     steps = 60
-    times = _BatchTimes(sleep_s=0.03)
+    times = BatchTimes(sleep_s=0.03)
     with installed(library):
         profiler = mpprof.MixedPrecisionProfiler(
             str(tmp_path), gpu_interval=gpu.MIN_INTERVAL_S, numerics_every=None,

@@ -1,11 +1,10 @@
 """Per-layer numerics on real training runs on CPU."""
 
-import time
 
 import keras
 import numpy as np
 import pytest
-from conftest import overflow_data, overflow_model
+from conftest import BatchTimes, overflow_data, overflow_model
 
 import mpprof
 from mpprof import diagnosis, reader, schema
@@ -445,17 +444,6 @@ def test_an_overflow_amid_quiet_calls_is_dated_and_sampled_at_once(tmp_path):
     assert run.health["checked_step"] == 64
 
 
-class _SlowBatches(keras.callbacks.Callback):
-    """Makes each step last at least `seconds`."""
-
-    def __init__(self, seconds: float):
-        super().__init__()
-        self.seconds = seconds
-
-    def on_train_batch_end(self, batch, logs=None):
-        time.sleep(self.seconds)
-
-
 def test_quiet_calls_still_flush_on_time(tmp_path):
     """A flush by seconds falls due in the midst of quiet calls: the call
     after its deadline flushes (steps last at least 20 ms here, so 100 ms
@@ -466,7 +454,7 @@ def test_quiet_calls_still_flush_on_time(tmp_path):
     profiler = mpprof.MixedPrecisionProfiler(str(tmp_path), numerics_every=None,
                                              flush_every_steps=10**5, flush_every_seconds=0.1)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
-              callbacks=[profiler, _SlowBatches(0.02)])
+              callbacks=[profiler, BatchTimes(sleep_s=0.02)])
     flushed = [r.step for r in reader.read_run(tmp_path, "train").records[schema.HEALTH]]
     on_time = [step for step in flushed if step < 40]
     assert len(on_time) >= 3
