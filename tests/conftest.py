@@ -45,7 +45,8 @@ def mnist_like(samples: int = 256, seed: int = 0):
     return rng.random((samples, 784), dtype=np.float32), rng.integers(0, 10, samples)
 
 
-def overflow_model(initial_scale: float = 2.0**30, growth_steps: int = 2000, **compile_kwargs):
+def overflow_model(initial_scale: float = 2.0**30, growth_steps: int = 2000,
+                   gradient_accumulation_steps: int | None = None, **compile_kwargs):
     """A small mixed_float16 model whose scaled gradients overflow at first.
 
     With ones as inputs and targets of 1000, the loss gradient scaled by
@@ -58,7 +59,8 @@ def overflow_model(initial_scale: float = 2.0**30, growth_steps: int = 2000, **c
         keras.layers.Dense(1, dtype="float32", name="dense_1"),
     ])
     optimizer = keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.SGD(1e-6), initial_scale=initial_scale,
+        keras.optimizers.SGD(1e-6, gradient_accumulation_steps=gradient_accumulation_steps),
+        initial_scale=initial_scale,
         dynamic_growth_steps=growth_steps,
     )
     model.compile(optimizer=optimizer, loss="mse", **compile_kwargs)

@@ -71,6 +71,31 @@ def test_overflow_events_match_the_optimizer(tmp_path, reference, compile_kwargs
     assert recorded.steps_run - expected_skips == int(model.optimizer.iterations.numpy())
 
 
+def test_gradient_accumulation_dates_every_train_step(tmp_path):
+    """Under `gradient_accumulation_steps`, Keras' `iterations` counts
+    updates (apply calls // N); the step axis still counts train steps."""
+    def fit(callback):
+        keras.utils.set_random_seed(1)
+        model = overflow_model(growth_steps=3, gradient_accumulation_steps=4)
+        x, y = overflow_data()
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=[callback])
+        return model
+
+    probe = _ScaleProbe()
+    fit(probe)
+    true_scales = np.array(probe.scales)
+    halved = np.flatnonzero(np.diff(np.concatenate([[2.0**30], true_scales])) < 0)
+    model = fit(mpprof.MixedPrecisionProfiler(log_dir=str(tmp_path)))
+    run = reader.read_run(tmp_path, "train")
+    recorded = run.loss_scale
+    assert recorded.steps_run == len(true_scales) == 32
+    assert len(halved) > 5
+    np.testing.assert_array_equal(recorded.overflow_steps, halved)
+    np.testing.assert_array_equal(recorded.scale_after(np.arange(32)), true_scales)
+    assert len(recorded.growths) > 0
+    assert recorded.final_scale == float(model.optimizer.dynamic_scale.numpy())
+
+
 def test_second_fit_continues_the_step_axis(tmp_path, reference):
     true_scales, true_skipped = reference
     keras.utils.set_random_seed(1)

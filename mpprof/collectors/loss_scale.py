@@ -11,7 +11,7 @@ between two reads follow from the overflows and the optimizer's state
 (`loss_scale_growth`), checked at every read.
 
 When that private method is missing (another Keras), the collector falls
-back to reading the scale and `iterations` on the host after every batch; it
+back to reading the scale and the apply calls on the host after every batch; it
 is then exact only with `steps_per_execution=1`, and the run context says so.
 """
 
@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from mpprof import schema
 from mpprof.collectors.loss_scale_growth import ScaleState, growth_events
+from mpprof.collectors.optimizers import applied_steps
 from mpprof.guard import TracedGuard
 from mpprof.patching import Patches
 
@@ -46,7 +47,8 @@ class LossScaleCollector:
     """Records the loss scale of a Keras 3 `LossScaleOptimizer`.
 
     The step axis counts every train step, skipped ones included: it equals
-    `optimizer.iterations` plus the skipped steps seen by this collector.
+    the optimizer's apply calls (`optimizers.applied_steps`) plus the
+    skipped steps seen by this collector.
 
     Args:
         optimizer: the model's (built) LossScaleOptimizer.
@@ -126,8 +128,8 @@ class LossScaleCollector:
         patches.set(opt, _NON_FINITE, handle_non_finite_grads)
 
     def graph_step(self) -> tf.Tensor:
-        iterations = tf.cast(tf.convert_to_tensor(self.optimizer.iterations), tf.int64)
-        return iterations + self._skipped
+        applied = tf.cast(tf.convert_to_tensor(applied_steps(self.optimizer)), tf.int64)
+        return applied + self._skipped
 
     def _append(self, step, scale_before, scale_after, kind) -> tf.Operation:
         row = tf.stack([tf.cast(step, tf.float64), scale_before, scale_after,
@@ -151,7 +153,7 @@ class LossScaleCollector:
 
     def current_step(self) -> int:
         """Steps run so far (a host read)."""
-        return int(self.optimizer.iterations.numpy()) + self.skipped_steps()
+        return int(applied_steps(self.optimizer).numpy()) + self.skipped_steps()
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
         """New events since the last read, and the progress row now.
@@ -218,18 +220,18 @@ class LossScaleCollector:
             self._poll()
 
     def _poll(self) -> None:
-        """Host fallback: infers events from the scale and iterations."""
-        iterations = int(self.optimizer.iterations.numpy())
+        """Host fallback: infers events from the scale and the apply calls."""
+        applied = int(applied_steps(self.optimizer).numpy())
         scale = self._scale()
         if self._last_polled is not None:
-            last_iterations, last_scale = self._last_polled
-            step = last_iterations + int(self._skipped.numpy())
+            last_applied, last_scale = self._last_polled
+            step = last_applied + int(self._skipped.numpy())
             if scale < last_scale:
                 self._host_append(step, last_scale, scale, schema.EVENT_OVERFLOW)
                 self._skipped.assign_add(1)
             elif scale > last_scale:
                 self._host_append(step, last_scale, scale, schema.EVENT_GROWTH)
-        self._last_polled = (iterations, scale)
+        self._last_polled = (applied, scale)
 
     def _host_append(self, step, before, after, kind) -> None:
         slot = int(self._event_count.numpy()) % self.capacity

@@ -16,7 +16,7 @@ import tensorflow as tf
 from mpprof import schema
 from mpprof.collectors.base import Collector
 from mpprof.collectors.loss_scale import MODE_HOST
-from mpprof.collectors.optimizers import OptimizerUsage
+from mpprof.collectors.optimizers import OptimizerUsage, applied_steps
 from mpprof.distributed import keras_3_skip_decided_by
 from mpprof.patching import Patches
 
@@ -141,12 +141,12 @@ class LossScales(Collector):
         return primary.scale_tensor()
 
     def step_of(self, use) -> int:
-        """Steps optimizer `use` has run (a host read): its iterations, plus
+        """Steps optimizer `use` has run (a host read): its apply calls, plus
         its skipped steps under loss scaling (Keras 3 does not count them)."""
         collector = self.by_name.get(use.name)
         if collector is not None:
             return collector.current_step()
-        return int(use.optimizer.iterations.numpy())
+        return int(applied_steps(use.optimizer).numpy())
 
     def graph_step_of(self, name: str):
         """For an optimizer's name, a function giving its step in-graph."""
@@ -154,7 +154,7 @@ class LossScales(Collector):
         if collector is not None:
             return collector.graph_step
         optimizer = next(u.optimizer for u in self._usage.uses if u.name == name)
-        return lambda: tf.convert_to_tensor(optimizer.iterations)
+        return lambda: tf.convert_to_tensor(applied_steps(optimizer))
 
     def scale_of(self, name: str):
         """A function giving optimizer `name`'s loss scale in-graph (1 for an

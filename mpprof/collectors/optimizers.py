@@ -45,6 +45,21 @@ class OptimizerUse:
         }
 
 
+def applied_steps(optimizer):
+    """The variable counting `optimizer`'s apply calls: one per train step
+    that applied it (Keras 3 does not count a step its loss scale skipped).
+
+    Keras 3's `iterations` counts updates instead: under
+    `gradient_accumulation_steps=N` it is the apply calls floor-divided by N
+    (`BaseOptimizer.iterations`), which would date every step N times too
+    early; its `_iterations` counts the calls.
+    """
+    owner = getattr(optimizer, "inner_optimizer", optimizer)
+    if getattr(owner, "gradient_accumulation_steps", None) and hasattr(owner, "_iterations"):
+        return owner._iterations
+    return optimizer.iterations
+
+
 class OptimizerUsage:
     """Watches the candidate optimizers' `apply` and `scale_loss`.
 
