@@ -363,6 +363,8 @@ class ProfiledFit:
             # Tracing showed which optimizers the step uses: say so at once,
             # with where their loss scales start.
             fit.usage.mark_traced()
+            if self._functions.instrumented_off is not None:
+                self._numerics.switch_off(self._functions.instrumented_off)
             fit.step = self._measured_step()
             self._guard.run(self._loss_scales.name, self._loss_scales.flush, fit)
             self._write_context()

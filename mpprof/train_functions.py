@@ -7,6 +7,14 @@ plain one (the model's own step, plus mpprof's always-on hooks: the
 loss-scale counters and the loss check) on most steps, and the instrumented
 one (the same step with the numerics taps switched on) on sampled steps. An
 unsampled step costs nothing more than the plain function.
+
+Two functions share the model's variables, the optimizer's and the data
+iterator, but not the state of TensorFlow's legacy random ops (`tf.random.*`
+in a traced step, tf-keras' Dropout without `enable_tf_random_generator`):
+each traced op draws from its own sequence. Where such an op has a fixed seed
+(`keras.utils.set_random_seed`, `tf.random.set_seed`, an op seed), sampled
+steps would change the numbers the plain function draws after them, and so a
+seeded run's weights: the instrumented function is then not used.
 """
 
 from __future__ import annotations
@@ -17,6 +25,21 @@ import tensorflow as tf
 
 from mpprof.guard import describe_error
 from mpprof.patching import Patches
+
+
+def seeded_random_ops(graph_def) -> list[str]:
+    """The ops of `graph_def` (its functions included) that draw from a random
+    state of their own, seeded: TensorFlow's legacy random ops (each has the
+    `seed` and `seed2` attributes; stateless ones and `tf.random.Generator`
+    take their state as inputs), unless both seeds are 0 (drawn anew by every
+    run, so nothing a second function could change)."""
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes.extend(function.node_def)
+    return [
+        node.name for node in nodes
+        if "seed2" in node.attr and (node.attr["seed"].i or node.attr["seed2"].i)
+    ]
 
 
 class TrainFunctions:
@@ -35,6 +58,10 @@ class TrainFunctions:
         self.plain = None
         self.instrumented = None
         self._instrumented_ran = False
+        # Why the instrumented function is not used, when the first traced
+        # step showed it would change the run (None: it may be).
+        self.instrumented_off: str | None = None
+        self._step_checked = False
 
     def install(self, dispatcher: Callable, patches: Patches) -> None:
         """Makes both functions and puts `dispatcher` in `model.train_function`
@@ -43,6 +70,8 @@ class TrainFunctions:
         Call after every patch that must be traced into the step.
         """
         model = self._model
+        if self._want_instrumented:
+            self._check_step_when_traced(patches)
         original = model.train_function
         traced_attribute = self._api.traced_train_function_attribute
         original_traced = getattr(model, traced_attribute) if traced_attribute else None
@@ -58,6 +87,43 @@ class TrainFunctions:
             # The flavour's own callbacks read the plain function (traced first).
             setattr(model, traced_attribute, original_traced)
             patches.set(model, traced_attribute, plain_traced)
+
+    def _check_step_when_traced(self, patches: Patches) -> None:
+        """Wraps `model.train_step` so that its first trace (the plain
+        function's: a fit's first call always runs it) looks for seeded
+        legacy random ops, and drops the instrumented function if it finds
+        any. The wrapper adds no op to the step."""
+        train_step = self._model.train_step
+
+        def train_step_checked(data):
+            logs = train_step(data)
+            graph = tf.compat.v1.get_default_graph()
+            if graph.building_function and not self._step_checked:
+                self._step_checked = True
+                self._drop_instrumented_if_it_changes_the_run(graph)
+            return logs
+
+        patches.set(self._model, "train_step", train_step_checked)
+
+    def _drop_instrumented_if_it_changes_the_run(self, graph) -> None:
+        try:
+            found = seeded_random_ops(graph.as_graph_def())
+        except Exception as error:  # noqa: BLE001 - mpprof's failure must not stop fit
+            found, reason = None, f"the traced step could not be read: {describe_error(error)}"
+        if found:
+            reason = (
+                f"the train step draws seeded random numbers from TensorFlow's legacy random "
+                f"ops ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}), whose state "
+                "each traced function keeps for itself: a second, instrumented function on "
+                "sampled steps would change the numbers drawn after them, and the run's weights. "
+                "To sample numerics: in tf-keras, call "
+                "tf_keras.backend.experimental.enable_tf_random_generator() before building "
+                "the model; in a custom step, draw with keras.random.* and a "
+                "keras.random.SeedGenerator (or a tf.random.Generator)"
+            )
+        if found is None or found:
+            self.instrumented = None
+            self.instrumented_off = reason
 
     def run_plain(self, iterator, *, on_abort: Callable[[], None]):
         """Runs one call of the plain function (most steps: the least Python

@@ -127,6 +127,83 @@ def test_gan_with_plain_optimizers_reports_no_loss_scaling(tmp_path):
     assert "d_opt (Adam)" in run.context["collectors"]["loss_scale"]["reason"]
 
 
+class NoisyInputs(keras.Model):
+    """Adds noise to each batch in its train step: with TensorFlow's legacy
+    `tf.random.normal`, or with `keras.random.normal` and a SeedGenerator."""
+
+    def __init__(self, legacy_random: bool):
+        super().__init__()
+        self.legacy_random = legacy_random
+        self.seeds = keras.random.SeedGenerator(7)
+        self.hidden = keras.layers.Dense(32, activation="relu")
+        self.head = keras.layers.Dense(1, dtype="float32")
+
+    def call(self, inputs):
+        return self.head(self.hidden(inputs))
+
+    def train_step(self, data):
+        x, y = data
+        if self.legacy_random:
+            noise = tf.random.normal(tf.shape(x), stddev=0.1)
+        else:
+            noise = keras.random.normal(tf.shape(x), stddev=0.1, seed=self.seeds)
+        return super().train_step((x + noise, y))
+
+
+def _fit_noisy(legacy_random: bool, callbacks: list, seeded: bool = True) -> keras.Model:
+    if seeded:
+        keras.utils.set_random_seed(0)
+    else:
+        tf.random.set_seed(None)  # an earlier test's global seed goes
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    x, y = rng.random((64, 16), dtype=np.float32), rng.random((64, 1), dtype=np.float32)
+    model = NoisyInputs(legacy_random)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+    return model
+
+
+def test_seeded_legacy_random_ops_switch_numerics_samples_off(tmp_path, capsys):
+    """A second traced function has random ops of its own: samples would
+    change a seeded run's noise, and so its weights."""
+    plain = _fit_noisy(True, [])
+    profiled = _fit_noisy(True, [mpprof.MixedPrecisionProfiler(
+        str(tmp_path), numerics_every=2, gpu_interval=None)])
+    for expected, got in zip(plain.get_weights(), profiled.get_weights(), strict=True):
+        np.testing.assert_array_equal(got, expected)
+    run = reader.read_run(tmp_path, "train")
+    state = run.context["collectors"]["numerics"]
+    assert state["state"] == "off"
+    assert "RandomStandardNormal" in state["reason"]
+    assert "enable_tf_random_generator" in state["reason"]
+    assert run.numerics is None
+    assert run.loss_scale.steps_run == 16  # the rest is recorded
+    from mpprof import cli
+    capsys.readouterr()
+    cli.main(["diagnose", str(tmp_path)])
+    assert "no step was sampled: the train step draws seeded random numbers" in (
+        capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(("legacy_random", "seeded"), [(False, True), (True, False)],
+                         ids=["keras_random_seeded", "legacy_random_unseeded"])
+def test_random_ops_that_samples_cannot_change_keep_numerics_on(tmp_path, legacy_random,
+                                                               seeded):
+    """Look-alikes: a SeedGenerator's state is a variable both functions
+    share; unseeded legacy ops draw anew in every run."""
+    callbacks = [mpprof.MixedPrecisionProfiler(str(tmp_path), numerics_every=2,
+                                               gpu_interval=None)]
+    profiled = _fit_noisy(legacy_random, callbacks, seeded)
+    run = reader.read_run(tmp_path, "train")
+    assert run.context["collectors"]["numerics"]["state"] == "ok"
+    assert len(run.numerics.steps) >= 4
+    if seeded:
+        plain = _fit_noisy(legacy_random, [])
+        for expected, got in zip(plain.get_weights(), profiled.get_weights(), strict=True):
+            np.testing.assert_array_equal(got, expected)
+
+
 def test_custom_train_step_without_scale_loss_is_not_watched(tmp_path):
     class NoScaleLoss(keras.Model):
         def train_step(self, data):

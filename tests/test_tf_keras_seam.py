@@ -54,3 +54,67 @@ def test_tf_keras_siblings_are_seen(tmp_path):
     assert "TensorBoard(profile_batch" in found["kernels"]["reason"]
     assert "Two mpprof.MixedPrecisionProfiler callbacks" in found["second_profiler"]
 
+
+
+DROPOUT_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    import numpy as np
+    import tf_keras
+    import mpprof
+    from mpprof import reader
+
+    logdir = sys.argv[1]
+    tf_keras.mixed_precision.set_global_policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    x, y = rng.random((64, 16), np.float32), rng.random((64, 1), np.float32)
+
+    def fit(callbacks):
+        tf_keras.utils.set_random_seed(0)
+        model = tf_keras.Sequential([
+            tf_keras.layers.Dense(32, activation="relu", input_shape=(16,)),
+            tf_keras.layers.Dropout(0.5),
+            tf_keras.layers.Dense(1, dtype="float32"),
+        ])
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+        return model.get_weights()
+
+    def profiled(run):
+        return [mpprof.MixedPrecisionProfiler(os.path.join(logdir, run), numerics_every=2,
+                                              gpu_interval=None)]
+
+    def numerics(run):
+        found = reader.read_run(os.path.join(logdir, run), "train")
+        return {"state": found.context["collectors"]["numerics"]["state"],
+                "samples": 0 if found.numerics is None else len(found.numerics.steps)}
+
+    plain = fit([])
+    legacy = fit(profiled("legacy"))
+    tf_keras.backend.experimental.enable_tf_random_generator()
+    generator_plain = fit([])
+    generator = fit(profiled("generator"))
+    print(json.dumps({
+        "legacy_equal": all(np.array_equal(a, b) for a, b in zip(plain, legacy)),
+        "generator_equal": all(np.array_equal(a, b)
+                               for a, b in zip(generator_plain, generator)),
+        "legacy": numerics("legacy"), "generator": numerics("generator"),
+    }))
+""")
+
+
+def test_tf_keras_dropout_keeps_a_seeded_run_unchanged(tmp_path):
+    """tf-keras' Dropout keeps its random state in each traced function
+    unless `enable_tf_random_generator()`: then numerics samples stay off."""
+    require_tf_keras()
+    result = subprocess.run(
+        [sys.executable, "-c", DROPOUT_SCRIPT, str(tmp_path)], capture_output=True,
+        text=True, timeout=300, env={**os.environ, "TF_USE_LEGACY_KERAS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["legacy_equal"] and found["legacy"] == {"state": "off", "samples": 0}, found
+    # With its state in a variable, both functions share it: sampled, unchanged.
+    assert found["generator_equal"], found
+    assert found["generator"]["state"] == "ok" and found["generator"]["samples"] >= 4, found

@@ -45,6 +45,7 @@ class NumericsSamples(Collector):
         self._layout_written = None
         self._forensic_used = 0
         self._patches: Patches | None = None
+        self._off_reason: str | None = None
 
     def install(self, fit, patches: Patches) -> None:
         # The collector is made at the first sample; its optimizer wrappers
@@ -104,7 +105,14 @@ class NumericsSamples(Collector):
         for record in samples[0]:
             fit.writer.write_array(record, np.stack([s[record] for s in samples]), step)
 
+    def switch_off(self, reason: str) -> None:
+        """No sample will be taken in this fit, for `reason` (the run context
+        says it)."""
+        self._off_reason = reason
+
     def context(self) -> dict:
         if self._settings.get("every") is None:
             return {"state": "off", "reason": "numerics_every=None"}
+        if self._off_reason is not None:
+            return {"state": "off", "reason": self._off_reason, **self._settings}
         return {"state": "ok", **self._settings, "forensic_used": self._forensic_used}

@@ -212,6 +212,8 @@ class RunView:
                 "than the steps run, and no overflow triggered a forensic sample): "
                 "lower numerics_every"
             )
+        if state.get("state") == "off" and state.get("every") is not None:
+            raise NotMeasured(f"no step was sampled: {state.get('reason')}")
         raise NotMeasured(NUMERICS_HINT)
 
     def require_inventory(self) -> dict:

@@ -167,6 +167,9 @@ class Gan(keras.Model):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
+        # Keras 3's way to draw in a step (as its GAN example does): the
+        # state is a variable, so the profiler's sampled steps share it.
+        self.seeds = keras.random.SeedGenerator(1)
         self.generator = keras.Sequential([
             keras.layers.Input((4,)),
             keras.layers.Dense(8, activation="relu", name="g_hidden"),
@@ -188,7 +191,7 @@ class Gan(keras.Model):
 
     def train_step(self, real):
         batch = tf.shape(real)[0]
-        noise = tf.random.normal((batch, 4))
+        noise = keras.random.normal((batch, 4), seed=self.seeds)
         with tf.GradientTape() as tape:
             fake = self.generator(noise)
             logits = self.discriminator(tf.concat([real, tf.cast(fake, real.dtype)], 0))
