@@ -71,9 +71,10 @@ NUMERICS_BACKWARD_HIST = "numerics/backward_hist"
 NUMERICS_GRADIENTS = "numerics/gradients"
 NUMERICS_UNSCALED_GRADIENTS = "numerics/unscaled_gradients"
 # One JSON object: {"first_nonfinite_loss_step", "first_nonfinite_loss_step_last",
-#  "nonfinite_loss_steps", "nonfinite_weights": [...], "checked_step"}: the first
-# non-finite loss came at a step from the first to the last (equal: exact; a
-# record without "..._last" is exact).
+#  "first_nonfinite_loss_count", "nonfinite_loss_steps", "nonfinite_weights":
+#  [...], "checked_step"}: the first non-finite loss came at a step from the
+# first to the last (equal: exact; a record without "..._last" is exact), and
+# that many of those steps had one (a record without it: at least one).
 HEALTH = "health"
 # One JSON object: {"layers": [{"name", "policy", "amax_history_length"}],
 #  "tensors": FLOAT8_TENSORS, "formats": {tensor: format}, "format_max":

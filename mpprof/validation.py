@@ -233,6 +233,7 @@ def _layout(value: dict) -> str | None:
 _HEALTH = _typed(
     first_nonfinite_loss_step=_count,
     first_nonfinite_loss_step_last=_count,
+    first_nonfinite_loss_count=_count,
     nonfinite_loss_steps=_count,
     nonfinite_weights=_TEXTS,
     checked_step=_count,

@@ -255,3 +255,20 @@ def test_under_steps_per_execution_the_first_nonfinite_loss_is_dated_to_its_call
             run.health["first_nonfinite_loss_step_last"]) == (4, 7)
     titles = [f.title for f in diagnose(run) if f.code == "MP012"]
     assert "Non-finite loss between steps 4 and 7, not caught as a gradient overflow" in titles
+
+
+def test_under_steps_per_execution_a_skipped_nonfinite_loss_is_caught(tmp_path):
+    """The look-alike under loss scaling: the call's one non-finite loss
+    overflowed and was skipped, so no MP012 (its other steps were fine)."""
+    model = seed_model("mixed_float16")
+    model.compile(optimizer="adam", steps_per_execution=4,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = mnist_like(128)
+    x[5 * 16 + 3, 7] = np.inf  # step 5: the second call runs steps 4 to 7
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
+              callbacks=[mpprof.MixedPrecisionProfiler(str(tmp_path))])
+    run = reader.read_run(tmp_path, "train")
+    assert (run.health["first_nonfinite_loss_step"], run.health["first_nonfinite_loss_step_last"],
+            run.health["first_nonfinite_loss_count"]) == (4, 7, 1)
+    assert run.loss_scale.overflow_steps.tolist() == [5]
+    assert not [f for f in diagnose(run) if f.code == "MP012"]

@@ -45,8 +45,10 @@ class LossHealthCollector:
         self._step = step
         self.instrumenting: Callable[[], bool] = lambda: False
         # The steps of the first call whose loss was non-finite, (first,
-        # last); set on the host by `note_calls` (kept across fits).
+        # last), and how many of them were; set on the host by `note_calls`
+        # (kept across fits).
         self._first_calls: tuple[int, int] | None = None
+        self._first_count: int | None = None
         self._counted = 0
         with strategy.scope():
             self._last_loss = tf.Variable(0.0, trainable=False, name="mpprof_last_loss")
@@ -98,6 +100,7 @@ class LossHealthCollector:
         counted = self.nonfinite_steps()
         if counted > self._counted:
             self._first_calls = (first_step, last_step)
+            self._first_count = counted - self._counted
         self._counted = counted
 
     def nonfinite_steps(self) -> int:
@@ -110,11 +113,14 @@ class LossHealthCollector:
 
     def read(self) -> dict:
         """{"first_nonfinite_loss_step": int | None, "first_nonfinite_loss_step_last":
-        int | None, "nonfinite_loss_steps": int}: the first non-finite loss
-        came at a step from the first to the last (equal: exact)."""
+        int | None, "first_nonfinite_loss_count": int | None,
+        "nonfinite_loss_steps": int}: the first non-finite loss came at a step
+        from the first to the last (equal: exact), and that many of those
+        steps had one."""
         first, last = self._first_calls or (None, None)
         return {
             "first_nonfinite_loss_step": first,
             "first_nonfinite_loss_step_last": last,
+            "first_nonfinite_loss_count": self._first_count,
             "nonfinite_loss_steps": self.nonfinite_steps(),
         }

@@ -115,6 +115,7 @@ class RunHealth(Collector):
                 "loss_watched": False,
                 "first_nonfinite_loss_step": None,
                 "first_nonfinite_loss_step_last": None,
+                "first_nonfinite_loss_count": None,
                 "nonfinite_loss_steps": None,
             }
         return {**loss, "nonfinite_weights": self.nonfinite_weights, "checked_step": step}

@@ -56,4 +56,5 @@ class TfKerasLossHealthCollector(LossHealthCollector):
         first = int(self._first_nonfinite.numpy())
         first = first if first != _NEVER else None
         return {**super().read(), "first_nonfinite_loss_step": first,
-                "first_nonfinite_loss_step_last": first}
+                "first_nonfinite_loss_step_last": first,
+                "first_nonfinite_loss_count": None if first is None else 1}

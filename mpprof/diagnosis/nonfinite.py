@@ -73,11 +73,15 @@ def _nonfinite_loss(view: RunView, health, numerics):
         step = int(health["first_nonfinite_loss_step"])
         last = health.get("first_nonfinite_loss_step_last")
         last = step if last is None else max(step, int(last))
-        caught = guarded and all(s in overflow_steps for s in range(step, last + 1))
-        if not caught:
+        # Under steps_per_execution the call's steps are known, not which of
+        # them had the loss: caught when as many of them were skipped.
+        count = health.get("first_nonfinite_loss_count") or 1
+        skipped = sum(step <= s <= last for s in overflow_steps)
+        if not guarded or skipped < count:
             return step, last, {
                 "first_nonfinite_loss_step": step,
                 "first_nonfinite_loss_step_last": last,
+                "first_nonfinite_loss_count": count,
                 "nonfinite_loss_batches": health.get(
                     "nonfinite_loss_batches", health.get("nonfinite_loss_steps")
                 ),
