@@ -49,19 +49,19 @@ class PrecisionCollector:
         if layer is self._model:
             self._model_output_dtypes |= dtypes
             if not tf.executing_eagerly() and not self._outputs:
-                self._outputs = [self._describe_output(t) for t in flat_outputs]
+                self._outputs = [self._describe_output(t) for t in _graph_tensors(flat_outputs)]
         else:
             self._call_order.setdefault(key, len(self._call_order))
             self._output_dtypes.setdefault(key, set()).update(dtypes)
         if not tf.executing_eagerly():
-            inputs = _tensors((args, kwargs))
+            inputs = _graph_tensors(_tensors((args, kwargs)))
             self._record_casts(layer, inputs)
             producers = self._inputs_from.setdefault(key, {})
             for tensor in inputs:
                 producer = self._producers.get(_uncast(tensor).ref())
                 if producer is not None and producer != key:
                     producers.setdefault(producer, None)
-            for tensor in flat_outputs:
+            for tensor in _graph_tensors(flat_outputs):
                 self._producers[tensor.ref()] = key
         return outputs
 
@@ -355,3 +355,10 @@ def _count_params(layer) -> int:
 
 def _tensors(structure) -> list:
     return [t for t in tf.nest.flatten(structure) if isinstance(t, tf.Tensor)]
+
+
+def _graph_tensors(tensors: list) -> list:
+    """The tensors of the graph being traced: a layer may also be called, in
+    it, on an eager constant it keeps (keras-hub's ViTBackbone embeds its
+    `position_ids`), which has no op to follow."""
+    return [t for t in tensors if tf.is_symbolic_tensor(t)]

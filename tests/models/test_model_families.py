@@ -324,3 +324,19 @@ def test_keras_hub_backbone_from_a_config(tmp_path, capsys, keras_hub, backbone)
     run = fit_profiled(model, x, rng.random((8, 1)), logdir=tmp_path, batch_size=2)
     check_model(run, model, tmp_path, capsys)
 
+
+
+def test_keras_hub_vit_backbone_embeds_its_own_position_ids(tmp_path, capsys, keras_hub):
+    """ViTBackbone calls its position embedding on an eager constant the
+    layer keeps (`position_ids`): no op to follow, and no collector fails."""
+    network = keras_hub.models.ViTBackbone(image_shape=(16, 16, 3), patch_size=4, num_layers=1,
+                                           num_heads=2, hidden_dim=16, mlp_dim=32)
+    images = keras.Input((16, 16, 3))
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(network(images))
+    model = keras.Model(images, keras.layers.Dense(1, dtype="float32", name="head")(pooled))
+    model.compile(optimizer="adam", loss="mse")
+    rng = _rng()
+    run = fit_profiled(model, rng.random((8, 16, 16, 3)), rng.random((8, 1)), logdir=tmp_path,
+                       batch_size=2)
+    assert run.context["collectors"]["precision"]["state"] == "ok"
+    check_model(run, model, tmp_path, capsys)
