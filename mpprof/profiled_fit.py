@@ -242,7 +242,9 @@ class ProfiledFit:
         if self._quiet_calls:
             return self._run_quiet(iterator, fit)
         # A call with something to do: the first, a sample, a flush, after
-        # an alarm, or every call where quiet ones are not possible.
+        # an alarm, or every call where quiet ones are not possible. The
+        # schedule counts the quiet calls before it says whether one is due.
+        self._guard.run("profiler", self._settle_quiet_calls)
         if self._sample_now(fit):
             logs = self._run_sampled(iterator, fit)
         else:

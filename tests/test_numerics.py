@@ -4,7 +4,7 @@
 import keras
 import numpy as np
 import pytest
-from conftest import BatchTimes, overflow_data, overflow_model
+from conftest import BatchTimes, mnist_like, overflow_data, overflow_model, seed_model
 
 import mpprof
 from mpprof import diagnosis, reader, schema
@@ -31,6 +31,16 @@ def _forward_overflow_model(**compile_kwargs):
     # A zero learning rate keeps the weights, so an eager pass reproduces them.
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **compile_kwargs)
     return model
+
+
+@pytest.mark.parametrize("every", [2, 5])
+def test_a_sample_every_n_steps(tmp_path, every):
+    """`numerics_every=N` samples every N steps, with the quiet calls between
+    two samples counted before the schedule is asked."""
+    model = seed_model("float32")
+    x, y = mnist_like(40 * 8)
+    run = _fit(model, x, y, tmp_path, numerics_every=every, forensic_budget=0)
+    np.testing.assert_array_equal(run.numerics.steps, np.arange(every, 40, every))
 
 
 @pytest.mark.parametrize(
