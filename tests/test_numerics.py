@@ -43,6 +43,112 @@ def test_a_sample_every_n_steps(tmp_path, every):
     np.testing.assert_array_equal(run.numerics.steps, np.arange(every, 40, every))
 
 
+def _mp003(run):
+    return [f for f in diagnosis.diagnose(run) if f.code == "MP003"]
+
+
+def test_forward_overflow_under_steps_per_execution_names_the_call_s_steps(tmp_path):
+    model = _forward_overflow_model(steps_per_execution=4)
+    x = np.linspace(0.01, 0.1, 64 * 8, dtype="float32").reshape(64, 8)
+    run = _fit(model, x, np.ones((64, 1), "float32"), tmp_path, numerics_every=4)
+    (finding,) = _mp003(run)
+    step = finding.step
+    assert finding.layer == "second" and finding.evidence["steps_in_sample"] == 4
+    assert f"on steps {step} to {step + 3} (" in finding.title
+
+
+class _InlineMask(keras.layers.Layer):
+    """Adds a -1e9 mask in its own `call` (as keras-hub's T5 attention does):
+    -inf in float16, and 0 * -inf is NaN; its Dropout only passes it on."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = keras.layers.Dense(8, name="proj")
+        self.drop = keras.layers.Dropout(0.0, name="drop")
+
+    def call(self, inputs):
+        hidden = self.proj(inputs)
+        mask = keras.ops.ones_like(hidden)
+        return self.drop(hidden + (1.0 - mask) * -1e9)
+
+
+def test_forward_overflow_made_by_a_parent_s_own_ops_names_the_parent(tmp_path):
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([keras.layers.Input((8,)), _InlineMask(name="attn"),
+                              keras.layers.Dense(1, dtype="float32", name="head")])
+    model.compile(optimizer="adam", loss="mse")
+    rng = np.random.default_rng(0)
+    run = _fit(model, rng.random((32, 8), dtype=np.float32),
+               rng.random((32, 1), dtype=np.float32), tmp_path, numerics_every=1)
+    layers = {layer["name"]: layer for layer in run.inventory["layers"]}
+    assert layers["attn/drop"]["inputs_made_outside_layers"]
+    assert not layers["attn/proj"]["inputs_made_outside_layers"]
+    (finding,) = _mp003(run)
+    assert finding.layer == "attn"
+    assert finding.evidence["input_made_by"] == "attn"
+    assert finding.title.startswith("Forward overflow in attn's own ops (the input of attn/drop)")
+
+
+def test_forward_overflow_of_a_nested_first_layer_fed_by_the_data_names_it(tmp_path):
+    """The look-alike: a nested block's first layer fed by the model's input
+    (no layer made it, no parent's op either) overflowed by itself."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    block = keras.Sequential([
+        keras.layers.Input((8,)),
+        keras.layers.Dense(8, kernel_initializer=keras.initializers.Constant(300.0),
+                           name="big"),
+    ], name="block")
+    model = keras.Sequential([keras.layers.Input((8,)), block,
+                              keras.layers.Dense(1, dtype="float32", name="head")])
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    run = _fit(model, np.full((32, 8), 100.0, np.float32), np.ones((32, 1), "float32"),
+               tmp_path, numerics_every=1)
+    layers = {layer["name"]: layer for layer in run.inventory["layers"]}
+    assert not layers["block/big"]["inputs_made_outside_layers"]
+    (finding,) = _mp003(run)
+    assert finding.layer == "block/big" and "input_made_by" not in finding.evidence
+
+
+def test_forward_overflow_is_not_blamed_on_samples_after_the_weights_went_nonfinite(tmp_path):
+    """bfloat16 without loss scaling: a NaN in step 2's data makes its loss
+    non-finite, and its update every weight NaN; the samples after it show
+    NaN outputs that no layer made. MP012 says so; MP003 names no layer."""
+    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
+    model = keras.Sequential([
+        keras.layers.Input((8,)), keras.layers.Dense(16, name="first"),
+        keras.layers.Dense(16, name="second"), keras.layers.Dense(1, dtype="float32", name="head"),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.random((64, 8), dtype=np.float32)
+    x[2 * 8 + 1, 3] = np.nan
+    run = _fit(model, x, rng.random((64, 1), dtype=np.float32), tmp_path, numerics_every=3)
+    assert run.health["first_nonfinite_loss_step"] == 2
+    np.testing.assert_array_equal(run.numerics.steps, [3, 6])
+    assert diagnosis.forward_overflow_mask(run).all()
+    assert not _mp003(run)
+    statuses = {c.code: c for c in diagnosis.evaluate(run).checks}
+    assert statuses["MP003"].status == "not measured"
+    assert "came after step 2" in statuses["MP003"].reason
+    assert any(f.code == "MP012" for f in diagnosis.diagnose(run))
+
+
+def test_forward_overflow_in_a_bfloat16_run_is_not_told_to_train_in_bfloat16(tmp_path):
+    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
+    model = keras.Sequential([
+        keras.layers.Input((8,)),
+        keras.layers.Dense(8, kernel_initializer=keras.initializers.Constant(1e10), name="big"),
+        keras.layers.Lambda(lambda t: keras.ops.minimum(t, 1.0), name="clip"),
+        keras.layers.Dense(1, dtype="float32", name="head"),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    run = _fit(model, np.full((32, 8), 1e30, np.float32), np.ones((32, 1), "float32"),
+               tmp_path, numerics_every=1)
+    (finding,) = _mp003(run)
+    assert finding.layer == "big" and finding.evidence["dtype"] == "bfloat16"
+    assert "train in bfloat16" not in finding.fix and "mixed_bfloat16" not in finding.fix
+
+
 @pytest.mark.parametrize(
     "compile_kwargs", [{}, {"jit_compile": True, "steps_per_execution": 2}],
     ids=["plain", "jit_compile+steps_per_execution=2"],

@@ -36,6 +36,9 @@ class PrecisionCollector:
         self._casts: dict[tuple, None] = {}  # an ordered set
         self._model_output_dtypes: set[str] = set()
         self._inputs_from: dict[int, dict] = {}  # consumer -> ordered producers
+        # Layers with an input computed by ops of no layer (their parent's
+        # own code), rather than by a layer or given to the model.
+        self._inputs_made_outside_layers: set[int] = set()
         self._outputs: list[dict] = []  # per model output: producer, op, units
 
     @property
@@ -61,6 +64,8 @@ class PrecisionCollector:
                 producer = self._producers.get(_uncast(tensor).ref())
                 if producer is not None and producer != key:
                     producers.setdefault(producer, None)
+                elif producer is None and _computed_by_ops(tensor):
+                    self._inputs_made_outside_layers.add(key)
             for tensor in _graph_tensors(flat_outputs):
                 self._producers[tensor.ref()] = key
         return outputs
@@ -120,6 +125,7 @@ class PrecisionCollector:
                 inputs_from=[
                     names[p] for p in self._inputs_from.get(id(layer), {}) if p in names
                 ],
+                inputs_made_outside_layers=id(layer) in self._inputs_made_outside_layers,
             )
             for name, layer, parent in entries
         ]
@@ -162,6 +168,20 @@ class PrecisionCollector:
 # Ops that pass a tensor through unchanged in value class: the op that made
 # a model output is looked for behind them.
 _PASS_THROUGH_OPS = ("Cast", "Identity", "IdentityN")
+
+
+# Ops whose output is not computed from the step's values: the data the model
+# was given, a constant, a weight.
+_SOURCE_OPS = ("IteratorGetNext", "Placeholder", "Const", "ReadVariableOp", "OptionalGetValue")
+
+
+def _computed_by_ops(tensor) -> bool:
+    """Whether `tensor` was computed by ops (behind casts and identities),
+    rather than being the data, a constant or a weight."""
+    source = tensor
+    while source.op.type in _PASS_THROUGH_OPS and source.op.inputs:
+        source = source.op.inputs[0]
+    return source.op.type not in _SOURCE_OPS and bool(source.op.inputs)
 
 
 def _uncast(tensor):
@@ -223,7 +243,7 @@ def _activation_name(layer) -> str | None:
 
 
 def _layer_record(name, layer, parent, *, is_leaf, mixed, call_index,
-                  output_dtypes, inputs_from) -> dict:
+                  output_dtypes, inputs_from, inputs_made_outside_layers) -> dict:
     policy = own_policy(layer)
     # What the layer really computes in: under a DTypePolicyMap the layer's
     # own compute_dtype differs from dtype_policy's.
@@ -254,6 +274,7 @@ def _layer_record(name, layer, parent, *, is_leaf, mixed, call_index,
         "quantized_formats": (dict(schema.FLOAT8_FORMATS) if quantization_mode == "float8"
                               else None),
         "inputs_from": inputs_from,
+        "inputs_made_outside_layers": inputs_made_outside_layers,
         "params": _count_params(layer),
         "gemm_dims": dims,
         "gemm_roles": [d["role"] for d in gemm] if gemm else None,

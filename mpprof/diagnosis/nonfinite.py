@@ -62,6 +62,14 @@ def nonfinite(view: RunView) -> list:
     return findings
 
 
+def first_unskipped_nonfinite_loss(view: RunView) -> int | None:
+    """The first step whose non-finite loss the loss scale did not skip: its
+    update may have made the weights non-finite, so what later steps computed
+    only inherits that (None: no such step)."""
+    found = _nonfinite_loss(view, view.health, view.numerics)
+    return None if found is None else found[0]
+
+
 def _nonfinite_loss(view: RunView, health, numerics):
     """(first step, last step, evidence) of the first non-finite loss the loss
     scale did not catch: it came at a step from the first to the last (the

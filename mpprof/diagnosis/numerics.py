@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpprof.diagnosis.core import REGISTRY, NotApplicable, NotMeasured, finding, rule
+from mpprof.diagnosis.nonfinite import first_unskipped_nonfinite_loss
 from mpprof.diagnosis.view import RunView, backward_overflow_mask, forward_overflow_mask
 from mpprof.dtypes import DTYPE_MAX, HALF_DTYPES
 from mpprof.schema import LOSS_SCALE_EVENT_COLUMN
@@ -42,6 +43,23 @@ def _offender_dtype(view: RunView, name: str) -> str:
     return view.output_dtype(name) or view.half_dtype or "float32"
 
 
+def _or_bfloat16(view: RunView) -> str:
+    """The fix's last resort, for a float16 run only."""
+    if view.half_dtype == "bfloat16":
+        return "."
+    return f", or train in bfloat16:\n    {view.api.set_policy('mixed_bfloat16')}"
+
+
+def _own_code_of_parent(view: RunView, layer: str) -> str | None:
+    """The layer whose own code (ops outside any sublayer) made `layer`'s
+    input, when no layer did: no layer fed `layer`, and its input was
+    computed (not the data, a constant or a weight) by its parent's `call`."""
+    record = view.layers_by_name.get(layer) or {}
+    if not record.get("inputs_made_outside_layers") or record.get("inputs_from"):
+        return None
+    return record.get("parent")
+
+
 @rule("MP003", "critical", "a layer's forward output overflowed", view="numerics",
       data="numerics")
 def forward_overflow(view: RunView) -> list:
@@ -51,7 +69,20 @@ def forward_overflow(view: RunView) -> list:
     view.require_mixed()
     numerics = view.require_numerics()
     bad = forward_overflow_mask(view.run, view)
-    rows = np.flatnonzero(bad.any(axis=1))
+    overflowed = bad.any(axis=1)
+    # After an unskipped non-finite loss the weights may be NaN: a sample
+    # then shows what they made, not where an overflow began.
+    poisoned = first_unskipped_nonfinite_loss(view)
+    if poisoned is not None:
+        trusted = np.asarray(numerics.steps) <= poisoned
+        if overflowed.any() and not (overflowed & trusted).any():
+            raise NotMeasured(
+                f"every sample with a non-finite or out-of-range output came after step "
+                f"{poisoned}, whose non-finite loss was not skipped (MP012): the weights "
+                "may already have been non-finite, so no layer can be named"
+            )
+        overflowed &= trusted
+    rows = np.flatnonzero(overflowed)
     if not len(rows):
         return []
     sample = int(rows[0])
@@ -61,42 +92,77 @@ def forward_overflow(view: RunView) -> list:
     abs_max = numerics.forward["abs_max"]
     nonfinite = float(numerics.forward["nonfinite_frac"][sample, index])
     step = int(numerics.steps[sample])
+    covered = int(numerics.steps_covered[sample]) if len(numerics.steps_covered) else 1
+    producers = [
+        numerics.layers.index(p)
+        for p in (view.layers_by_name.get(layer) or {}).get("inputs_from") or ()
+        if p in numerics.layers
+    ]
     evidence = {
         "step": step,
+        "steps_in_sample": max(covered, 1),
         # The finite maximum of an all-non-finite tensor means nothing.
         "abs_max": None if nonfinite >= 1.0 else float(abs_max[sample, index]),
         "nonfinite_frac": nonfinite,
         "dtype": dtype,
         "dtype_max": DTYPE_MAX.get(dtype),
         "policy_max": float(numerics.policy_max),
-        "input_abs_max": float(abs_max[sample, index - 1]) if index else None,
+        # What the layers feeding it gave it (None: no measured layer did).
+        "input_abs_max": (float(max(abs_max[sample, i] for i in producers))
+                          if producers else None),
         "layers_overflowing_at_that_step": int(bad[sample].sum()),
         "samples_with_overflow": len(rows),
         "samples": len(numerics.steps),
         "forensic_sample": bool(numerics.forensic[sample]),
     }
+    if poisoned is not None:
+        evidence["later_samples_ignored_after_step"] = poisoned
     later = [numerics.layers[j] for j in np.flatnonzero(bad[sample])[1:MAX_LAYER_FINDINGS]]
     if later:
         evidence["later_layers_also_overflowing"] = later
     # The step is the first where the evidence was seen; the loss scale may
     # have skipped earlier steps (a forensic sample follows an overflow).
-    when = f"on sampled step {step}"
+    # Under steps_per_execution a sample covers its call's steps.
+    last = step + max(covered, 1) - 1
+    kind = "forensic sample" if evidence["forensic_sample"] else "sampled step"
+    if last > step:
+        kind = "forensic sample" if evidence["forensic_sample"] else "sampled call"
+        when = f"on steps {step} to {last} (one {kind})"
+    else:
+        when = f"on sampled step {step}"
     if view.loss_scale is not None:
         before = view.loss_scale.overflow_steps
-        before = before[before <= step]
+        before = before[before <= last]
         if len(before):
             evidence["first_overflow_step"] = int(before.min())
-            kind = "forensic sample" if evidence["forensic_sample"] else "sampled step"
-            when = (f"on step {step} ({kind}; the first overflow was at step "
+            where = f"step {step}" if last == step else f"steps {step} to {last}"
+            when = (f"on {where} ({kind}; the first overflow was at step "
                     f"{int(before.min())})")
+    parent = _own_code_of_parent(view, layer)
+    if parent is not None:
+        evidence["input_made_by"] = parent
+        fix = (
+            f"{layer!r}'s input was computed by {parent!r}'s own code (ops in its call, "
+            f"outside any sublayer), and already left {dtype}'s range there: {layer!r} "
+            f"only passed it on. Keep {parent!r} in float32:\n"
+            f"    {view.api.layer(view.layer_class(parent))}\n"
+            "or make its constants fit the dtype (a mask value of -1e9 is -inf in "
+            "float16, and 0 * -inf is NaN: use the dtype's own limit, -65504 in float16)"
+            f"{_or_bfloat16(view)}"
+        )
+        title = (
+            f"Forward overflow in {parent}'s own ops (the input of {layer}) exceeded "
+            f"{dtype} (max {DTYPE_MAX.get(dtype, numerics.policy_max):g}) {when}"
+        )
+        return [finding("MP003", title, layer=parent, step=step, evidence=evidence, fix=fix)]
     fix = (
         f"Layer {layer!r} is the first in call order whose output left "
         f"{dtype}'s range; the layers after it only inherit the inf/NaN. "
         "Keep it in float32:\n"
         f"    {view.api.layer(view.layer_class(layer))}\n"
         "or bound its input (normalise the inputs, add LayerNormalization before "
-        "it, lower the learning rate if its weights grew), or train in bfloat16:\n"
-        f"    {view.api.set_policy('mixed_bfloat16')}"
+        "it, lower the learning rate if its weights grew)"
+        f"{_or_bfloat16(view)}"
     )
     title = (
         f"Forward overflow: {layer} output exceeded {dtype} "
@@ -270,8 +336,8 @@ def gradient_overflow_start(view: RunView) -> list:
             f"backwards) to leave {origin['dtype'] or 'float16'}'s range. Keep that "
             f"layer in float32:\n    {view.api.layer(cls)}\n"
             "or bound what feeds the loss (normalise the targets, clip the "
-            "gradients of a custom loss), or train in bfloat16:\n"
-            f"    {view.api.set_policy('mixed_bfloat16')}"
+            "gradients of a custom loss)"
+            f"{_or_bfloat16(view)}"
         )
     title = (
         f"Gradient overflow starts at {origin['kind']} {origin['name']} "
