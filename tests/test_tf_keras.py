@@ -159,7 +159,8 @@ def test_nested_functional_model_with_autograph_layer_and_legacy_optimizer(singl
 
 @needs_tf_keras
 def test_nonfinite_loss_is_caught_at_its_step(single_process):
-    """tf-keras's loss is watched in the graph through `optimizer.minimize`."""
+    """tf-keras's loss is watched in the graph through `optimizer.minimize`,
+    once a step: not again where minimize calls `get_scaled_loss`."""
     found = single_process[1]["nan_loss"]
     steps_per_epoch = len(found["probe_scales"]) // 2
     assert found["health"]["first_nonfinite_loss_step"] == 5
@@ -320,3 +321,35 @@ def test_an_unused_optimizer_attribute_changes_nothing(custom_steps):
     _assert_series_match_the_probe(found)
     assert found["health"]["loss_watched"] is True
 
+
+@needs_tf_keras
+def test_loss_handed_to_get_scaled_loss_is_watched(custom_steps):
+    """A custom step that scales its own loss: the NaN loss of step 5 (each
+    epoch) is caught at its step, and counted once per step."""
+    found = custom_steps["scaled_nan"]
+    _assert_series_match_the_probe(found)
+    health = found["health"]
+    assert health["loss_watched"] is True
+    assert health["first_nonfinite_loss_step"] == 5
+    assert health["nonfinite_loss_steps"] == 2
+    assert found["checks"] == {"MP012": "checked", "MP018": "checked"}
+    assert not {f["code"] for f in found["findings"]} & {"MP012", "MP018"}
+
+
+@needs_tf_keras
+def test_loss_the_step_never_hands_to_the_optimizer_is_not_watched(custom_steps):
+    """Gradients of the raw loss: no loss passed through the optimizer, so no
+    value is recorded for it (MP012 is not measured), and MP018 says the
+    gradients were never scaled."""
+    found = custom_steps["raw_nan"]
+    [optimizer] = found["optimizers"]
+    assert optimizer["apply_called"] is True and optimizer["scale_loss_called"] is False
+    health = found["health"]
+    assert health["loss_watched"] is False
+    assert health["nonfinite_loss_steps"] is None
+    assert health["first_nonfinite_loss_step"] is None
+    assert found["checks"]["MP012"] == "not measured"
+    [mp018] = [f for f in found["findings"] if f["code"] == "MP018"]
+    assert "get_scaled_loss" in mp018["title"] and "never multiplied" in mp018["title"]
+    assert "self.optimizer.get_scaled_loss(loss)" in mp018["fix"]
+    assert "scale_loss(loss)\n" not in mp018["fix"].replace("get_scaled_loss(loss)", "")
