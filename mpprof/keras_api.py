@@ -53,10 +53,20 @@ class KerasApi:
     loss_scale_collector = LossScaleCollector
     loss_health_collector = LossHealthCollector
     numerics_collector = NumericsCollector
-    # The optimizer methods a train step calls to update the weights and to
-    # scale the loss (None: not watched in this flavour).
-    apply_method: str | None = "apply"
-    scale_loss_method: str | None = "scale_loss"
+    # The optimizer method every update of the weights goes through, and the
+    # methods a train step hands its loss to (`OptimizerUsage` watches them).
+    apply_method = "apply"
+    loss_methods: tuple[str, ...] = ("scale_loss",)
+    # Whether the train step reports the call alarm in its logs
+    # (`mpprof.call_alarm`): Keras 3 turns every call's logs into Python
+    # numbers anyway, and its loss watchers date the first non-finite loss
+    # from the alarm on the host.
+    alarm_in_logs = True
+
+    def is_optimizer(self, value) -> bool:
+        import keras
+
+        return isinstance(value, keras.optimizers.Optimizer)
 
     def is_loss_scale_optimizer(self, optimizer) -> bool:
         return is_loss_scale_optimizer(optimizer)
@@ -88,13 +98,11 @@ class KerasApi:
         which of them a step really uses is only known once it is traced
         (`mpprof.collectors.optimizers.OptimizerUsage`).
         """
-        import keras
-
         found: list[tuple[str, object]] = []
-        if isinstance(model.optimizer, keras.optimizers.Optimizer):
+        if self.is_optimizer(model.optimizer):
             found.append(("optimizer", model.optimizer))
         for name, value in sorted(vars(model).items()):
-            if (isinstance(value, keras.optimizers.Optimizer) and not name.startswith("_")
+            if (self.is_optimizer(value) and not name.startswith("_")
                     and all(value is not known for _, known in found)):
                 found.append((name, value))
         return found
@@ -107,14 +115,22 @@ class TfKerasApi(KerasApi):
     loss_scale_collector = TfKerasLossScaleCollector
     loss_health_collector = TfKerasLossHealthCollector
     numerics_collector = TfKerasNumericsCollector
-    # tf-keras's train step hands the loss to `minimize`, which scales it and
-    # applies the gradients: which optimizers a step used is not watched.
-    apply_method = None
-    scale_loss_method = None
+    # Every tf-keras update goes through `apply_gradients` (`minimize` calls
+    # it). tf-keras optimizers have no `scale_loss`: its train step hands the
+    # loss to `minimize`, a custom step to a LossScaleOptimizer's
+    # `get_scaled_loss` (which `minimize` calls in turn).
+    apply_method = "apply_gradients"
+    loss_methods = ("minimize", "get_scaled_loss")
+    # tf-keras need not wait for a call's logs, and its loss watchers keep
+    # the first non-finite step in-graph: no alarm in the logs.
+    alarm_in_logs = False
 
     fits_across_workers = True
     # tf-keras's TensorBoard(write_graph=True) writes this function's graph.
     traced_train_function_attribute = "train_tf_function"
+
+    def is_optimizer(self, value) -> bool:
+        return tf_keras_support.is_optimizer(value)
 
     def is_loss_scale_optimizer(self, optimizer) -> bool:
         return tf_keras_support.is_loss_scale_optimizer(optimizer)
@@ -126,9 +142,6 @@ class TfKerasApi(KerasApi):
     @property
     def tensorboard_class(self) -> type:
         return tf_keras_support.tf_keras_module().callbacks.TensorBoard
-
-    def candidate_optimizers(self, model) -> list[tuple[str, object]]:
-        return [("optimizer", model.optimizer)] if model.optimizer is not None else []
 
 
 def keras_api_for(model) -> KerasApi:

@@ -151,9 +151,9 @@ class ProfiledFit:
         self._quiet_made = 0
         self._quiet_until = 0.0
         usage.install(self._patches)
+        self._alarm_in_logs = self._api.alarm_in_logs
         self._alarm = CallAlarm(self._alarm_counters, lambda: (
-            usage.watched or self._schedule.watching_overflows))
-        self._alarm_in_logs = usage.watched  # Keras 3's train step reports it
+            self._alarm_in_logs or self._schedule.watching_overflows))
         self._guard.run("profiler", self._alarm.install, model, self._patches,
                         self._alarm_in_logs)
         self._guard.run(self._replay.name, self._replay.wrap_train_step, fit, self._patches)

@@ -77,6 +77,18 @@ def is_float_variable(variable) -> bool:
     return tf.as_dtype(variable.dtype).is_floating
 
 
+def is_optimizer(value) -> bool:
+    """Whether `value` is a tf-keras optimizer of either family: the new
+    `tf_keras.optimizers.Optimizer` or the legacy `OptimizerV2`
+    (`tf_keras.optimizers.legacy.Optimizer`); each LossScaleOptimizer
+    (V3, V2) belongs to its inner optimizer's family."""
+    tf_keras = tf_keras_module()
+    if tf_keras is None:
+        return False
+    optimizers = tf_keras.optimizers
+    return isinstance(value, (optimizers.Optimizer, optimizers.legacy.Optimizer))
+
+
 def is_loss_scale_optimizer(optimizer) -> bool:
     """Whether `optimizer` is tf-keras's (V2 or V3) LossScaleOptimizer."""
     tf_keras = tf_keras_module()

@@ -159,7 +159,8 @@ def test_nested_functional_model_with_autograph_layer_and_legacy_optimizer(singl
 
 @needs_tf_keras
 def test_nonfinite_loss_is_caught_at_its_step(single_process):
-    """tf-keras's loss is watched in the graph through `optimizer.minimize`."""
+    """tf-keras's loss is watched in the graph through `optimizer.minimize`,
+    once a step: not again where minimize calls `get_scaled_loss`."""
     found = single_process[1]["nan_loss"]
     steps_per_epoch = len(found["probe_scales"]) // 2
     assert found["health"]["first_nonfinite_loss_step"] == 5
@@ -256,3 +257,99 @@ def test_keras_3_mirrored_skip_is_decided_on_the_first_replica(tmp_path):
         "mpprof.distributed.keras_3_skip_decided_by")
     assert "FIRST replica" in found["skip_decided_by"]
     assert found["nonfinite_weights"] and "MP012" in found["codes"]
+
+
+@pytest.fixture(scope="module")
+def custom_steps(tf_keras_required, tmp_path_factory):
+    """The fits of tests/tf_keras_custom_step_fit.py, by name."""
+    logdir = tmp_path_factory.mktemp("tf_keras_custom_steps")
+    result = subprocess.run(
+        [sys.executable, os.path.join(TESTS, "tf_keras_custom_step_fit.py"), str(logdir)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _assert_series_match_the_probe(found: dict) -> None:
+    """Each recorded series against its optimizer's state, read after every batch."""
+    assert set(found["series"]) == set(found["probe"])
+    for name, series in found["series"].items():
+        probe = found["probe"][name]
+        assert series["steps_run"] == found["steps"] == probe["iterations"][-1], name
+        assert series["overflow_steps"] == probe["skipped"], name
+        assert series["scale_after"] == probe["scales"], name
+        assert series["final_scale"] == probe["scales"][-1], name
+    assert found["patched_after_fit"] == [] and found["warnings"] == []
+
+
+@needs_tf_keras
+def test_gan_records_the_optimizers_its_step_applies(custom_steps):
+    """Its own LossScaleOptimizers (one of each tf-keras family, one through
+    get_scaled_loss + apply_gradients, one through minimize), not the unused
+    optimizer `compile()` made."""
+    found = custom_steps["gan"]
+    used = {o["name"]: o for o in found["optimizers"]}
+    assert set(used) == {"d_opt", "g_opt"}
+    assert (used["d_opt"]["class"], used["g_opt"]["class"]) == (
+        "LossScaleOptimizerV3", "LossScaleOptimizer")
+    assert all(o["loss_scale"] and o["apply_called"] and o["scale_loss_called"]
+               for o in used.values())
+    _assert_series_match_the_probe(found)
+    # Both scales moved: each overflowed and grew.
+    for series in found["series"].values():
+        assert series["overflow_steps"] and max(series["scale_after"]) > min(
+            series["scale_after"])
+    # The primary series is the first the step applied, on the plain tags.
+    assert found["loss_scale"]["primary"] == "d_opt" and found["primary_is_plain"]
+    assert found["loss_scale"]["initial_scale"] == 2.0**20
+    # The step axis counts train steps: one per batch.
+    assert found["health"]["checked_step"] == found["steps"]
+    assert found["numerics_steps"] and max(found["numerics_steps"]) < found["steps"]
+    assert found["health"]["loss_watched"] is True
+    assert found["health"]["nonfinite_loss_steps"] == 0
+
+
+@needs_tf_keras
+def test_an_unused_optimizer_attribute_changes_nothing(custom_steps):
+    """Look-alike: tf-keras's own train step (minimize) with the compiled
+    optimizer, and another LossScaleOptimizer in a model attribute."""
+    found = custom_steps["spare"]
+    assert [(o["name"], o["apply_called"], o["scale_loss_called"])
+            for o in found["optimizers"]] == [("optimizer", True, True)]
+    assert "series" not in found["loss_scale"] and found["primary_is_plain"]
+    _assert_series_match_the_probe(found)
+    assert found["health"]["loss_watched"] is True
+
+
+@needs_tf_keras
+def test_loss_handed_to_get_scaled_loss_is_watched(custom_steps):
+    """A custom step that scales its own loss: the NaN loss of step 5 (each
+    epoch) is caught at its step, and counted once per step."""
+    found = custom_steps["scaled_nan"]
+    _assert_series_match_the_probe(found)
+    health = found["health"]
+    assert health["loss_watched"] is True
+    assert health["first_nonfinite_loss_step"] == 5
+    assert health["nonfinite_loss_steps"] == 2
+    assert found["checks"] == {"MP012": "checked", "MP018": "checked"}
+    assert not {f["code"] for f in found["findings"]} & {"MP012", "MP018"}
+
+
+@needs_tf_keras
+def test_loss_the_step_never_hands_to_the_optimizer_is_not_watched(custom_steps):
+    """Gradients of the raw loss: no loss passed through the optimizer, so no
+    value is recorded for it (MP012 is not measured), and MP018 says the
+    gradients were never scaled."""
+    found = custom_steps["raw_nan"]
+    [optimizer] = found["optimizers"]
+    assert optimizer["apply_called"] is True and optimizer["scale_loss_called"] is False
+    health = found["health"]
+    assert health["loss_watched"] is False
+    assert health["nonfinite_loss_steps"] is None
+    assert health["first_nonfinite_loss_step"] is None
+    assert found["checks"]["MP012"] == "not measured"
+    [mp018] = [f for f in found["findings"] if f["code"] == "MP018"]
+    assert "get_scaled_loss" in mp018["title"] and "never multiplied" in mp018["title"]
+    assert "self.optimizer.get_scaled_loss(loss)" in mp018["fix"]
+    assert "scale_loss(loss)\n" not in mp018["fix"].replace("get_scaled_loss(loss)", "")

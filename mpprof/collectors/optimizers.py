@@ -2,8 +2,9 @@
 
 `model.optimizer` is what `compile` got; a custom `train_step` may use other
 optimizers instead (a GAN's `self.g_opt` and `self.d_opt`) and never touch
-it, and may call `optimizer.apply` without ever passing the loss through
-`optimizer.scale_loss`. Tracing the step calls the Python methods it uses,
+it, and may apply one without ever passing the loss through it (Keras 3's
+`apply` without `scale_loss`; tf-keras's `apply_gradients` without `minimize`
+or `get_scaled_loss`). Tracing the step calls the Python methods it uses,
 so instance-level wrappers that set a flag when called tell, after the first
 trace, which optimizers ran and how: at no cost per step, since the flags
 are set at trace time and the wrappers add no operation to the graph.
@@ -20,8 +21,9 @@ from mpprof.patching import Patches
 class OptimizerUse:
     """One optimizer a step may use, and what the traced step did with it.
 
-    `apply_called` / `scale_loss_called` are None until a step was traced, and
-    stay None where the Keras flavour's methods are not watched.
+    `apply_called` / `scale_loss_called` are None until a step was traced.
+    `scale_loss_called` says whether the step handed its loss to one of the
+    flavour's loss methods (`KerasApi.loss_methods`).
     """
 
     name: str
@@ -61,7 +63,7 @@ def applied_steps(optimizer):
 
 
 class OptimizerUsage:
-    """Watches the candidate optimizers' `apply` and `scale_loss`.
+    """Watches the candidate optimizers' apply and loss methods.
 
     Args:
         keras_api: the model's `mpprof.keras_api.KerasApi`.
@@ -74,19 +76,16 @@ class OptimizerUsage:
             OptimizerUse(name, optimizer, keras_api.is_loss_scale_optimizer(optimizer))
             for name, optimizer in keras_api.candidate_optimizers(model)
         ]
-        self.watched = keras_api.apply_method is not None
         self.traced = False
         self._used: list[OptimizerUse] = []
 
     def install(self, patches: Patches) -> None:
-        if not self.watched:
-            return
         for use in self.uses:
             use.apply_called = use.scale_loss_called = False
             use.first_called = None
             self._watch(patches, use, self._api.apply_method, "apply_called")
-            if self._api.scale_loss_method is not None:
-                self._watch(patches, use, self._api.scale_loss_method, "scale_loss_called")
+            for method in self._api.loss_methods:
+                self._watch(patches, use, method, "scale_loss_called")
 
     def _watch(self, patches: Patches, use: OptimizerUse, method: str, flag: str) -> None:
         original = getattr(use.optimizer, method, None)
@@ -102,9 +101,9 @@ class OptimizerUsage:
         patches.set(use.optimizer, method, watched)
 
     def used(self) -> list[OptimizerUse]:
-        """The optimizers the traced step applied; all candidates when that is
-        not known (nothing traced yet, or a flavour that is not watched)."""
-        if not self.watched or not self.traced:
+        """The optimizers the traced step applied; all candidates until a
+        step was traced."""
+        if not self.traced:
             return list(self.uses)
         return self._used
 

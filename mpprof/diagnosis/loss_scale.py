@@ -260,10 +260,8 @@ def no_loss_scaling(view: RunView) -> list:
             'and the model was built under "mixed_float16".)'
         )
     else:
-        fix += (
-            "and in the custom train_step scale the loss before taking gradients: "
-            "loss = opt.scale_loss(loss); opt.apply(grads, variables) unscales them."
-        )
+        fix += ("and in the custom train_step scale the loss before taking gradients: "
+                + view.api.scaled_step)
     title = f"mixed_float16 training without loss scaling (optimizer {', '.join(names)})"
     return [finding("MP008", title, evidence=evidence, fix=fix)]
 
@@ -273,7 +271,9 @@ def no_loss_scaling(view: RunView) -> list:
 def scale_loss_skipped(view: RunView) -> list:
     """A LossScaleOptimizer's `apply` ran but its `scale_loss` never did (a
     custom `train_step` that takes gradients of the raw loss): the optimizer
-    divides gradients by the scale that were never multiplied by it."""
+    divides gradients by the scale that were never multiplied by it. In
+    tf-keras, `apply_gradients` ran but neither `minimize` nor
+    `get_scaled_loss`: the gradients were never scaled."""
     view.require_mixed()
     used = view.context.get("optimizers")
     if not isinstance(used, list):
@@ -305,22 +305,36 @@ def scale_loss_skipped(view: RunView) -> list:
             f"    grads = {name}.get_unscaled_gradients(grads)\n"
             f"    {name}.apply_gradients(zip(grads, self.trainable_variables))"
         )
+        # tf-keras's apply_gradients does not unscale: only a step that calls
+        # get_unscaled_gradients makes its updates too small.
+        why = (
+            "The loss never went through get_scaled_loss (nor minimize): the "
+            "gradients were never multiplied by the loss scale, so small float16 "
+            "gradients flush to zero as without loss scaling, and where the step "
+            "calls get_unscaled_gradients every update is that many times too small."
+        )
+        title = (
+            f"The loss never went through {', '.join(names)}.get_scaled_loss: "
+            "gradients were never multiplied by the loss scale"
+        )
     else:
         scale_call = f"        scaled_loss = {name}.scale_loss(loss)\n"
         apply_call = f"    {name}.apply(grads, self.trainable_variables)   # unscales them"
+        why = (
+            "The loss never went through optimizer.scale_loss: the LossScaleOptimizer "
+            "divides the gradients by the loss scale without their having been "
+            "multiplied by it, so every update is that many times too small."
+        )
+        title = (
+            f"The loss never went through {', '.join(names)}.scale_loss: gradients are "
+            "divided by the scale without having been multiplied"
+        )
     fix = (
-        "The loss never went through optimizer.scale_loss: the LossScaleOptimizer "
-        "divides the gradients by the loss scale without their having been "
-        "multiplied by it, so every update is that many times too small. In the "
-        "custom train_step, scale the loss before taking gradients:\n"
+        why + " In the custom train_step, scale the loss before taking gradients:\n"
         "    with tf.GradientTape() as tape:\n"
         "        loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))\n"
         + scale_call
         + "    grads = tape.gradient(scaled_loss, self.trainable_variables)\n"
         + apply_call
-    )
-    title = (
-        f"The loss never went through {', '.join(names)}.scale_loss: gradients are "
-        "divided by the scale without having been multiplied"
     )
     return [finding("MP018", title, evidence=evidence, fix=fix)]

@@ -45,7 +45,7 @@ def nonfinite(view: RunView) -> list:
         if not findings:
             raise NotMeasured(
                 "the loss was not watched (the train step never handed it to "
-                "optimizer.scale_loss); the weights were checked and are finite"
+                f"{view.api.loss_methods}); the weights were checked and are finite"
             )
         return findings
     loss_step = _nonfinite_loss(view, health, numerics)

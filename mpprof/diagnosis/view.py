@@ -75,6 +75,23 @@ class KerasApi:
     def optimizer(self, name: str) -> str:
         return f"{self.module}.optimizers.{name}()"
 
+    @property
+    def loss_methods(self) -> str:
+        """Where a train step hands its loss to the optimizer (what mpprof
+        watches it in)."""
+        if self.module == "tf_keras":
+            return "optimizer.minimize or a LossScaleOptimizer's get_scaled_loss"
+        return "optimizer.scale_loss"
+
+    @property
+    def scaled_step(self) -> str:
+        """How a custom train step scales its loss and applies the gradients."""
+        if self.module == "tf_keras":
+            return ("loss = opt.get_scaled_loss(loss) inside the tape; "
+                    "grads = opt.get_unscaled_gradients(grads); "
+                    "opt.apply_gradients(zip(grads, variables)).")
+        return "loss = opt.scale_loss(loss); opt.apply(grads, variables) unscales them."
+
 
 class RunView:
     """A run's records, each read once, plus what the rules derive from them.
