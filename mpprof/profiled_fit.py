@@ -12,6 +12,7 @@ one fit to the next (`mpprof.callback.AcrossFits`).
 from __future__ import annotations
 
 import atexit
+import functools
 import posixpath
 import time
 import weakref
@@ -21,6 +22,7 @@ from mpprof import schema, tf_keras_support
 from mpprof.call_alarm import LOGS_KEY as _ALARM_LOG
 from mpprof.call_alarm import CallAlarm
 from mpprof.collectors import kernels as kernel_collector
+from mpprof.collectors import step_origin
 from mpprof.collectors.base import Collector
 from mpprof.collectors.float8 import Float8State
 from mpprof.collectors.float8_shares import Float8Shares
@@ -194,7 +196,8 @@ class ProfiledFit:
         capacity = 2 * (profiler.flush_every_steps + _steps_per_execution(model))
         self._inventory = Inventory(model, self._guard)
         self._loss_scales = LossScales(
-            api, usage, strategy, capacity, self._across_fits.loss_scales
+            api, usage, strategy, capacity, self._across_fits.loss_scales,
+            functools.cache(lambda: step_origin.read_earlier(profiler.log_dir)),
         )
         self._health = RunHealth(api, usage, strategy, self._loss_scales.graph_step_of,
                                  self._across_fits.health, instrumenting)

@@ -7,7 +7,7 @@ from conftest import mnist_like, overflow_data, overflow_model, seed_model
 
 import mpprof
 from mpprof import reader, schema
-from mpprof.collectors import loss_scale, loss_scale_growth
+from mpprof.collectors import loss_scale, loss_scale_growth, step_origin
 
 
 class _ScaleProbe(keras.callbacks.Callback):
@@ -109,6 +109,102 @@ def test_second_fit_continues_the_step_axis(tmp_path, reference):
     assert run.loss_scale.steps_run == len(true_scales)
     assert run.context["fit_count"] == 3
     assert run.context["start_step"] == 2 * len(true_scales) // 3
+
+
+def test_a_new_profiler_continues_the_run_it_finds(tmp_path, reference):
+    """A new profiler per fit, same log_dir: Keras 3's apply calls leave out
+    the skipped steps the earlier profilers counted; the run's records carry
+    them over, so the axis goes on as with one profiler."""
+    true_scales, true_skipped = reference
+    keras.utils.set_random_seed(1)
+    model = overflow_model(growth_steps=4)
+    x, y = overflow_data()
+    for epoch in range(3):
+        model.fit(x, y, batch_size=8, epochs=epoch + 1, initial_epoch=epoch, verbose=0,
+                  shuffle=False, callbacks=[mpprof.MixedPrecisionProfiler(log_dir=str(tmp_path))])
+    run = reader.read_run(tmp_path, "train")
+    steps_per_fit = len(true_scales) // 3
+    assert any(true_skipped >= steps_per_fit)  # later fits overflow too
+    np.testing.assert_array_equal(run.loss_scale.overflow_steps, true_skipped)
+    assert run.loss_scale.steps_run == len(true_scales)
+    column = schema.LOSS_SCALE_PROGRESS_COLUMN
+    counts = run.loss_scale.progress[:, [column.steps_run, column.skipped_steps]]
+    assert (np.diff(counts, axis=0) >= 0).all(), counts
+    origin = run.context["collectors"]["loss_scale"]["step_axis_origin"]
+    assert origin["skipped_before"] == np.sum(true_skipped < 2 * steps_per_fit), origin
+    assert "continues the records of 'optimizer'" in origin["evidence"]
+    assert run.context["start_step"] == 2 * steps_per_fit
+
+
+def _unknown_origin(run) -> str:
+    origin = run.context["collectors"]["loss_scale"]["step_axis_origin"]
+    assert origin["skipped_before"] is None, origin
+    assert "early by the steps skipped before" in origin["evidence"]
+    return origin["evidence"]
+
+
+@pytest.mark.parametrize("between", ["fit_without_mpprof", "another_log_dir"])
+def test_a_new_profiler_never_guesses_the_skips_before_it(tmp_path, between):
+    """Records that are not this optimizer's as it is now (steps ran without
+    mpprof since), or none (a new log_dir): the skipped steps before the fit
+    are unknown, and the run context says so instead of continuing."""
+    keras.utils.set_random_seed(1)
+    model = overflow_model(growth_steps=4)
+    x, y = overflow_data()
+
+    def fit(callbacks):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
+
+    fit([mpprof.MixedPrecisionProfiler(log_dir=str(tmp_path / "first"))])
+    log_dir = tmp_path / "first"
+    if between == "fit_without_mpprof":
+        fit([])
+    else:
+        log_dir = tmp_path / "second"
+    applied = int(model.optimizer.iterations.numpy())
+    fit([mpprof.MixedPrecisionProfiler(log_dir=str(log_dir))])
+    run = reader.read_run(log_dir, "train")
+    evidence = _unknown_origin(run)
+    assert ("not this optimizer's" if between == "fit_without_mpprof"
+            else "no earlier mpprof records") in evidence, evidence
+    # The axis starts at the apply calls: no skipped step is made up.
+    assert run.context["start_step"] == applied
+
+
+def test_earlier_records_that_cannot_be_read_leave_the_skips_unknown(tmp_path, monkeypatch):
+    """Reading the log_dir never fails the fit, nor its loss-scale records."""
+    keras.utils.set_random_seed(1)
+    model = overflow_model(growth_steps=4)
+    x, y = overflow_data()
+    for denied in (False, True):
+        if denied:
+            monkeypatch.setattr(step_origin, "read_event_file", _denied)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[mpprof.MixedPrecisionProfiler(log_dir=str(tmp_path))])
+    monkeypatch.undo()
+    run = reader.read_run(tmp_path, "train")
+    assert "PermissionError: denied" in _unknown_origin(run)
+    assert run.context["fit_state"] == schema.FIT_ENDED
+    assert run.context["collectors"]["loss_scale"]["state"] == "ok"
+
+
+def _denied(*args):
+    raise PermissionError("denied")
+
+
+def test_a_new_model_starts_at_step_0_beside_old_records(tmp_path):
+    """The look-alike: a fresh model into a log_dir holding another model's
+    records ran no step before, whatever those records say."""
+    x, y = overflow_data()
+    for _ in range(2):
+        keras.utils.set_random_seed(1)
+        model = overflow_model(growth_steps=4)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[mpprof.MixedPrecisionProfiler(log_dir=str(tmp_path))])
+    context = reader.read_run(tmp_path, "train").context
+    assert context["start_step"] == 0
+    assert context["collectors"]["loss_scale"]["step_axis_origin"] == {
+        "skipped_before": 0, "evidence": "no train step ran before the first profiled fit"}
 
 
 def test_host_fallback_when_private_hooks_are_missing(tmp_path, reference, monkeypatch):

@@ -23,6 +23,7 @@ import tensorflow as tf
 from mpprof import schema
 from mpprof.collectors.loss_scale_growth import ScaleState, growth_events
 from mpprof.collectors.optimizers import applied_steps
+from mpprof.collectors.step_origin import Origin
 from mpprof.guard import TracedGuard
 from mpprof.patching import Patches
 
@@ -48,7 +49,8 @@ class LossScaleCollector:
 
     The step axis counts every train step, skipped ones included: it equals
     the optimizer's apply calls (`optimizers.applied_steps`) plus the
-    skipped steps seen by this collector.
+    skipped steps seen by this collector, which starts from those skipped
+    before its first fit when they are known (`start_from`).
 
     Args:
         optimizer: the model's (built) LossScaleOptimizer.
@@ -61,6 +63,11 @@ class LossScaleCollector:
     # Finite steps record nothing in the graph: the growths are derived at
     # each read (`loss_scale_growth`).
     derives_growth = True
+    # What an unknown count of skipped steps before the first fit means.
+    unknown_origin_means = (
+        "the steps recorded start at the optimizer's apply calls, early by the "
+        "steps skipped before this profiler's first fit (Keras 3 does not count them)"
+    )
 
     def __init__(self, optimizer, strategy, capacity: int):
         self.optimizer = optimizer
@@ -87,6 +94,22 @@ class LossScaleCollector:
         # Runs this collector's own ops inside the traced step.
         self.traced = TracedGuard()
         self._last_polled: tuple[int, float] | None = None
+        # Where the count of skipped steps started (`start_from`).
+        self.origin: Origin | None = None
+
+    def nothing_ran(self) -> bool:
+        """Whether no train step ran this optimizer yet: a skipped step leaves
+        the apply calls alone but halves the scale, and only applied steps
+        grow it back."""
+        return not self.optimizer.built or (
+            int(applied_steps(self.optimizer).numpy()) == 0
+            and self.scale() == float(self.optimizer.initial_scale))
+
+    def start_from(self, origin: Origin) -> None:
+        """Starts counting skipped steps from `origin.skipped` (before the
+        first fit; unknown counts from 0)."""
+        self.origin = origin
+        self._skipped.assign(origin.skipped or 0)
 
     def settings(self) -> dict:
         opt = self.optimizer
@@ -153,7 +176,11 @@ class LossScaleCollector:
 
     def current_step(self) -> int:
         """Steps run so far (a host read)."""
-        return int(applied_steps(self.optimizer).numpy()) + self.skipped_steps()
+        return self.steps_given_skipped(self.skipped_steps())
+
+    def steps_given_skipped(self, skipped: int) -> int:
+        """Steps run so far if `skipped` of them were skipped (a host read)."""
+        return int(applied_steps(self.optimizer).numpy()) + skipped
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
         """New events since the last read, and the progress row now.
@@ -173,7 +200,7 @@ class LossScaleCollector:
         events = buffer[slots]
         progress = np.array([
             self.current_step(),
-            self._scale(),
+            self.scale(),
             self.skipped_steps(),
         ], dtype=np.float64)
         if self.mode == MODE_GRAPH and self.derives_growth:
@@ -184,7 +211,7 @@ class LossScaleCollector:
         """The overflows read, with the growths derived since the last read
         (none when `complete` is False: some overflows were overwritten)."""
         column = schema.LOSS_SCALE_EVENT_COLUMN
-        now = ScaleState(self.current_step(), self._counter(), self._scale())
+        now = ScaleState(self.current_step(), self._counter(), self.scale())
         start, self._last_read = self._last_read, now
         if start is None:
             return overflows  # the first read: where the derivation starts
@@ -204,7 +231,7 @@ class LossScaleCollector:
             return tf.constant(float(self.optimizer.initial_scale))
         return tf.convert_to_tensor(self.optimizer.dynamic_scale)
 
-    def _scale(self) -> float:
+    def scale(self) -> float:
         # The optimizer builds its variables on the first step's trace.
         if not self.optimizer.built:
             return float(self.optimizer.initial_scale)
@@ -222,7 +249,7 @@ class LossScaleCollector:
     def _poll(self) -> None:
         """Host fallback: infers events from the scale and the apply calls."""
         applied = int(applied_steps(self.optimizer).numpy())
-        scale = self._scale()
+        scale = self.scale()
         if self._last_polled is not None:
             last_applied, last_scale = self._last_polled
             step = last_applied + int(self._skipped.numpy())

@@ -11,12 +11,16 @@ named after its attribute (`schema.tag_for(record, series)`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import tensorflow as tf
 
 from mpprof import schema
+from mpprof.collectors import step_origin
 from mpprof.collectors.base import Collector
 from mpprof.collectors.loss_scale import MODE_HOST
 from mpprof.collectors.optimizers import OptimizerUsage, applied_steps
+from mpprof.collectors.step_origin import EarlierRecords
 from mpprof.distributed import keras_3_skip_decided_by
 from mpprof.patching import Patches
 
@@ -31,12 +35,15 @@ class LossScales(Collector):
         capacity: events each ring buffer holds between two reads.
         reuse: collectors of an earlier fit, by optimizer id: they keep
             counting skipped steps across fits.
+        earlier: reads the run's records of earlier fits
+            (`step_origin.read_earlier`), called at most once, and only when
+            a new series' optimizer has run before.
     """
 
     name = "loss_scale"
 
     def __init__(self, keras_api, usage: OptimizerUsage, strategy, capacity: int,
-                 reuse: dict[int, object]):
+                 reuse: dict[int, object], earlier: Callable[[], EarlierRecords | str]):
         self._usage = usage
         self._replicas = int(strategy.num_replicas_in_sync)
         self._overflows_seen: int | None = None
@@ -49,6 +56,10 @@ class LossScales(Collector):
             collector = reuse.get(id(use.optimizer))
             if collector is None:
                 collector = keras_api.loss_scale_collector(use.optimizer, strategy, capacity)
+                collector.start_from(
+                    step_origin.FIRST_STEP if collector.nothing_ran()
+                    else step_origin.origin(collector, use.name, earlier())
+                )
             self.by_name[use.name] = collector
 
     def __bool__(self) -> bool:
@@ -184,6 +195,7 @@ class LossScales(Collector):
         for name, collector in active.items():
             settings = collector.settings()
             settings.setdefault("skip_decided_by", keras_3_skip_decided_by(self._replicas))
+            settings["step_axis_origin"] = collector.origin.describe()
             if collector is primary or primary is None and not series:
                 context.update(settings, primary=name)
             series[name] = settings

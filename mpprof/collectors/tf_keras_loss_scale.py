@@ -53,6 +53,10 @@ class TfKerasLossScaleCollector(LossScaleCollector):
     # `update` records growths in the step (tf-keras's scale has a floor,
     # and its counter another rule).
     derives_growth = False
+    unknown_origin_means = (
+        "the step axis is exact (iterations counts skipped steps); the skipped "
+        "steps recorded leave out those before this profiler's first fit"
+    )
 
     def __init__(self, optimizer, strategy, capacity: int):
         super().__init__(optimizer, strategy, capacity)
@@ -128,10 +132,16 @@ class TfKerasLossScaleCollector(LossScaleCollector):
     def current_step(self) -> int:
         return int(self.optimizer.iterations.numpy())
 
+    def steps_given_skipped(self, skipped: int) -> int:
+        return self.current_step()
+
+    def nothing_ran(self) -> bool:
+        return self.current_step() == 0
+
     def scale_tensor(self) -> tf.Tensor:
         return tf.convert_to_tensor(self.optimizer.loss_scale)
 
-    def _scale(self) -> float:
+    def scale(self) -> float:
         return float(self.optimizer.loss_scale.numpy())
 
     def _poll(self) -> None:
@@ -139,7 +149,7 @@ class TfKerasLossScaleCollector(LossScaleCollector):
         if self._state is None:
             return
         iterations = int(self.optimizer.iterations.numpy())
-        scale = self._scale()
+        scale = self.scale()
         counter = int(self.optimizer.dynamic_counter.numpy())
         if self._last_polled is not None:
             last_iterations, last_scale = self._last_polled
