@@ -545,3 +545,101 @@ def test_a_quantized_model_is_refused_with_why(faulty_logdir):
     model.quantize("float8")
     with pytest.raises(engine.ReplayError, match=r"quantized layers \(d1, d2, d3"):
         replay(model, logdir=str(faulty_logdir), save=False)
+
+
+def _normalised_third_dense_model() -> keras.Model:
+    """`third_dense_model` with a BatchNormalization after the overflowing
+    layer: every step's NaN batch statistics reach its moving statistics."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([
+        keras.layers.Input((8,)),
+        keras.layers.Dense(16, kernel_initializer=_constant(0.1), name="d1"),
+        keras.layers.Dense(16, kernel_initializer=_constant(0.1), name="d2"),
+        keras.layers.Dense(16, kernel_initializer=_constant(5000.0), name="d3"),
+        keras.layers.BatchNormalization(name="bn"),
+        keras.layers.Dense(1, kernel_initializer=_constant(1e-6), dtype="float32",
+                           name="out"),
+    ], name="normalised")
+    model.compile(optimizer=keras.optimizers.SGD(1e-6), loss="mse")
+    return model
+
+
+def test_nan_moving_statistics_are_not_taken_for_an_overflow_in_float32(tmp_path):
+    """Step 0 overflowed and its batch statistics made the moving ones NaN;
+    the capture of step 1 holds them so (as the step found them), and the
+    replay still finds and verifies the float32 fix."""
+    _fit(_normalised_third_dense_model(), tmp_path)
+    capture = files.select_capture(str(tmp_path), "train", None)
+    moving = [a for p, a in capture.weights().items() if "moving" in p]
+    assert moving and not all(np.isfinite(a).all() for a in moving)
+    result = replay(str(tmp_path))
+    assert result["verified"], result["verified_detail"]
+    assert "d3" in result["float32_layers"]
+
+
+def test_the_capture_holds_the_moving_statistics_the_step_found(tmp_path):
+    """The overflow comes at step 3, after finite steps; the sampled step's
+    capture holds the moving statistics from before it (finite), not the
+    NaN it left."""
+    x = np.ones((32, 8), "float32")
+    x[24:] *= 1e4  # step 3's batch overflows float16 in d3
+    model = _normalised_third_dense_model()
+    model.get_layer("d3").kernel.assign(np.full((16, 16), 0.5, "float32"))
+    _fit(model, tmp_path, x=x, numerics_every=1)
+    capture = files.select_capture(str(tmp_path), "train", None)
+    assert capture.step == 3
+    moving = [a for p, a in capture.weights().items() if "moving" in p]
+    assert moving and all(np.isfinite(a).all() for a in moving)
+    assert not all(np.isfinite(model.get_layer("bn").moving_mean.numpy()))
+    assert replay(str(tmp_path))["verified"]
+
+
+def test_a_multi_output_model_s_loss_trackers_do_not_carry_nan_between_replays(tmp_path):
+    """`compute_loss` updates a tracker per output; the float16 pass put NaN
+    in them, which every later pass read as an overflow in the loss."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    # Ones through Dense(0.2) reach d3 at 1.6: 1.6 * 16 * 5000 > 65504, and
+    # the float16 loss is inf.
+    hidden = keras.layers.Dense(16, kernel_initializer=_constant(0.2), name="d1")(inputs)
+    hidden = keras.layers.Dense(16, kernel_initializer=_constant(5000.0), name="d3")(hidden)
+    outputs = {name: keras.layers.Dense(1, kernel_initializer=_constant(1e-6), dtype="float32",
+                                        name=name)(hidden) for name in ("a", "b")}
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(1e-6), loss={"a": "mse", "b": "mse"})
+    x = np.ones((32, 8), "float32")
+    targets = {name: np.ones((32, 1), "float32") for name in ("a", "b")}
+    model.fit(x, targets, batch_size=8, epochs=1, verbose=0,
+              shuffle=False, callbacks=[mpprof.MixedPrecisionProfiler(str(tmp_path),
+                                                                      numerics_every=2)])
+    result = replay(str(tmp_path))
+    assert result["verified"], result["verified_detail"]
+    assert "d3" in result["float32_layers"]
+
+
+class _Residual(keras.layers.Layer):
+    """`x + inner(x)` with a plain `+`: `inner` alone in float32 would add a
+    float32 tensor to a float16 one, which TensorFlow refuses."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(16, kernel_initializer=_constant(5000.0), name="inner")
+
+    def call(self, inputs):
+        return inputs + self.inner(inputs)
+
+
+def test_a_layer_that_cannot_compute_in_float32_alone_is_fixed_by_its_parent(tmp_path):
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([
+        keras.layers.Input((16,)),
+        keras.layers.Dense(16, kernel_initializer=_constant(0.1), name="d1"),
+        _Residual(name="block"),
+        keras.layers.Dense(1, kernel_initializer=_constant(1e-6), dtype="float32", name="out"),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(1e-6), loss="mse")
+    _fit(model, tmp_path, x=np.ones((32, 16), "float32"))
+    result = replay(model, logdir=str(tmp_path))
+    assert result["first_op"]["layer"] == "block/inner"
+    assert result["verified"], result["verified_detail"]
+    assert result["float32_layers"] == ["block"]

@@ -15,7 +15,10 @@ function is traced without any of this, so unsampled steps cost nothing.
 
 A skipped step leaves the weights unchanged, so the weights after it are the
 ones it ran with. A step with a non-finite loss that was not skipped (no
-loss scaling) applied its update: the manifest says so.
+loss scaling) applied its update: the manifest says so. Non-trainable state
+(BatchNormalization's moving statistics) changes in the forward pass even
+on a skipped step, so the instrumented step also returns it as the step
+found it, and the capture holds that.
 
 Not captured: overflows with a finite loss while every step so far has
 overflowed (the loss scale's initial descent, e.g. from 2**15 to where the
@@ -93,6 +96,10 @@ class ReplayCapture(Collector):
             primary = self._loss_scales.primary() if fit.usage.traced else None
             primary_skipped_before = (
                 tf.identity(primary.skipped_counter) if primary is not None else None)
+            # Read before the step writes them (automatic control
+            # dependencies keep program order per variable).
+            state_before = {f"state_{i}": tf.identity(v)
+                            for i, v in enumerate(model.non_trainable_weights)}
             logs = train_step(data)
             leaves: list = []
             structure = files.encode_structure(data, leaves)
@@ -102,6 +109,7 @@ class ReplayCapture(Collector):
             # Flat, string-keyed: the step's outputs pass through Keras' own
             # structure handling, which turns a list into one stacked tensor.
             outputs = {f"leaf_{i}": t for i, t in enumerate(leaves)}
+            outputs.update(state_before)
             if before is not None:
                 outputs["skipped"] = skipped() - before
                 if primary_skipped_before is not None:
@@ -153,13 +161,18 @@ class ReplayCapture(Collector):
         if loss_finite is False:
             reasons.append("non-finite loss")
         leaves = [outputs[f"leaf_{i}"] for i in range(len(outputs)) if f"leaf_{i}" in outputs]
-        self._write(fit, step, leaves, reasons, skipped > 0, loss)
+        state = [outputs[f"state_{i}"] for i in range(len(outputs)) if f"state_{i}" in outputs]
+        self._write(fit, step, leaves, state, reasons, skipped > 0, loss)
 
-    def _write(self, fit, step: int, leaves, reasons: list[str], skipped: bool,
+    def _write(self, fit, step: int, leaves, state, reasons: list[str], skipped: bool,
                loss: float) -> None:
+        """Writes the capture: the batch, the trainable weights now, and the
+        non-trainable ones as the step found them (`state`, in the order of
+        `model.non_trainable_weights`)."""
         model = fit.model
         batch = [t.numpy() for t in leaves]
-        weights = [np.asarray(v.numpy()) for v in model.weights]
+        found = {id(v): s for v, s in zip(model.non_trainable_weights, state, strict=False)}
+        weights = [np.asarray(found.get(id(v), v).numpy()) for v in model.weights]
         config, config_note = _model_config(model)
         manifest = {
             "capture_version": files.CAPTURE_VERSION,
@@ -178,10 +191,11 @@ class ReplayCapture(Collector):
             "weights_are_the_steps": skipped,
             "weights_note": (
                 "the step was skipped: the weights after it are the ones it ran with "
-                "(non-trainable state, such as moving statistics, is as the step left it)"
+                "(non-trainable state, such as moving statistics, as the step found it)"
                 if skipped else
                 "the step was not skipped (no loss scaling, or its gradients were "
-                "finite): its update was applied, so these are the weights after it"
+                "finite): its update was applied, so these are the trainable weights "
+                "after it (non-trainable state as the step found it)"
             ),
             "model_class": type(model).__name__,
             "model_policy": model.dtype_policy.name,

@@ -165,6 +165,24 @@ def _load_weights(model, capture: files.Capture) -> None:
             )
     for variable, value in zip(variables, values, strict=True):
         variable.assign(value)
+    _reset_nonfinite_moving_statistics(model)
+
+
+def _reset_nonfinite_moving_statistics(model) -> None:
+    """Puts BatchNormalization moving statistics the capture holds non-finite
+    back to their initial values. A training step computes with the batch's
+    statistics and only updates the moving ones, so this changes none of
+    the step's outputs or gradients; but an overflow before the captured
+    step leaves them NaN, and reading them would pass for an overflow in
+    every replay, float32 included."""
+    for _, layer, _ in walk_layers(model):
+        if not isinstance(layer, keras.layers.BatchNormalization):
+            continue
+        for variable, initializer in ((layer.moving_mean, layer.moving_mean_initializer),
+                                      (layer.moving_variance,
+                                       layer.moving_variance_initializer)):
+            if not np.all(np.isfinite(variable.numpy())):
+                variable.assign(initializer(variable.shape, variable.dtype))
 
 
 def _path(variable) -> str:
@@ -246,9 +264,18 @@ def _find_fix(model, batch, scale: float, run_policy: PassResult, reference: Pas
     for candidate in candidates:
         if replays >= MAX_FIX_REPLAYS:
             break
-        chosen.append(candidate)
-        last = run_pass(model, batch, 1.0, chosen)
-        replays += 1
+        while (candidate is not None and candidate not in chosen
+               and replays < MAX_FIX_REPLAYS):
+            outcome = _try_pass(model, batch, [*chosen, candidate])
+            replays += 1
+            if outcome is not None:
+                # A parent tried whole covers the sublayers chosen before it.
+                chosen = [*(c for c in chosen if not c.startswith(f"{candidate}/")), candidate]
+                last = outcome
+                break
+            # The layer cannot compute in float32 alone (its parent mixes
+            # its output with half-precision values): try the parent whole.
+            candidate = _parent(candidate, tree)
         if _healthy(last):
             break
     if not _healthy(last):
@@ -261,14 +288,30 @@ def _find_fix(model, batch, scale: float, run_policy: PassResult, reference: Pas
         if replays >= MAX_FIX_REPLAYS:
             break
         trial = [c for c in chosen if c != candidate]
-        outcome = run_pass(model, batch, 1.0, trial)
+        outcome = _try_pass(model, batch, trial)
         replays += 1
-        if _healthy(outcome):
+        if outcome is not None and _healthy(outcome):
             chosen, last = trial, outcome
     error = _max_forward_error(last, reference)
     return _fix_result(chosen, tree, paths, True, (
         f"verified: no overflow and max relative error {error:.3g} with this map "
         "(forward pass, loss and unscaled gradients finite)"), error)
+
+
+def _try_pass(model, batch, float32_layers: list[str]) -> PassResult | None:
+    """The step replayed unscaled with `float32_layers` in float32, or None
+    when the model cannot run so (a layer in float32 whose output meets a
+    half-precision tensor inside its parent: a dtype error)."""
+    try:
+        return run_pass(model, batch, 1.0, float32_layers)
+    except Exception:  # noqa: BLE001 - that map is not a fix; others are tried
+        return None
+
+
+def _parent(name: str, tree: dict) -> str | None:
+    """The qualified name of the layer enclosing `name`, if any."""
+    parent = name.rpartition("/")[0]
+    return parent if parent in tree else None
 
 
 def _candidates(run_policy: PassResult, divergence: list[dict], tree: dict) -> list[str]:

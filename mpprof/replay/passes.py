@@ -113,6 +113,9 @@ def run_pass(model, batch, loss_scale: float, float32_layers: Iterable[str] | No
     }
     policies = {name: tree[name].dtype_policy for name in chosen}
     model_policy = model.dtype_policy
+    # What a pass changes besides the weights is put back after it: moving
+    # statistics, and the loss trackers `compute_loss` updates (a NaN left
+    # there would be read by every later pass; the first pass creates them).
     state = [(v, np.array(v.numpy())) for v in model.non_trainable_variables]
     watch = _Watch(tree)
     try:
@@ -129,6 +132,8 @@ def run_pass(model, batch, loss_scale: float, float32_layers: Iterable[str] | No
         model.dtype_policy = model_policy
         for variable, value in state:
             variable.assign(value)
+        for metric in model.metrics:
+            metric.reset_state()
 
 
 class _Watch:
