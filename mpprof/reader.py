@@ -338,6 +338,11 @@ def _existing_logdir(logdir: str | os.PathLike) -> str:
         found = filesystem.isdir(logdir)
     except OSError as e:
         raise LogdirNotFoundError(f"Logdir {logdir!r} cannot be read ({e})") from e
+    if not found and not filesystem.is_remote(logdir) and os.path.isfile(logdir):
+        raise LogdirNotFoundError(
+            f"Logdir {logdir!r} is a file, not a directory: pass the log_dir given to "
+            "mpprof.MixedPrecisionProfiler (the directory that holds train/)."
+        )
     if not found:
         raise LogdirNotFoundError(
             f"Logdir {logdir!r} does not exist: pass the log_dir given to "

@@ -121,6 +121,20 @@ def test_missing_logdir(tmp_path, capsys):
     assert "does not exist" in err
 
 
+def test_python_dash_m_mpprof_is_the_command(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "mpprof", "diagnose", str(tmp_path / "absent")],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+def test_a_file_given_as_the_logdir_is_named_a_file(tmp_path, capsys):
+    path = tmp_path / "events.out.tfevents.1.mpprof.v2"
+    path.write_bytes(b"")
+    code, out, err = diagnose(capsys, path)
+    assert code == 2 and out == ""
+    assert "is a file, not a directory" in err
+
+
 def test_logdir_without_mpprof_data_says_what_to_add(tmp_path, capsys):
     (tmp_path / "train").mkdir()
     (tmp_path / "train" / "events.out.tfevents.1.host").write_bytes(b"")  # TB's own
