@@ -138,9 +138,11 @@ def forward_overflow(view: RunView) -> list:
             where = f"step {step}" if last == step else f"steps {step} to {last}"
             when = (f"on {where} ({kind}; the first overflow was at step "
                     f"{int(before.min())})")
+    exceeded = f"exceeded {dtype} (max {DTYPE_MAX.get(dtype, numerics.policy_max):g}) {when}"
     parent = _own_code_of_parent(view, layer)
     if parent is not None:
         evidence["input_made_by"] = parent
+        title = f"Forward overflow in {parent}'s own ops (the input of {layer}) {exceeded}"
         fix = (
             f"{layer!r}'s input was computed by {parent!r}'s own code (ops in its call, "
             f"outside any sublayer), and already left {dtype}'s range there: {layer!r} "
@@ -148,27 +150,19 @@ def forward_overflow(view: RunView) -> list:
             f"    {view.api.layer(view.layer_class(parent))}\n"
             "or make its constants fit the dtype (a mask value of -1e9 is -inf in "
             "float16, and 0 * -inf is NaN: use the dtype's own limit, -65504 in float16)"
-            f"{_or_bfloat16(view)}"
         )
-        title = (
-            f"Forward overflow in {parent}'s own ops (the input of {layer}) exceeded "
-            f"{dtype} (max {DTYPE_MAX.get(dtype, numerics.policy_max):g}) {when}"
+    else:
+        title = f"Forward overflow: {layer} output {exceeded}"
+        fix = (
+            f"Layer {layer!r} is the first in call order whose output left "
+            f"{dtype}'s range; the layers after it only inherit the inf/NaN. "
+            "Keep it in float32:\n"
+            f"    {view.api.layer(view.layer_class(layer))}\n"
+            "or bound its input (normalise the inputs, add LayerNormalization before "
+            "it, lower the learning rate if its weights grew)"
         )
-        return [finding("MP003", title, layer=parent, step=step, evidence=evidence, fix=fix)]
-    fix = (
-        f"Layer {layer!r} is the first in call order whose output left "
-        f"{dtype}'s range; the layers after it only inherit the inf/NaN. "
-        "Keep it in float32:\n"
-        f"    {view.api.layer(view.layer_class(layer))}\n"
-        "or bound its input (normalise the inputs, add LayerNormalization before "
-        "it, lower the learning rate if its weights grew)"
-        f"{_or_bfloat16(view)}"
-    )
-    title = (
-        f"Forward overflow: {layer} output exceeded {dtype} "
-        f"(max {DTYPE_MAX.get(dtype, numerics.policy_max):g}) {when}"
-    )
-    return [finding("MP003", title, layer=layer, step=step, evidence=evidence, fix=fix)]
+    return [finding("MP003", title, layer=parent or layer, step=step, evidence=evidence,
+                    fix=fix + _or_bfloat16(view))]
 
 
 @rule("MP004", "warning", "activations close to their dtype's maximum", view="numerics",
