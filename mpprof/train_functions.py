@@ -109,9 +109,10 @@ class TrainFunctions:
         try:
             found = seeded_random_ops(graph.as_graph_def())
         except Exception as error:  # noqa: BLE001 - mpprof's failure must not stop fit
-            found, reason = None, f"the traced step could not be read: {describe_error(error)}"
+            self._drop_instrumented(f"the traced step could not be read: {describe_error(error)}")
+            return
         if found:
-            reason = (
+            self._drop_instrumented(
                 f"the train step draws seeded random numbers from TensorFlow's legacy random "
                 f"ops ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}), whose state "
                 "each traced function keeps for itself: a second, instrumented function on "
@@ -121,9 +122,10 @@ class TrainFunctions:
                 "the model; in a custom step, draw with keras.random.* and a "
                 "keras.random.SeedGenerator (or a tf.random.Generator)"
             )
-        if found is None or found:
-            self.instrumented = None
-            self.instrumented_off = reason
+
+    def _drop_instrumented(self, reason: str) -> None:
+        self.instrumented = None
+        self.instrumented_off = reason
 
     def run_plain(self, iterator, *, on_abort: Callable[[], None]):
         """Runs one call of the plain function (most steps: the least Python

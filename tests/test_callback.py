@@ -242,15 +242,21 @@ def test_the_first_nonfinite_loss_is_dated_to_its_step_without_an_in_graph_step(
     assert health["nonfinite_loss_steps"] >= 1
 
 
-def test_under_steps_per_execution_the_first_nonfinite_loss_is_dated_to_its_call(tmp_path):
-    model = seed_model("float32")
+def _fit_four_steps_per_call_with_step_5_bad(logdir, policy: str, bad: float):
+    """The seed model, 4 steps per call, with `bad` in step 5's batch (the
+    second call runs steps 4 to 7); the run read back."""
+    model = seed_model(policy)
     model.compile(optimizer="adam", steps_per_execution=4,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = mnist_like(128)
-    x[5 * 16 + 3, 7] = np.nan  # step 5: the second call runs steps 4 to 7
+    x[5 * 16 + 3, 7] = bad
     model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
-              callbacks=[mpprof.MixedPrecisionProfiler(str(tmp_path))])
-    run = reader.read_run(tmp_path, "train")
+              callbacks=[mpprof.MixedPrecisionProfiler(str(logdir))])
+    return reader.read_run(logdir, "train")
+
+
+def test_under_steps_per_execution_the_first_nonfinite_loss_is_dated_to_its_call(tmp_path):
+    run = _fit_four_steps_per_call_with_step_5_bad(tmp_path, "float32", np.nan)
     assert (run.health["first_nonfinite_loss_step"],
             run.health["first_nonfinite_loss_step_last"]) == (4, 7)
     titles = [f.title for f in diagnose(run) if f.code == "MP012"]
@@ -260,14 +266,7 @@ def test_under_steps_per_execution_the_first_nonfinite_loss_is_dated_to_its_call
 def test_under_steps_per_execution_a_skipped_nonfinite_loss_is_caught(tmp_path):
     """The look-alike under loss scaling: the call's one non-finite loss
     overflowed and was skipped, so no MP012 (its other steps were fine)."""
-    model = seed_model("mixed_float16")
-    model.compile(optimizer="adam", steps_per_execution=4,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = mnist_like(128)
-    x[5 * 16 + 3, 7] = np.inf  # step 5: the second call runs steps 4 to 7
-    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
-              callbacks=[mpprof.MixedPrecisionProfiler(str(tmp_path))])
-    run = reader.read_run(tmp_path, "train")
+    run = _fit_four_steps_per_call_with_step_5_bad(tmp_path, "mixed_float16", np.inf)
     assert (run.health["first_nonfinite_loss_step"], run.health["first_nonfinite_loss_step_last"],
             run.health["first_nonfinite_loss_count"]) == (4, 7, 1)
     assert run.loss_scale.overflow_steps.tolist() == [5]

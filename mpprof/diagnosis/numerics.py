@@ -92,7 +92,7 @@ def forward_overflow(view: RunView) -> list:
     abs_max = numerics.forward["abs_max"]
     nonfinite = float(numerics.forward["nonfinite_frac"][sample, index])
     step = int(numerics.steps[sample])
-    covered = int(numerics.steps_covered[sample]) if len(numerics.steps_covered) else 1
+    covered = max(int(numerics.steps_covered[sample]), 1) if len(numerics.steps_covered) else 1
     producers = [
         numerics.layers.index(p)
         for p in (view.layers_by_name.get(layer) or {}).get("inputs_from") or ()
@@ -100,7 +100,7 @@ def forward_overflow(view: RunView) -> list:
     ]
     evidence = {
         "step": step,
-        "steps_in_sample": max(covered, 1),
+        "steps_in_sample": covered,
         # The finite maximum of an all-non-finite tensor means nothing.
         "abs_max": None if nonfinite >= 1.0 else float(abs_max[sample, index]),
         "nonfinite_frac": nonfinite,
@@ -123,7 +123,7 @@ def forward_overflow(view: RunView) -> list:
     # The step is the first where the evidence was seen; the loss scale may
     # have skipped earlier steps (a forensic sample follows an overflow).
     # Under steps_per_execution a sample covers its call's steps.
-    last = step + max(covered, 1) - 1
+    last = step + covered - 1
     kind = "forensic sample" if evidence["forensic_sample"] else "sampled step"
     if last > step:
         kind = "forensic sample" if evidence["forensic_sample"] else "sampled call"
