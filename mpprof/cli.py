@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 
+import mpprof
 from mpprof import diagnosis, filesystem, reader
 from mpprof.replay import files as replay_files
 from mpprof.replay import text as replay_text
@@ -297,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_STATUSES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"mpprof {mpprof.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
