@@ -37,8 +37,8 @@ import numpy as np
 from bench_overhead import EpochTimer
 
 import mpprof
-from mpprof.collectors import float8 as float8_collector
-from mpprof.collectors import float8_shares
+from mpprof.backends.tensorflow import float8 as float8_collector
+from mpprof.backends.tensorflow import float8_shares
 
 
 def float8_model() -> keras.Model:

@@ -27,7 +27,7 @@ sys.path.insert(0, TESTS)
 
 from hard_stop_fit import FLUSH_EVERY_SECONDS  # noqa: E402
 
-from mpprof import reader  # noqa: E402
+from mpprof.records import reader  # noqa: E402
 
 
 def _progress(path: str) -> list[tuple[int, float]]:

@@ -38,9 +38,9 @@ import numpy as np
 from bench_overhead import EpochTimer
 
 import mpprof
-from mpprof.collectors import replay_capture
+from mpprof.backends.tensorflow import replay_capture
+from mpprof.backends.tensorflow.train_functions import TrainFunctions
 from mpprof.replay import files, replay
-from mpprof.train_functions import TrainFunctions
 
 
 def seed_model(first_kernel: float | None) -> keras.Model:

@@ -1,4 +1,4 @@
-"""A large synthetic mpprof run, written through `mpprof.writer.RecordWriter`.
+"""A large synthetic mpprof run, written through `mpprof.records.writer.RecordWriter`.
 
 For the dashboard and diagnosis benchmarks: no training, but every record the
 callback writes, at the scale of a long run (default: 1M steps, 200 layers,
@@ -20,8 +20,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
 
-from mpprof import schema
-from mpprof.writer import RecordWriter
+from mpprof.records import schema
+from mpprof.records.writer import RecordWriter
 
 FLUSH_EVERY_STEPS = 500
 GROWTH_STEPS = 2000

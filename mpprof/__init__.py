@@ -14,9 +14,9 @@ __all__ = ["MixedPrecisionProfiler", "__version__"]
 def __getattr__(name: str):
     # The callback imports Keras and TensorFlow (seconds): only code that
     # records a run pays for them, not `mpprof diagnose` or the TensorBoard
-    # plugin, which read logdirs through `mpprof.reader`.
+    # plugin, which read logdirs through `mpprof.records.reader`.
     if name == "MixedPrecisionProfiler":
-        from mpprof.callback import MixedPrecisionProfiler
+        from mpprof.recording.callback import MixedPrecisionProfiler
 
         return MixedPrecisionProfiler
     raise AttributeError(f"module 'mpprof' has no attribute {name!r}")

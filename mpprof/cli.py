@@ -2,7 +2,7 @@
 
 Everything printed that comes from a logdir (run names, layer names,
 recorded text, warnings quoting file names) goes through
-`mpprof.terminal.printable`, so a hostile name cannot drive the terminal.
+`mpprof.display.terminal.printable`, so a hostile name cannot drive the terminal.
 Reading a local logdir imports neither TensorFlow nor Keras.
 """
 
@@ -16,10 +16,11 @@ import sys
 from collections.abc import Callable, Iterable
 
 import mpprof
-from mpprof import diagnosis, filesystem, reader
+from mpprof import diagnosis
+from mpprof.display.terminal import printable
+from mpprof.records import filesystem, reader
 from mpprof.replay import files as replay_files
 from mpprof.replay import text as replay_text
-from mpprof.terminal import printable
 
 # Exit statuses, a public interface (CI gates read them): see `EXIT_STATUSES`.
 EXIT_OK = 0
@@ -286,7 +287,7 @@ def _bundle(args) -> int:
 
 def _run_replay(logdir: str, run: str, step: int) -> dict:
     """Replays one capture (TensorFlow and Keras are imported only here)."""
-    from mpprof.replay import engine
+    from mpprof.backends.tensorflow import replay_engine as engine
 
     return engine.replay(logdir, run, step)
 

@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from mpprof import schema
+from mpprof.records import schema
 
 # The 16-bit floating-point dtypes Keras' mixed precision policies compute in.
 HALF_DTYPES = ("float16", "bfloat16")

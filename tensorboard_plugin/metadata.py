@@ -6,7 +6,7 @@ dependencies are installed.
 
 from __future__ import annotations
 
-# Same string as `mpprof.schema.PLUGIN_NAME` (a test checks they agree); kept
+# Same string as `mpprof.records.schema.PLUGIN_NAME` (a test checks they agree); kept
 # here so the loader can name the plugin without importing TensorFlow.
 PLUGIN_NAME = "mpprof"
 TAB_NAME = "mpprof"

@@ -1,4 +1,4 @@
-"""JSON-ready payloads of the plugin's routes, built from a `mpprof.reader.Run`.
+"""JSON-ready payloads of the plugin's routes, built from a `mpprof.records.reader.Run`.
 
 Presentation only: values come from the reader and findings from
 `mpprof.diagnosis`; nothing here judges a run. What a run did not record
@@ -14,8 +14,11 @@ import math
 import numpy as np
 from tensorboard import errors
 
-from mpprof import diagnosis, downsample, float8_view, headroom, reader
+from mpprof import diagnosis
+from mpprof.display import downsample, headroom
+from mpprof.display import float8 as float8_view
 from mpprof.jsonsafe import json_floats, json_safe
+from mpprof.records import reader
 from mpprof.replay import files as replay_files
 from mpprof.replay import text as replay_text
 from tensorboard_plugin_mpprof import metadata

@@ -1,4 +1,4 @@
-"""Runs read through `mpprof.reader`, cached until their event files change.
+"""Runs read through `mpprof.records.reader`, cached until their event files change.
 
 Reading a large run takes seconds; a dashboard asks for it on every route. A
 run is read again only when one of its mpprof event files changed size or
@@ -17,8 +17,8 @@ from collections.abc import Callable, Hashable
 
 from tensorboard import errors
 
-from mpprof import filesystem, reader
-from mpprof.terminal import printable
+from mpprof.display.terminal import printable
+from mpprof.records import filesystem, reader
 
 logger = logging.getLogger(__name__)
 

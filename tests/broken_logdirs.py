@@ -18,8 +18,8 @@ import numpy as np
 from diagnosis_runs import logdir
 from tensorboard.compat.proto import event_pb2
 
-from mpprof import reader, schema, tfrecord
-from mpprof.writer import RecordWriter
+from mpprof.records import reader, schema, tfrecord
+from mpprof.records.writer import RecordWriter
 
 # Every malformed record is written at this step, so warnings can be checked
 # for naming it.
@@ -122,7 +122,7 @@ def flip_loss_scale_step_bit(path: pathlib.Path) -> float:
 
 def newer_schema_run(run_dir: pathlib.Path, monkeypatch, records: int = 50) -> None:
     """A run written by an mpprof one schema version ahead: `records` records."""
-    from mpprof import writer as writer_module
+    from mpprof.records import writer as writer_module
 
     monkeypatch.setattr(schema, "SCHEMA_VERSION", schema.SCHEMA_VERSION + 1)
     writer_module._metadata.cache_clear()  # the writer caches each record's metadata

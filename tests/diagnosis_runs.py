@@ -19,8 +19,8 @@ import numpy as np
 import tensorflow as tf
 
 import mpprof
-from mpprof import reader, schema
-from mpprof.writer import RecordWriter
+from mpprof.records import reader, schema
+from mpprof.records.writer import RecordWriter
 
 HOSTILE_NAME = "<img src=x onerror=alert(1)>"
 HOSTILE_RUN = "<svg onload=alert(2)>"

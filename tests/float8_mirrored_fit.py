@@ -20,7 +20,8 @@ split_cpu_in_two()
 import numpy as np  # noqa: E402
 from float8_runs import BATCH, fit_float8, float8_data, float8_model  # noqa: E402
 
-from mpprof import diagnosis, reader  # noqa: E402
+from mpprof import diagnosis  # noqa: E402
+from mpprof.records import reader  # noqa: E402
 
 
 def shards(apart: bool):

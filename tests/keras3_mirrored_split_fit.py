@@ -22,7 +22,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import mpprof  # noqa: E402
-from mpprof import diagnosis, reader  # noqa: E402
+from mpprof import diagnosis  # noqa: E402
+from mpprof.records import reader  # noqa: E402
 
 GLOBAL_BATCH = 16
 

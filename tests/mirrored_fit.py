@@ -19,7 +19,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import mpprof  # noqa: E402
-from mpprof import reader  # noqa: E402
+from mpprof.records import reader  # noqa: E402
 
 
 def main(logdir: str) -> None:

@@ -7,8 +7,8 @@ import tensorflow as tf
 from conftest import BatchLogs, overflow_data, overflow_model
 
 import mpprof
-from mpprof import reader
-from mpprof.call_alarm import CallAlarm
+from mpprof.backends.tensorflow.call_alarm import CallAlarm
+from mpprof.records import reader
 
 
 def _alarm(host_reads_needed=True):

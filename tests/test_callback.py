@@ -14,10 +14,10 @@ import tensorflow as tf
 from conftest import mnist_like, overflow_data, overflow_model, seed_model
 
 import mpprof
-from mpprof import reader, schema
-from mpprof.collectors.layer_calls import is_patched
+from mpprof.backends.tensorflow.layer_calls import is_patched
 from mpprof.diagnosis import diagnose
-from mpprof.profiled_fit import ProfiledFit
+from mpprof.recording.profiled_fit import ProfiledFit
+from mpprof.records import reader, schema
 
 TESTS = os.path.dirname(__file__)
 

@@ -56,8 +56,8 @@ def test_the_diagnosis_imports_no_tensorflow():
 
     code = (
         "import sys, types\n"
-        "stub = types.ModuleType('mpprof.callback'); stub.MixedPrecisionProfiler = None\n"
-        "sys.modules['mpprof.callback'] = stub\n"
+        "stub = types.ModuleType('mpprof.recording.callback'); stub.MixedPrecisionProfiler = None\n"
+        "sys.modules['mpprof.recording.callback'] = stub\n"
         "import mpprof.diagnosis\n"
         "print(sorted({'tensorflow', 'keras', 'tf_keras'} & set(sys.modules)))\n"
     )

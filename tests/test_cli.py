@@ -23,7 +23,8 @@ from broken_logdirs import (
 )
 from diagnosis_runs import HOSTILE_NAME, HOSTILE_RUN, logdir
 
-from mpprof import cli, diagnosis, reader, schema
+from mpprof import cli, diagnosis
+from mpprof.records import reader, schema
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,9 @@ from dashboard_logdirs import (
     dashboard_logdir,
 )
 
-from mpprof import diagnosis, reader, schema
-from mpprof.writer import RecordWriter
+from mpprof import diagnosis
+from mpprof.records import reader, schema
+from mpprof.records.writer import RecordWriter
 
 pytestmark = pytest.mark.browser
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from diagnosis_runs import A100, HOSTILE_NAME, P100, gpu_samples, read, write_gpu_run
 
-from mpprof import diagnosis, reader, schema
-from mpprof.writer import RecordWriter
+from mpprof import diagnosis
+from mpprof.records import reader, schema
+from mpprof.records.writer import RecordWriter
 
 
 def codes(run) -> set[str]:
@@ -364,7 +365,7 @@ def test_mp005_quiet_on_the_same_model_with_a_normal_loss():
 def test_mp005_judges_estimated_shares_of_large_tensors_alike():
     """Shares of a tensor larger than the sample are estimated from it: the
     fault is still found, on the same layer, and its healthy twin stays quiet."""
-    from mpprof.collectors.tensor_statistics import SAMPLE_VALUES
+    from mpprof.backends.tensorflow.tensor_statistics import SAMPLE_VALUES
 
     run = read("flushed_gradients_sampled")
     layout = run.latest(schema.NUMERICS_LAYOUT)

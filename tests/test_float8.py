@@ -15,9 +15,10 @@ import tensorflow as tf
 from float8_runs import BATCH, STEPS, fit_float8, float8_data, float8_model
 
 import mpprof
-from mpprof import diagnosis, dtypes, schema, validation
-from mpprof.collectors import float8_shares
-from mpprof.reader import read_run
+from mpprof import diagnosis, dtypes
+from mpprof.backends.tensorflow import float8_shares
+from mpprof.records import schema, validation
+from mpprof.records.reader import read_run
 
 FLOAT8_CODES = ("MP015", "MP016", "MP017")
 TESTS = os.path.dirname(os.path.abspath(__file__))

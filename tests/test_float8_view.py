@@ -16,7 +16,8 @@ import pytest
 from browser import load_page, require_chromium, serve_tensorboard
 from float8_runs import fit_float8, float8_data, float8_model
 
-from mpprof import diagnosis, reader
+from mpprof import diagnosis
+from mpprof.records import reader
 from mpprof.report import write_report
 
 pytestmark = pytest.mark.browser

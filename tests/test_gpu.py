@@ -19,10 +19,10 @@ from conftest import BatchTimes, mnist_like, seed_model
 from fake_nvml import FakeGpu, FakeNvmlLibrary, ampere_gpu, installed
 
 import mpprof
-from mpprof import reader, schema
-from mpprof.collectors import gpu
-from mpprof.collectors.host import HostRecorder
-from mpprof.hardware import hardware_facts
+from mpprof.backends.tensorflow.hardware import hardware_facts
+from mpprof.recording.collectors import gpu
+from mpprof.recording.collectors.host import HostRecorder
+from mpprof.records import reader, schema
 
 REPO = Path(__file__).resolve().parents[1]
 COLUMN = {name: i for i, name in enumerate(schema.GPU_SAMPLE_COLUMNS)}

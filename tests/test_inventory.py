@@ -7,7 +7,8 @@ import tensorflow as tf
 from conftest import mnist_like, seed_model
 
 import mpprof
-from mpprof import diagnosis, reader, report
+from mpprof import diagnosis, report
+from mpprof.records import reader
 from tensorboard_plugin_mpprof import payloads
 
 

@@ -9,8 +9,8 @@ from conftest import mnist_like, seed_model
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 import mpprof
-from mpprof import reader, schema
-from mpprof.collectors import kernels
+from mpprof.backends.tensorflow import kernels
+from mpprof.records import reader, schema
 
 # (kernel name, TF op "name:type", duration us, launches, uses Tensor Cores,
 # op eligible), as XProf classifies them (FACTS.md): "uses" is a kernel-name

@@ -6,8 +6,9 @@ import pytest
 from conftest import mnist_like, overflow_data, overflow_model, seed_model
 
 import mpprof
-from mpprof import reader, schema
-from mpprof.collectors import loss_scale, loss_scale_growth, step_origin
+from mpprof.backends.tensorflow import loss_scale
+from mpprof.recording.collectors import loss_scale_growth, step_origin
+from mpprof.records import reader, schema
 
 
 class _ScaleProbe(keras.callbacks.Callback):

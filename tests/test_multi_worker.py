@@ -15,7 +15,8 @@ import pytest
 from multi_worker_fit import TESTS, run_workers
 from tf_keras_env import require_tf_keras
 
-from mpprof import diagnosis, reader, schema
+from mpprof import diagnosis
+from mpprof.records import reader, schema
 
 WORKERS = 2
 TIMEOUT_S = 240

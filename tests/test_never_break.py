@@ -14,18 +14,18 @@ import pytest
 import tensorflow as tf
 
 import mpprof
-from mpprof import reader, schema
-from mpprof.collectors.health import LossHealthCollector
-from mpprof.collectors.host import HostRecorder
-from mpprof.collectors.inventory import Inventory
-from mpprof.collectors.loss_scale import LossScaleCollector
-from mpprof.collectors.loss_scales import LossScales
-from mpprof.collectors.numerics import NumericsCollector
-from mpprof.collectors.numerics_samples import NumericsSamples
-from mpprof.collectors.precision import PrecisionCollector
-from mpprof.collectors.run_health import RunHealth
-from mpprof.profiled_fit import ProfiledFit
-from mpprof.train_functions import TrainFunctions
+from mpprof.backends.tensorflow.loss_scale import LossScaleCollector
+from mpprof.backends.tensorflow.loss_scales import LossScales
+from mpprof.backends.tensorflow.loss_watch import LossHealthCollector
+from mpprof.backends.tensorflow.numerics import NumericsCollector
+from mpprof.backends.tensorflow.precision import PrecisionCollector
+from mpprof.backends.tensorflow.run_health import RunHealth
+from mpprof.backends.tensorflow.train_functions import TrainFunctions
+from mpprof.recording.collectors.host import HostRecorder
+from mpprof.recording.collectors.inventory import Inventory
+from mpprof.recording.collectors.numerics_samples import NumericsSamples
+from mpprof.recording.profiled_fit import ProfiledFit
+from mpprof.records import reader, schema
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

@@ -7,8 +7,9 @@ import pytest
 from conftest import BatchTimes, mnist_like, overflow_data, overflow_model, seed_model
 
 import mpprof
-from mpprof import diagnosis, reader, schema
-from mpprof.collectors.tensor_statistics import SAMPLE_VALUES
+from mpprof import diagnosis
+from mpprof.backends.tensorflow.tensor_statistics import SAMPLE_VALUES
+from mpprof.records import reader, schema
 
 
 def _fit(model, x, y, logdir, epochs=1, batch_size=8, **profiler_kwargs):
@@ -262,7 +263,7 @@ def test_shared_layer_aggregates_its_call_sites(tmp_path):
 
 
 def test_tensor_statistics_counts_and_log2_bins():
-    from mpprof.collectors.tensor_statistics import tensor_statistics
+    from mpprof.backends.tensorflow.tensor_statistics import tensor_statistics
 
     values = np.array([0.0, -1e-9, 1e-5, 1.0, -3.0, 7e4, 2.0**-41, np.inf, np.nan], np.float32)
     counts, abs_max, histogram = (np.asarray(t) for t in tensor_statistics(values))
@@ -298,7 +299,7 @@ def _statistics(values: np.ndarray, dtype: str, *, dynamic: bool, jit: bool = Fa
     XLA-compiled when `jit`."""
     import tensorflow as tf
 
-    from mpprof.collectors.tensor_statistics import raw_statistics, statistics_of_rows
+    from mpprof.backends.tensorflow.tensor_statistics import raw_statistics, statistics_of_rows
 
     shape = [None, *values.shape[1:]] if dynamic else list(values.shape)
     function = tf.function(
@@ -317,7 +318,7 @@ def test_large_tensor_nonfinite_count_and_abs_max_stay_exact(
     dtype, jit, integer_maximum, monkeypatch
 ):
     """Also with the float maximum a GPU host takes (no integer maximum there)."""
-    from mpprof.collectors import tensor_statistics
+    from mpprof.backends.tensorflow import tensor_statistics
 
     monkeypatch.setattr(tensor_statistics, "_integer_maximum_available",
                         lambda: integer_maximum)
@@ -491,7 +492,7 @@ def test_samples_of_a_model_without_trainable_weights_have_their_own_steps(tmp_p
 
 
 def test_layer_whose_taps_cannot_be_built_is_skipped_with_the_reason(tmp_path, monkeypatch):
-    from mpprof.collectors.numerics import NumericsCollector
+    from mpprof.backends.tensorflow.numerics import NumericsCollector
 
     gradient_tap = NumericsCollector._gradient_tap
 
@@ -522,8 +523,8 @@ def test_optimizers_wrapped_once_each_and_restored():
     never built) and a repeat wrap nothing."""
     import tensorflow as tf
 
-    from mpprof.collectors.numerics import NumericsCollector
-    from mpprof.patching import Patches
+    from mpprof.backends.tensorflow.numerics import NumericsCollector
+    from mpprof.recording.patching import Patches
 
     model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2, name="dense")])
     collector = NumericsCollector(model, tf.distribute.get_strategy())

@@ -2,7 +2,7 @@
 
 TensorBoard's own WSGI app over a MultiplexerDataProvider, as `tensorboard`
 builds it, on logdirs written by real training runs; payloads are checked
-against what `mpprof.reader` and `mpprof.diagnosis` say about the same run.
+against what `mpprof.records.reader` and `mpprof.diagnosis` say about the same run.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ from tensorboard.backend.event_processing import plugin_event_multiplexer
 from tensorboard.plugins import base_plugin
 from werkzeug import test as werkzeug_test
 
-from mpprof import diagnosis, reader, schema
-from mpprof.writer import RecordWriter
+from mpprof import diagnosis
+from mpprof.records import reader, schema
+from mpprof.records.writer import RecordWriter
 from tensorboard_plugin_mpprof import metadata, payloads
 from tensorboard_plugin_mpprof.plugin import MpprofPluginLoader
 

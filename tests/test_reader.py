@@ -18,9 +18,9 @@ from broken_logdirs import (
 )
 from diagnosis_runs import logdir
 
-from mpprof import reader, schema
-from mpprof import writer as writer_module
-from mpprof.writer import RecordWriter
+from mpprof.records import reader, schema
+from mpprof.records import writer as writer_module
+from mpprof.records.writer import RecordWriter
 
 
 def test_lists_nested_runs_and_only_mpprof_files(tmp_path):

@@ -14,8 +14,11 @@ import pytest
 from browser import load_page, require_chromium, serve_tensorboard
 
 import mpprof
-from mpprof import cli, reader, report
-from mpprof.replay import engine, files, passes, replay
+from mpprof import cli, report
+from mpprof.backends.tensorflow import replay_engine as engine
+from mpprof.backends.tensorflow import replay_passes as passes
+from mpprof.records import reader
+from mpprof.replay import files, replay
 
 TESTS = __file__.rsplit("/", 1)[0]
 

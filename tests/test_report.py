@@ -17,7 +17,9 @@ from diagnosis_runs import (
     write_gpu_run,
 )
 
-from mpprof import cli, diagnosis, downsample, reader, report
+from mpprof import cli, diagnosis, report
+from mpprof.display import downsample
+from mpprof.records import reader
 from mpprof.report import page, plots
 
 

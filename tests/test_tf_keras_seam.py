@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent("""
     import numpy as np
     import tf_keras
     import mpprof
-    from mpprof import reader
+    from mpprof.records import reader
 
     logdir = sys.argv[1]
     tf_keras.mixed_precision.set_global_policy("mixed_float16")
@@ -62,7 +62,7 @@ DROPOUT_SCRIPT = textwrap.dedent("""
     import numpy as np
     import tf_keras
     import mpprof
-    from mpprof import reader
+    from mpprof.records import reader
 
     logdir = sys.argv[1]
     tf_keras.mixed_precision.set_global_policy("mixed_float16")

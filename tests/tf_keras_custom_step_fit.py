@@ -32,7 +32,8 @@ import tensorflow as tf
 import tf_keras
 
 import mpprof
-from mpprof import diagnosis, reader
+from mpprof import diagnosis
+from mpprof.records import reader
 
 EPOCHS = 2
 BATCH = 8

@@ -17,7 +17,8 @@ import numpy as np
 import tf_keras
 
 import mpprof
-from mpprof import diagnosis, reader
+from mpprof import diagnosis
+from mpprof.records import reader
 
 
 def findings(head) -> list[dict]:

@@ -7,7 +7,7 @@ their own modules (loss_scale, numerics, underflow, nonfinite, precision,
 hardware). A rule returns `Finding`s or says "not measured" / "not
 applicable". Codes are a public interface, documented in docs/findings.md.
 
-    run = mpprof.reader.read_logdir("logs")["train"]
+    run = mpprof.records.reader.read_logdir("logs")["train"]
     result = mpprof.diagnosis.evaluate(run)
     for finding in result.findings:
         print(finding.code, finding.title)
@@ -103,7 +103,7 @@ __all__ = [
 
 
 def diagnose(run) -> list[Finding]:
-    """The findings of `run` (a `mpprof.reader.Run`): most severe first, by step."""
+    """The findings of `run` (a `mpprof.records.reader.Run`): most severe first, by step."""
     return evaluate(run).findings
 
 
@@ -111,7 +111,7 @@ def evaluate(run) -> Diagnosis:
     """The findings of `run` and, for every rule, whether it could check.
 
     Args:
-        run: a `mpprof.reader.Run`.
+        run: a `mpprof.records.reader.Run`.
 
     Returns:
         A `Diagnosis`: `.findings` most severe first, then by step; `.checks`

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpprof import schema
 from mpprof.diagnosis.core import NotApplicable, NotMeasured, finding, rule
 from mpprof.diagnosis.numerics import quiet
 from mpprof.diagnosis.view import RunView
@@ -14,6 +13,7 @@ from mpprof.dtypes import (
     DTYPE_MAX,
     FP16_TENSOR_CORE_CAPABILITY,
 )
+from mpprof.records import schema
 
 # MP010: share of GPU kernel time in Tensor Core kernels. Matmul/conv heavy
 # models in mixed precision spend most GPU time there; under 20% means the

@@ -7,11 +7,11 @@ import math
 
 import numpy as np
 
-from mpprof import schema
 from mpprof.diagnosis.core import NotApplicable, NotMeasured, finding, rule
 from mpprof.diagnosis.numerics import gradient_overflow_origin
 from mpprof.diagnosis.view import RunView, forward_overflow_mask
 from mpprof.dtypes import DTYPE_MAX
+from mpprof.records import schema
 
 _EVENT = schema.LOSS_SCALE_EVENT_COLUMN
 

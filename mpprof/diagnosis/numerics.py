@@ -10,7 +10,7 @@ from mpprof.diagnosis.core import REGISTRY, NotApplicable, NotMeasured, finding,
 from mpprof.diagnosis.nonfinite import first_unskipped_nonfinite_loss
 from mpprof.diagnosis.view import RunView, backward_overflow_mask, forward_overflow_mask
 from mpprof.dtypes import DTYPE_MAX, HALF_DTYPES
-from mpprof.schema import LOSS_SCALE_EVENT_COLUMN
+from mpprof.records.schema import LOSS_SCALE_EVENT_COLUMN
 
 # How many layers a rule names one by one before summarising the rest.
 MAX_LAYER_FINDINGS = 10

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from mpprof.diagnosis.core import SEVERITIES, Diagnosis, Finding
-from mpprof.terminal import printable
+from mpprof.display.terminal import printable
 
 
 def exceeds(findings: list[Finding], fail_on: str | None) -> bool:
@@ -25,7 +25,7 @@ def format_text(run, result: Diagnosis, *, color: bool = False,
     """`result` as text for a terminal: grouped by severity, the fix beneath.
 
     Args:
-        run: the `mpprof.reader.Run` that was diagnosed (for its name,
+        run: the `mpprof.records.reader.Run` that was diagnosed (for its name,
             context and read warnings).
         result: what `evaluate(run)` returned.
         color: use ANSI colours (for a terminal).

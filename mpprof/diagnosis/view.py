@@ -1,6 +1,6 @@
 """A run as the rules see it, and the one answer to "did this layer overflow?".
 
-`RunView` reads each record of a `mpprof.reader.Run` once and derives what
+`RunView` reads each record of a `mpprof.records.reader.Run` once and derives what
 several rules need: the dtype each layer really computed in, the numeric
 limits of that dtype, the optimizers the train step used, and the Keras the
 model was written in (so that fix texts speak it).
@@ -97,7 +97,7 @@ class RunView:
     """A run's records, each read once, plus what the rules derive from them.
 
     Args:
-        run: a `mpprof.reader.Run`.
+        run: a `mpprof.records.reader.Run`.
     """
 
     def __init__(self, run):
@@ -312,7 +312,7 @@ def forward_overflow_mask(run, view: RunView | None = None) -> np.ndarray:
     float32 island may exceed 65504; a float16 layer may not).
 
     Args:
-        run: a `mpprof.reader.Run` with numerics.
+        run: a `mpprof.records.reader.Run` with numerics.
         view: its `RunView`, if one exists already.
     """
     view = view or RunView(run)

@@ -1,4 +1,4 @@
-"""Forensic replay of a step that went wrong (see `mpprof.replay.engine`).
+"""Forensic replay of a step that went wrong (see `mpprof.backends.tensorflow.replay_engine`).
 
 `replay(...)` imports TensorFlow and Keras; reading a capture or a saved
 result (`mpprof.replay.files`) does not.
@@ -10,7 +10,7 @@ __all__ = ["replay"]
 
 
 def replay(logdir_or_model, run: str | None = None, step: int | None = None, **kwargs) -> dict:
-    """Replays a captured step: see `mpprof.replay.engine.replay`."""
-    from mpprof.replay import engine
+    """Replays a captured step: see `mpprof.backends.tensorflow.replay_engine.replay`."""
+    from mpprof.backends.tensorflow import replay_engine as engine
 
     return engine.replay(logdir_or_model, run, step, **kwargs)

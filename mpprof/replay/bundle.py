@@ -26,8 +26,9 @@ import zipfile
 
 import numpy as np
 
-from mpprof import diagnosis, filesystem, reader
+from mpprof import diagnosis
 from mpprof.jsonsafe import json_safe
+from mpprof.records import filesystem, reader
 from mpprof.replay import files
 
 SCRIPT = "replay_bug.py"

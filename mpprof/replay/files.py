@@ -26,7 +26,7 @@ import re
 
 import numpy as np
 
-from mpprof import filesystem
+from mpprof.records import filesystem
 
 # Bump when a file's layout changes; readers refuse newer captures.
 CAPTURE_VERSION = 1

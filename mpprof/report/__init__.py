@@ -28,7 +28,8 @@ import os
 import pathlib
 from collections.abc import Callable
 
-from mpprof import diagnosis, reader
+from mpprof import diagnosis
+from mpprof.records import reader
 from mpprof.replay import files as replay_files
 from mpprof.report import page, plots, sections
 

@@ -1,6 +1,6 @@
 """The data of a run's report plots: loss scale, numerics heatmaps, GPU tracks.
 
-Large runs are downsampled (`mpprof.downsample`, shared with the dashboard)
+Large runs are downsampled (`mpprof.display.downsample`, shared with the dashboard)
 to what a screen can show, keeping extremes, so a million-step run still
 makes a report of a few megabytes. Plot labels are entity-escaped: plotly
 renders its labels as markup.
@@ -12,8 +12,11 @@ import html
 
 import numpy as np
 
-from mpprof import diagnosis, downsample, float8_view, headroom, reader, schema
+from mpprof import diagnosis
+from mpprof.display import downsample, headroom
+from mpprof.display import float8 as float8_view
 from mpprof.jsonsafe import json_floats
+from mpprof.records import reader, schema
 
 _EVENT = schema.LOSS_SCALE_EVENT_COLUMN
 

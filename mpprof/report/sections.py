@@ -10,7 +10,8 @@ from __future__ import annotations
 import html
 import json
 
-from mpprof import diagnosis, reader
+from mpprof import diagnosis
+from mpprof.records import reader
 from mpprof.replay import text as replay_text
 
 # Findings per run listed in the summary at the top (the rest: a link).

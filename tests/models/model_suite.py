@@ -16,7 +16,8 @@ import keras
 from conftest import BatchLogs
 
 import mpprof
-from mpprof import cli, reader, schema
+from mpprof import cli
+from mpprof.records import reader, schema
 
 # What every finding of `mpprof diagnose --format json` carries (README).
 FINDING_KEYS = {"code", "severity", "title", "layer", "step", "evidence", "fix"}

@@ -16,7 +16,7 @@ import pytest
 from model_suite import diagnose_json
 from tf_keras_env import require_tf_keras
 
-from mpprof import reader, schema
+from mpprof.records import reader, schema
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "tf_keras_models.py")
 

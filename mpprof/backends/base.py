@@ -1,0 +1,89 @@
+"""The protocol between the recording core and a backend.
+
+A backend is the only code that imports a framework or branches on the
+backend or the Keras flavour. The recording core (`mpprof.recording`) asks
+the fit's `Backend` for everything framework-bound: the collectors whose
+work happens inside the traced step, the train functions it dispatches to,
+the call alarm, the facts of the run context and of the devices, the XProf
+window. A new backend is one folder of `mpprof/backends/` with the same
+module names as `tensorflow/` and a `Backend` subclass, registered in
+`mpprof.backends.backend_for`.
+"""
+
+from __future__ import annotations
+
+
+class Backend:
+    """What the recording core asks of the framework a model trains on.
+
+    Class attributes name the flavour's hooks; factories build what one fit
+    needs. Each backend's `backend.py` defines its `Backend`.
+
+    Attributes:
+        name: the Keras backend ("tensorflow", "jax").
+        flavor: the Keras flavour ("keras" for Keras 3, "tf_keras").
+        apply_method: the optimizer method every update goes through.
+        loss_methods: the optimizer methods a train step hands its loss to.
+        alarm_in_logs: whether the train step reports the call alarm in its
+            logs (`mpprof.recording` reads it from there each call).
+        fits_across_workers: whether this flavour's fit runs across worker
+            processes.
+        traced_train_function_attribute: where the flavour keeps the traced
+            function behind `model.train_function` (None: nowhere else).
+        alarm_logs_key, replay_logs_key: the logs keys of the call alarm
+            and of the replay capture's outputs.
+    """
+
+    name = ""
+    flavor = ""
+    apply_method = ""
+    loss_methods: tuple[str, ...] = ()
+    alarm_in_logs = False
+    fits_across_workers = False
+    traced_train_function_attribute: str | None = None
+    alarm_logs_key = ""
+    replay_logs_key = ""
+
+    # The fit's collectors and drivers, built by the core with the arguments
+    # each documents: `LossScales`, `RunHealth`, `Float8State`,
+    # `Float8Shares`, `ReplayCapture` (Collectors), `TrainFunctions`,
+    # `CallAlarm`, `PrecisionCollector`, `LayerCallPatch`, and the per-series
+    # classes `loss_scale_collector`, `loss_health_collector`,
+    # `numerics_collector`.
+
+    def is_optimizer(self, value) -> bool:
+        raise NotImplementedError
+
+    def is_loss_scale_optimizer(self, optimizer) -> bool:
+        raise NotImplementedError
+
+    def candidate_optimizers(self, model) -> list[tuple[str, object]]:
+        """The optimizers a train step may use, each with its name."""
+        raise NotImplementedError
+
+    @property
+    def callback_list_class(self) -> type:
+        raise NotImplementedError
+
+    @property
+    def tensorboard_class(self) -> type:
+        raise NotImplementedError
+
+    def steps_per_execution(self, model) -> int:
+        raise NotImplementedError
+
+    def fixed_steps_per_execution(self, model) -> int | None:
+        """Steps per call when fixed for the whole fit, else None."""
+        raise NotImplementedError
+
+    def run_context(self, model, **facts) -> dict:
+        """The framework's part of the run context (`mpprof.recording`)."""
+        raise NotImplementedError
+
+    def hardware_facts(self, sampler) -> dict:
+        """The run context's hardware facts (`sampler`: the NVML sampler)."""
+        raise NotImplementedError
+
+    def profile_window(self, start: int, stop: int, run_dir: str):
+        """An XProf trace window over train steps `start`..`stop`."""
+        raise NotImplementedError

@@ -1,0 +1,109 @@
+"""Keras 3 on TensorFlow: the `Backend` the recording core asks.
+
+Keras 3 and tf-keras (`mpprof.backends.tf_keras.backend`) differ in where
+the loss passes through the optimizer, how the loss scale is kept and what
+an optimizer's update method is called; both train on TensorFlow, so the
+tf-keras backend builds on this one.
+"""
+
+from __future__ import annotations
+
+from mpprof.backends import base
+from mpprof.backends.tensorflow import call_alarm, context, hardware, kernels, replay_capture
+from mpprof.backends.tensorflow.float8 import Float8State
+from mpprof.backends.tensorflow.float8_shares import Float8Shares
+from mpprof.backends.tensorflow.layer_calls import LayerCallPatch
+from mpprof.backends.tensorflow.loss_scale import LossScaleCollector, is_loss_scale_optimizer
+from mpprof.backends.tensorflow.loss_scales import LossScales
+from mpprof.backends.tensorflow.loss_watch import LossHealthCollector
+from mpprof.backends.tensorflow.numerics import NumericsCollector
+from mpprof.backends.tensorflow.precision import PrecisionCollector
+from mpprof.backends.tensorflow.run_health import RunHealth
+from mpprof.backends.tensorflow.train_functions import TrainFunctions
+from mpprof.backends.tf_keras import support as tf_keras_support
+
+
+class TensorFlowBackend(base.Backend):
+    """What mpprof needs from Keras 3 on TensorFlow."""
+
+    name = "tensorflow"
+    flavor = tf_keras_support.KERAS_3
+    loss_scale_collector = LossScaleCollector
+    loss_health_collector = LossHealthCollector
+    numerics_collector = NumericsCollector
+    # The collectors and drivers of a fit (see `base.Backend`).
+    LossScales = LossScales
+    RunHealth = RunHealth
+    Float8State = Float8State
+    Float8Shares = Float8Shares
+    ReplayCapture = replay_capture.ReplayCapture
+    TrainFunctions = TrainFunctions
+    CallAlarm = call_alarm.CallAlarm
+    PrecisionCollector = PrecisionCollector
+    LayerCallPatch = LayerCallPatch
+    alarm_logs_key = call_alarm.LOGS_KEY
+    replay_logs_key = replay_capture.LOGS_KEY
+    # The optimizer method every update of the weights goes through, and the
+    # methods a train step hands its loss to (`OptimizerUsage` watches them).
+    apply_method = "apply"
+    loss_methods: tuple[str, ...] = ("scale_loss",)
+    # Whether the train step reports the call alarm in its logs
+    # (`call_alarm`): Keras 3 turns every call's logs into Python numbers
+    # anyway, and its loss watchers date the first non-finite loss from the
+    # alarm on the host.
+    alarm_in_logs = True
+    # Keras 3's fit fails across workers (`mpprof.recording.distributed`).
+    fits_across_workers = False
+    traced_train_function_attribute: str | None = None
+
+    def is_optimizer(self, value) -> bool:
+        import keras
+
+        return isinstance(value, keras.optimizers.Optimizer)
+
+    def is_loss_scale_optimizer(self, optimizer) -> bool:
+        return is_loss_scale_optimizer(optimizer)
+
+    @property
+    def callback_list_class(self) -> type:
+        import keras
+
+        return keras.callbacks.CallbackList
+
+    @property
+    def tensorboard_class(self) -> type:
+        import keras
+
+        return keras.callbacks.TensorBoard
+
+    def candidate_optimizers(self, model) -> list[tuple[str, object]]:
+        """The optimizers a train step may use, each with the name it is known by.
+
+        The compiled `model.optimizer` ("optimizer") and every optimizer held
+        in an attribute of the model (a GAN's `self.g_opt`, `self.d_opt`):
+        which of them a step really uses is only known once it is traced
+        (`mpprof.recording.collectors.optimizers.OptimizerUsage`).
+        """
+        found: list[tuple[str, object]] = []
+        if self.is_optimizer(model.optimizer):
+            found.append(("optimizer", model.optimizer))
+        for name, value in sorted(vars(model).items()):
+            if (self.is_optimizer(value) and not name.startswith("_")
+                    and all(value is not known for _, known in found)):
+                found.append((name, value))
+        return found
+
+    def steps_per_execution(self, model) -> int:
+        return tf_keras_support.steps_per_execution(model)
+
+    def fixed_steps_per_execution(self, model) -> int | None:
+        return tf_keras_support.fixed_steps_per_execution(model)
+
+    def run_context(self, model, **facts) -> dict:
+        return context.run_context(model, **facts)
+
+    def hardware_facts(self, sampler) -> dict:
+        return hardware.hardware_facts(sampler)
+
+    def profile_window(self, start: int, stop: int, run_dir: str):
+        return kernels.ProfileWindow(start, stop, run_dir)

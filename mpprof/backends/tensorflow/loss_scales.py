@@ -1,0 +1,204 @@
+"""The loss scale of every LossScaleOptimizer a train step uses, one series each.
+
+A model compiled with a LossScaleOptimizer has one series, written under the
+plain loss-scale tags. A custom `train_step` may use its own optimizers (a
+GAN's `g_opt` and `d_opt`): each LossScaleOptimizer among them gets its own
+`LossScaleCollector`, and once the step was traced only those it really
+used are kept. The primary one (the compiled optimizer when used, else the
+first used) is written under the plain tags, every other one under a series
+named after its attribute (`schema.tag_for(record, series)`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tensorflow as tf
+
+from mpprof.backends.tensorflow.loss_scale import MODE_HOST
+from mpprof.recording.collectors import step_origin
+from mpprof.recording.collectors.base import Collector
+from mpprof.recording.collectors.optimizers import OptimizerUsage, applied_steps
+from mpprof.recording.collectors.step_origin import EarlierRecords
+from mpprof.recording.distributed import keras_3_skip_decided_by
+from mpprof.recording.patching import Patches
+from mpprof.records import schema
+
+
+class LossScales(Collector):
+    """One loss-scale collector per LossScaleOptimizer the step may use.
+
+    Args:
+        keras_api: the model's `mpprof.backends.tensorflow.backend.KerasApi`.
+        usage: the model's `OptimizerUsage`.
+        strategy: the model's distribution strategy.
+        capacity: events each ring buffer holds between two reads.
+        reuse: collectors of an earlier fit, by optimizer id: they keep
+            counting skipped steps across fits.
+        earlier: reads the run's records of earlier fits
+            (`step_origin.read_earlier`), called at most once, and only when
+            a new series' optimizer has run before.
+    """
+
+    name = "loss_scale"
+
+    def __init__(self, keras_api, usage: OptimizerUsage, strategy, capacity: int,
+                 reuse: dict[int, object], earlier: Callable[[], EarlierRecords | str]):
+        self._usage = usage
+        self._replicas = int(strategy.num_replicas_in_sync)
+        self._overflows_seen: int | None = None
+        self._start: dict[str, object] = {}
+        self._active: dict[str, object] | None = None
+        self.by_name = {}
+        for use in usage.uses:
+            if not use.loss_scale:
+                continue
+            collector = reuse.get(id(use.optimizer))
+            if collector is None:
+                collector = keras_api.loss_scale_collector(use.optimizer, strategy, capacity)
+                collector.start_from(
+                    step_origin.FIRST_STEP if collector.nothing_ran()
+                    else step_origin.origin(collector, use.name, earlier())
+                )
+            self.by_name[use.name] = collector
+
+    def __bool__(self) -> bool:
+        return bool(self.active())
+
+    def install(self, fit, patches: Patches) -> None:
+        for collector in self.by_name.values():
+            collector.traced.on_error = lambda error: fit.guard.fail(self.name, error)
+            collector.install(patches)
+        self._overflows_seen = self.skipped_steps()
+        # Where each scale starts; written once the step was traced and shows
+        # which optimizers it uses (and so under which tags).
+        self._start = {name: c.read()[1] for name, c in self.by_name.items()}
+
+    @property
+    def after_each_call(self) -> bool:
+        """Work after every call: polling, for a series in host mode."""
+        return any(c.mode == MODE_HOST for c in self.active().values())
+
+    def after_call(self, fit) -> None:
+        """Polls the series in host mode."""
+        for collector in self.active().values():
+            collector.poll_if_host_mode()
+
+    def note_overflows(self, fit) -> None:
+        """After a call whose alarm rang: arms a forensic sample when a step
+        overflowed since the last look (a host read, while one can be armed)."""
+        if not fit.schedule.watching_overflows:
+            return
+        skipped = self.skipped_steps()
+        if skipped > self._overflows_seen:
+            fit.schedule.overflowed()
+        self._overflows_seen = skipped
+
+    def flush(self, fit) -> None:
+        """Reads every used series and writes its new events and progress."""
+        if not self:
+            return
+        primary = self.primary()
+        for name, collector in self.active().items():
+            series = None if collector is primary else name
+            start = self._start.pop(name, None)
+            if start is not None:
+                fit.writer.write_array(schema.LOSS_SCALE_PROGRESS, start, int(start[0]),
+                                       series=series)
+            events, progress = collector.read()
+            step = int(progress[schema.LOSS_SCALE_PROGRESS_COLUMN.steps_run])
+            if len(events):
+                fit.writer.write_array(schema.LOSS_SCALE_EVENTS, events, step, series=series)
+            fit.writer.write_array(schema.LOSS_SCALE_PROGRESS, progress, step, series=series)
+
+    def active(self) -> dict[str, object]:
+        """The series of optimizers the step uses (all of them until traced;
+        asked after every call, so kept once the step was traced)."""
+        if self._active is not None:
+            return self._active
+        used = {use.name for use in self._usage.used()}
+        active = {name: c for name, c in self.by_name.items() if name in used}
+        if self._usage.traced:
+            self._active = active
+        return active
+
+    def primary(self):
+        """The collector of the primary optimizer, or None when it has no
+        loss scale."""
+        primary = self._usage.primary()
+        return self.by_name.get(primary.name) if primary is not None else None
+
+    def skipped_counters(self) -> list[tf.Variable]:
+        """Every series' in-graph count of skipped steps."""
+        return [c.skipped_counter for c in self.by_name.values()]
+
+    def skipped_total(self) -> tf.Tensor | None:
+        """In-graph sum of every series' skipped steps (None: no series)."""
+        counters = [tf.convert_to_tensor(c) for c in self.skipped_counters()]
+        if not counters:
+            return None
+        return counters[0] if len(counters) == 1 else tf.add_n(counters)
+
+    def skipped_steps(self) -> int:
+        """Skipped steps of every used series so far (a host read)."""
+        return sum(c.skipped_steps() for c in self.active().values())
+
+    def scale_tensor(self) -> tf.Tensor:
+        """The primary optimizer's loss scale inside the graph (1 without one,
+        or before its variables exist)."""
+        primary = self.primary()
+        if primary is None:
+            return tf.constant(1.0)
+        return primary.scale_tensor()
+
+    def step_of(self, use) -> int:
+        """Steps optimizer `use` has run (a host read): its apply calls, plus
+        its skipped steps under loss scaling (Keras 3 does not count them)."""
+        collector = self.by_name.get(use.name)
+        if collector is not None:
+            return collector.current_step()
+        return int(applied_steps(use.optimizer).numpy())
+
+    def graph_step_of(self, name: str):
+        """For an optimizer's name, a function giving its step in-graph."""
+        collector = self.by_name.get(name)
+        if collector is not None:
+            return collector.graph_step
+        optimizer = next(u.optimizer for u in self._usage.uses if u.name == name)
+        return lambda: tf.convert_to_tensor(applied_steps(optimizer))
+
+    def scale_of(self, name: str):
+        """A function giving optimizer `name`'s loss scale in-graph (1 for an
+        optimizer without loss scaling)."""
+        collector = self.by_name.get(name)
+        if collector is None:
+            return lambda: tf.constant(1.0)
+        return collector.scale_tensor
+
+    def context(self) -> dict:
+        """The run context's "loss_scale" collector state."""
+        active = self.active()
+        if not active:
+            used = self._usage.used()
+            names = ", ".join(f"{u.name} ({type(u.optimizer).__name__})" for u in used)
+            return {
+                "state": "absent",
+                "reason": (
+                    f"no LossScaleOptimizer among the optimizers the step uses ({names}): "
+                    "no dynamic loss scale to record" if used
+                    else "the train step applied no optimizer: no loss scale to record"
+                ),
+            }
+        primary = self.primary()
+        context = {"state": "ok"}
+        series = {}
+        for name, collector in active.items():
+            settings = collector.settings()
+            settings.setdefault("skip_decided_by", keras_3_skip_decided_by(self._replicas))
+            settings["step_axis_origin"] = collector.origin.describe()
+            if collector is primary or primary is None and not series:
+                context.update(settings, primary=name)
+            series[name] = settings
+        if len(series) > 1:
+            context["series"] = series
+        return context

@@ -1,0 +1,269 @@
+"""Replay captures: the batch and weights of an instrumented step that went wrong.
+
+When a numerics-sampled (instrumented) step overflowed (its loss-scale skip
+counter moved) or had a non-finite loss, everything needed to run that step
+again offline is saved under `RUN/replay/step_<N>/` (see
+`mpprof.replay.files`): its batch, the weights it ran with, the model's
+config and every layer's dtype policy. `mpprof replay` runs it again.
+
+How the batch reaches the host: the instrumented train function is traced
+with a `train_step` wrapper that returns, beside the step's logs, the batch
+tensors the step received, the step's number and how far the skip counter
+moved during it (the dispatcher takes them out before Keras sees the logs).
+Nothing is copied unless the host finds the step went wrong; the plain train
+function is traced without any of this, so unsampled steps cost nothing.
+
+A skipped step leaves the weights unchanged, so the weights after it are the
+ones it ran with. A step with a non-finite loss that was not skipped (no
+loss scaling) applied its update: the manifest says so. Non-trainable state
+(BatchNormalization's moving statistics) changes in the forward pass even
+on a skipped step, so the instrumented step also returns it as the step
+found it, and the capture holds that.
+
+Not captured: overflows with a finite loss while every step so far has
+overflowed (the loss scale's initial descent, e.g. from 2**15 to where the
+gradients fit): halving handles them, and they would spend the budget
+before the overflow that matters. The run context counts them.
+
+With `steps_per_execution > 1` the logs are those of a call's last step:
+only that step can be captured. Under several replicas the logs are
+averaged across replicas, so no batch can be recovered: the capture is off.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import mpprof
+from mpprof.backends.tensorflow.layer_calls import walk_layers
+from mpprof.backends.tf_keras import support as tf_keras_support
+from mpprof.recording.collectors.base import Collector
+from mpprof.recording.patching import Patches
+from mpprof.replay import files
+
+# The logs key the instrumented step returns the capture's tensors under
+# (taken out by the profiler's dispatcher).
+LOGS_KEY = "_mpprof_replay"
+
+
+class ReplayCapture(Collector):
+    """Saves up to `budget` steps per fit that overflowed or lost the loss.
+
+    Args:
+        budget: captures this fit may write (0: off).
+        keras_api: the model's `mpprof.backends.tensorflow.backend.KerasApi`.
+        loss_scales: the `LossScales` (the in-graph skip counter and step).
+        health: the `RunHealth` (the sampled step's loss).
+        instrumenting: tells, while a train function is traced, whether it is
+            the instrumented one.
+    """
+
+    name = "replay_capture"
+
+    def __init__(self, budget: int, keras_api, loss_scales, health, instrumenting):
+        self.budget = budget
+        self._api = keras_api
+        self._loss_scales = loss_scales
+        self._health = health
+        self._instrumenting = instrumenting
+        self._unavailable: str | None = None
+        self._structure = None
+        self.captured: list[dict] = []
+        self.initial_descent_skipped = 0
+
+    def wrap_train_step(self, fit, patches: Patches) -> None:
+        """Wraps `model.train_step` so that the instrumented step returns its
+        batch; called before the train functions are made (they hold the
+        `train_step` they were made with)."""
+        model = fit.model
+        self._unavailable = self._why_unavailable(model, fit.schedule.every)
+        if self._unavailable is not None:
+            return
+        train_step = model.train_step
+
+        def train_step_returning_batch(data):
+            if not self._instrumenting():
+                return train_step(data)
+            skipped = self._loss_scales.skipped_total
+            before = skipped()
+            step = self._graph_step(fit)
+            # The primary series' own skips: its step number counts them.
+            primary = self._loss_scales.primary() if fit.usage.traced else None
+            primary_skipped_before = (
+                tf.identity(primary.skipped_counter) if primary is not None else None)
+            # Read before the step writes them (automatic control
+            # dependencies keep program order per variable).
+            state_before = {f"state_{i}": tf.identity(v)
+                            for i, v in enumerate(model.non_trainable_weights)}
+            logs = train_step(data)
+            leaves: list = []
+            structure = files.encode_structure(data, leaves)
+            if not isinstance(logs, dict) or not all(isinstance(t, tf.Tensor) for t in leaves):
+                return logs  # a ragged or sparse batch is not captured
+            self._structure = structure
+            # Flat, string-keyed: the step's outputs pass through Keras' own
+            # structure handling, which turns a list into one stacked tensor.
+            outputs = {f"leaf_{i}": t for i, t in enumerate(leaves)}
+            outputs.update(state_before)
+            if before is not None:
+                outputs["skipped"] = skipped() - before
+                if primary_skipped_before is not None:
+                    outputs["skipped_before"] = primary_skipped_before
+            if step is not None:
+                outputs["step"] = step
+            return {**logs, LOGS_KEY: outputs}
+
+        patches.set(model, "train_step", train_step_returning_batch)
+
+    def _why_unavailable(self, model, sample_every: int | None) -> str | None:
+        if self.budget == 0:
+            return "replay_budget=0"
+        if sample_every is None:
+            return "numerics_every=None: only sampled (instrumented) steps are captured"
+        if self._api.flavor != tf_keras_support.KERAS_3:
+            return "replay captures need Keras 3 (this model is tf-keras)"
+        replicas = int(model.distribute_strategy.num_replicas_in_sync)
+        if replicas > 1:
+            return (f"the step runs on {replicas} replicas: its logs are averaged across "
+                    "them, so the batch cannot be returned")
+        return None
+
+    def _graph_step(self, fit):
+        """The step's number, read in-graph before the step runs."""
+        primary = fit.usage.primary() if fit.usage.traced else None
+        if primary is None:
+            return None
+        return tf.cast(self._loss_scales.graph_step_of(primary.name)(), tf.int64)
+
+    def after_sample(self, fit) -> None:
+        """Writes a capture when the sampled step just run went wrong."""
+        outputs, fit.replay_outputs = fit.replay_outputs, None
+        if outputs is None or len(self.captured) >= self.budget:
+            return
+        skipped = int(outputs["skipped"].numpy()) if "skipped" in outputs else 0
+        watched = self._health.watched() is not None if fit.guard.ok(self._health.name) else False
+        loss = self._health.last_loss() if watched else math.nan
+        loss_finite = math.isfinite(loss) if watched else None
+        if skipped == 0 and loss_finite is not False:
+            return
+        step = int(outputs["step"].numpy()) if "step" in outputs else fit.sample_step
+        if loss_finite and _in_initial_descent(outputs, step):
+            self.initial_descent_skipped += 1
+            return
+        reasons = []
+        if skipped:
+            reasons.append("overflow: the loss scale skipped the step")
+        if loss_finite is False:
+            reasons.append("non-finite loss")
+        leaves = [outputs[f"leaf_{i}"] for i in range(len(outputs)) if f"leaf_{i}" in outputs]
+        state = [outputs[f"state_{i}"] for i in range(len(outputs)) if f"state_{i}" in outputs]
+        self._write(fit, step, leaves, state, reasons, skipped > 0, loss)
+
+    def _write(self, fit, step: int, leaves, state, reasons: list[str], skipped: bool,
+               loss: float) -> None:
+        """Writes the capture: the batch, the trainable weights now, and the
+        non-trainable ones as the step found them (`state`, in the order of
+        `model.non_trainable_weights`)."""
+        model = fit.model
+        batch = [t.numpy() for t in leaves]
+        found = {id(v): s for v, s in zip(model.non_trainable_weights, state, strict=False)}
+        weights = [np.asarray(found.get(id(v), v).numpy()) for v in model.weights]
+        config, config_note = _model_config(model)
+        manifest = {
+            "capture_version": files.CAPTURE_VERSION,
+            "run": "train",
+            "step": step,
+            "reasons": reasons,
+            "loss": loss if math.isfinite(loss) else str(loss),
+            "loss_scale": self._loss_scale_of_step(skipped),
+            "batch_structure": self._structure,
+            "batch_shapes": [list(a.shape) for a in batch],
+            "batch_dtypes": [str(a.dtype) for a in batch],
+            "batch_bytes": int(sum(a.nbytes for a in batch)),
+            "batch_size": int(batch[0].shape[0]) if batch and batch[0].ndim else None,
+            "weight_paths": [tf_keras_support.variable_path(v) for v in model.weights],
+            "weight_bytes": int(sum(w.nbytes for w in weights)),
+            "weights_are_the_steps": skipped,
+            "weights_note": (
+                "the step was skipped: the weights after it are the ones it ran with "
+                "(non-trainable state, such as moving statistics, as the step found it)"
+                if skipped else
+                "the step was not skipped (no loss scaling, or its gradients were "
+                "finite): its update was applied, so these are the trainable weights "
+                "after it (non-trainable state as the step found it)"
+            ),
+            "model_class": type(model).__name__,
+            "model_policy": model.dtype_policy.name,
+            "layer_policies": {
+                name: layer.dtype_policy.name for name, layer, _ in walk_layers(model)
+            },
+            # DTypePolicyMap keys: the paths of this model's layers, which
+            # a model rebuilt elsewhere may not share.
+            "layer_paths": {
+                name: layer.path for name, layer, _ in walk_layers(model)
+                if getattr(layer, "path", None)
+            },
+            "model_config": {"saved": config is not None, "note": config_note},
+            "jit_compile": bool(getattr(model, "jit_compile", False)),
+            "versions": {
+                "mpprof": mpprof.__version__, "tensorflow": tf.__version__,
+                "keras": keras.__version__, "python": platform.python_version(),
+                "numpy": np.__version__,
+            },
+        }
+        folder = files.step_folder(step)
+        payloads = [
+            (files.BATCH, files.npz_bytes({f"leaf_{i}": a for i, a in enumerate(batch)})),
+            (files.WEIGHTS, files.npz_bytes({f"weight_{i}": w for i, w in enumerate(weights)})),
+        ]
+        if config is not None:
+            payloads.append((files.MODEL_CONFIG, files.json_bytes(config)))
+        manifest["bytes"] = sum(len(data) for _, data in payloads)
+        # The manifest last: a folder without one is not a capture.
+        payloads.append((files.MANIFEST, files.json_bytes(manifest)))
+        self.captured.append({"step": step, "bytes": manifest["bytes"]})
+        for name, data in payloads:
+            if not fit.writer.write_file(f"{folder}/{name}", data):
+                self.captured[-1]["written"] = False
+                return
+
+    def _loss_scale_of_step(self, skipped: bool) -> float:
+        """The scale the step ran with (a skip has halved it since)."""
+        scale = float(self._loss_scales.scale_tensor().numpy())
+        return 2.0 * scale if skipped else scale
+
+    def context(self) -> dict:
+        if self._unavailable is not None:
+            off = self.budget == 0 or self._unavailable.startswith("numerics_every")
+            state = "off" if off else "unavailable"
+            return {"state": state, "reason": self._unavailable, "budget": self.budget}
+        entry = {"state": "ok", "budget": self.budget, "captures": self.captured}
+        if self.initial_descent_skipped:
+            entry["initial_descent_not_captured"] = self.initial_descent_skipped
+        return entry
+
+
+def _in_initial_descent(outputs: dict, step: int) -> bool:
+    """Whether every step before this one overflowed too: the dynamic loss
+    scale calibrating down from its initial value, which halving handles and
+    a replay would only confirm (it would spend the budget before the
+    overflow that matters)."""
+    if "skipped_before" not in outputs or "step" not in outputs:
+        return False
+    return int(outputs["skipped_before"].numpy()) == step
+
+
+def _model_config(model) -> tuple[dict | None, str]:
+    """The model's Keras serialization, or None with why not."""
+    try:
+        config = keras.saving.serialize_keras_object(model)
+        files.json_bytes(config)
+    except Exception as e:  # noqa: BLE001 - a custom model without get_config
+        return None, (f"not serializable ({type(e).__name__}: {str(e)[:200]}); "
+                      "replay it in-process: mpprof.replay.replay(model, logdir=...)")
+    return config, "rebuilt by keras.saving.deserialize_keras_object"

@@ -1,0 +1,296 @@
+"""One eager pass of a captured step: forward, loss, scaled backward, watched.
+
+Every layer's `call` is wrapped at instance level for the length of the pass
+(`Operation.__call__` looks `self.call` up; `mpprof.recording.patching.Patches` puts
+back what was there), so that each TensorFlow op TensorFlow's eager op
+callbacks see is attributed to the innermost layer running it, and each
+layer's output and the gradient flowing into it are kept. The pass runs
+eagerly whatever the model was compiled with (`jit_compile=True` included):
+every op executes on its own and can be looked at.
+
+Each pass starts from the same state: the non-trainable variables (moving
+statistics, random seeds) are put back after it, and the dtype policies it
+changed are restored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework import op_callbacks
+
+from mpprof.backends.tensorflow.layer_calls import walk_layers
+from mpprof.dtypes import DTYPE_MAX
+from mpprof.recording.patching import Patches
+
+# Where ops outside any layer run: the loss and its gradient, and inside the
+# model but between its layers. A layer's input cast runs in its `__call__`,
+# just before its `call`: an offending Cast right before a layer's call is
+# that layer's.
+LOSS = "(loss)"
+BETWEEN_LAYERS = "(between layers)"
+
+# Ops mpprof's own taps run: never the offender.
+_OWN_OPS = {"Identity", "IdentityN"}
+_OWN_OPS_BYTES = {op.encode() for op in _OWN_OPS}
+
+
+@dataclasses.dataclass
+class Offender:
+    """The first op whose output is non-finite or beyond its dtype's max.
+
+    Attributes:
+        layer: the innermost layer running it (qualified name), or `LOSS`.
+        op: the TensorFlow op type (`MatMul`, `Exp`, ...).
+        phase: "forward" or "backward".
+        input_abs_max: each floating input's largest magnitude (None when
+            that input holds no finite value).
+        output: what is wrong with its output, in words.
+        dtype: the output's dtype.
+    """
+
+    layer: str
+    op: str
+    phase: str
+    input_abs_max: list
+    output: str
+    dtype: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class PassResult:
+    """What one pass saw.
+
+    Attributes:
+        forward: (layer, call index) -> its first floating output, float64.
+        backward: (layer, call index) -> the gradient flowing into that output.
+        offender: the first offending forward op, else the first backward one.
+        forward_clean: whether no forward op (loss included) offended.
+        loss: the (unscaled) loss.
+        gradients_finite: whether every variable's gradient is finite.
+    """
+
+    forward: dict
+    backward: dict
+    offender: Offender | None
+    forward_clean: bool
+    loss: float
+    gradients_finite: bool
+
+
+def layer_tree(model) -> dict[str, object]:
+    """Qualified name -> layer, for every nested layer (see `walk_layers`)."""
+    return {name: layer for name, layer, _ in walk_layers(model)}
+
+
+def subtree(tree: dict[str, object], name: str) -> list[str]:
+    """`name` and every layer nested in it."""
+    return [n for n in tree if n == name or n.startswith(name + "/")]
+
+
+def run_pass(model, batch, loss_scale: float, float32_layers: Iterable[str] | None,
+             *, all_float32: bool = False) -> PassResult:
+    """Runs the step once, eagerly, and watches it.
+
+    Args:
+        model: the built model, holding the step's weights.
+        batch: (x, y, sample_weight).
+        loss_scale: what the loss is multiplied by before the backward pass.
+        float32_layers: qualified names of layers (each with its sublayers)
+            to compute in float32 for this pass.
+        all_float32: every layer and the model itself in float32.
+    """
+    tree = layer_tree(model)
+    chosen = set(tree) if all_float32 else {
+        n for name in (float32_layers or ()) for n in subtree(tree, name)
+    }
+    policies = {name: tree[name].dtype_policy for name in chosen}
+    model_policy = model.dtype_policy
+    # What a pass changes besides the weights is put back after it: moving
+    # statistics, and the loss trackers `compute_loss` updates (a NaN left
+    # there would be read by every later pass; the first pass creates them).
+    state = [(v, np.array(v.numpy())) for v in model.non_trainable_variables]
+    watch = _Watch(tree)
+    try:
+        for name in chosen:
+            tree[name].dtype_policy = "float32"
+        if all_float32:
+            model.dtype_policy = "float32"
+        watch.install()
+        return watch.run(model, batch, loss_scale)
+    finally:
+        watch.remove()
+        for name, policy in policies.items():
+            tree[name].dtype_policy = policy
+        model.dtype_policy = model_policy
+        for variable, value in state:
+            variable.assign(value)
+        for metric in model.metrics:
+            metric.reset_state()
+
+
+class _Watch:
+    """The layer wrappers and the op callback of one pass."""
+
+    def __init__(self, tree: dict[str, object]):
+        self._tree = tree
+        self._stack: list[str] = []
+        self._backward_layer = LOSS
+        self._phase = "forward"
+        self._calls: dict[str, int] = {}
+        self.forward: dict = {}
+        self.backward: dict = {}
+        self.offenders: dict[str, Offender] = {}
+        self._inside = False
+        self._outside = LOSS
+        self._cast_offended = False
+        self._patches = Patches()
+        self._callback_added = False
+
+    def install(self) -> None:
+        for name, layer in self._tree.items():
+            self._patches.set(layer, "call", self._wrap(name, layer.call))
+        op_callbacks.add_op_callback(self._on_op)
+        self._callback_added = True
+
+    def remove(self) -> None:
+        if self._callback_added:
+            op_callbacks.remove_op_callback(self._on_op)
+            self._callback_added = False
+        self._patches.restore()
+
+    def run(self, model, batch, loss_scale: float) -> PassResult:
+        x, y, sample_weight = batch
+        with tf.GradientTape() as tape:
+            self._outside = BETWEEN_LAYERS
+            y_pred = model(x, training=True)
+            self._outside = LOSS
+            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                      training=True)
+            scaled = tf.cast(loss, tf.float32) * loss_scale
+        self._phase = "backward"
+        variables = model.trainable_variables
+        gradients = tape.gradient(scaled, variables)
+        self._phase = "done"
+        finite = all(
+            g is None or bool(np.all(np.isfinite(_array(g)))) for g in gradients
+        )
+        return PassResult(
+            forward=self.forward, backward=self.backward,
+            offender=self.offenders.get("forward") or self.offenders.get("backward"),
+            forward_clean="forward" not in self.offenders,
+            loss=float(_array(loss)), gradients_finite=finite,
+        )
+
+    def _wrap(self, name: str, call):
+        watch = self
+
+        def watched_call(*args, **kwargs):
+            watch._claim_input_cast(name)
+            index = watch._calls.get(name, 0)
+            watch._calls[name] = index + 1
+            watch._stack.append(name)
+            try:
+                outputs = call(*args, **kwargs)
+            finally:
+                watch._stack.pop()
+            return watch._tap(name, index, outputs)
+
+        return watched_call
+
+    def _tap(self, name: str, index: int, outputs):
+        flat = tf.nest.flatten(outputs)
+        position = next((i for i, t in enumerate(flat)
+                         if tf.is_tensor(t) and t.dtype.is_floating), None)
+        if position is None:
+            return outputs
+        key = (name, index)
+        self.forward[key] = _array(flat[position]).astype(np.float64)
+
+        @tf.custom_gradient
+        def tap(tensor):
+            def gradient(upstream):
+                self._backward_layer = name
+                self.backward[key] = _array(upstream).astype(np.float64)
+                return upstream
+
+            return tf.identity(tensor), gradient
+
+        self._inside = True
+        try:
+            flat[position] = tap(flat[position])
+        finally:
+            self._inside = False
+        return tf.nest.pack_sequence_as(outputs, flat)
+
+    def _claim_input_cast(self, name: str) -> None:
+        """A layer's call begins: an offending Cast just before it was its
+        input cast."""
+        if self._cast_offended:
+            self.offenders["forward"].layer = name
+            self._cast_offended = False
+
+    def _on_op(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if graph is not None or self._inside or op_type in _OWN_OPS \
+                or op_type in _OWN_OPS_BYTES:
+            return None
+        self._cast_offended = False
+        phase = self._phase
+        if phase == "done" or phase in self.offenders:
+            return None
+        for output in outputs or ():
+            problem = _problem(output)
+            if problem is None:
+                continue
+            layer = (self._stack[-1] if self._stack else self._outside) \
+                if phase == "forward" else self._backward_layer
+            if isinstance(op_type, bytes):
+                op_type = op_type.decode("utf-8", "replace")
+            self.offenders[phase] = Offender(
+                layer=layer, op=op_type, phase=phase,
+                input_abs_max=[_abs_max(t) for t in inputs or () if _is_float(t)],
+                output=problem, dtype=output.dtype.name,
+            )
+            self._cast_offended = phase == "forward" and op_type == "Cast"
+            break
+        return None
+
+
+def _is_float(tensor) -> bool:
+    return tf.is_tensor(tensor) and tensor.dtype.is_floating
+
+
+def _array(tensor) -> np.ndarray:
+    return np.asarray(keras.ops.convert_to_numpy(tensor))
+
+
+def _abs_max(tensor) -> float | None:
+    values = np.abs(_array(tensor).astype(np.float64))
+    finite = values[np.isfinite(values)]
+    return float(finite.max()) if finite.size else None
+
+
+def _problem(tensor) -> str | None:
+    """What is wrong with an op's output, or None."""
+    if not _is_float(tensor):
+        return None
+    values = _array(tensor)
+    if values.size == 0:
+        return None
+    values = values.astype(np.float64)
+    nan = int(np.isnan(values).sum())
+    inf = int(np.isinf(values).sum())
+    if nan or inf:
+        return f"{inf} inf and {nan} NaN of {values.size} values"
+    limit = DTYPE_MAX.get(tensor.dtype.name)
+    peak = float(np.abs(values).max())
+    if limit is not None and peak > limit:
+        return f"abs max {peak:.6g} beyond {tensor.dtype.name}'s {limit:.6g}"
+    return None

@@ -1,0 +1,231 @@
+"""The `MixedPrecisionProfiler` Keras callback."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from dataclasses import dataclass, field
+
+import keras
+
+from mpprof.backends import check_backend
+from mpprof.recording import arguments, profiled_fit
+from mpprof.recording.collectors import gpu as gpu_collector
+from mpprof.recording.distributed import warn_if_keras_3_multi_worker
+from mpprof.recording.sampling import SampleSchedule
+from mpprof.records import schema
+
+# The loss-scale ring holds 2x the steps between two reads: more than this
+# many steps between reads would make it large for nothing.
+MAX_FLUSH_EVERY_STEPS = 100_000
+
+
+@dataclass
+class AcrossFits:
+    """What one profiler carries from each of its fits to the next.
+
+    Attributes:
+        schedule: the numerics sampling schedule (restarted at each fit).
+        profile_window: the XProf window of `profile_steps` (made by the
+            first fit's backend), or None.
+        fit_count: fits begun so far.
+        last_step: the train step the last fit ended at (None before one).
+        loss_scales: the loss-scale collectors of the last fit, by
+            `id(optimizer)`: their counters go on.
+        health: the health watches of the last fit, by `id(optimizer)`.
+    """
+
+    schedule: SampleSchedule
+    profile_window: object | None = None
+    fit_count: int = 0
+    last_step: int | None = None
+    loss_scales: dict[int, object] = field(default_factory=dict)
+    health: dict[int, object] = field(default_factory=dict)
+
+
+class MixedPrecisionProfiler(keras.callbacks.Callback):
+    """Records what mixed precision does to a training run, for TensorBoard.
+
+    Add it to `model.fit`. It records, into `log_dir/train/`:
+
+    - the precision inventory: every layer's policy, compute/variable dtype,
+      the dtypes it actually outputs, float32 islands, casts between layers
+      and Tensor Core shape alignment (once per fit, at trace time);
+    - the dynamic loss scale of every LossScaleOptimizer the train step uses
+      (a GAN's own optimizers included) and every overflow (skipped step) and
+      growth, exact to the step: overflows recorded inside the traced train
+      step, growths derived from them at each read (and checked);
+    - per-layer numerics on sampled steps: for each leaf layer's output and
+      the gradient flowing into it, the abs-max, non-finite, zero and
+      underflow shares and a log2 histogram; for each variable its gradient,
+      scaled and unscaled. Steps right after an overflow are sampled too
+      (forensic samples), up to `forensic_budget`;
+    - the loss and weights health, and the run context: versions, policies,
+      the optimizers the step used, strategy, devices, and each collector's
+      state;
+    - replay captures: when a sampled step overflowed or had a non-finite
+      loss, its batch, the weights it ran with, the model's config and every
+      layer's dtype policy go to `log_dir/train/replay/step_<N>/` (up to
+      `replay_budget` per fit), for `mpprof replay LOG_DIR` to run that step
+      again offline: the first op that overflowed, float16 against float32
+      per layer, and a verified per-layer float32 fix.
+
+    Steps that are not sampled run the model's own train function, untouched.
+
+    mpprof never stops training: whatever one of its collectors raises while
+    recording switches that collector off for the rest of the fit (the run
+    context names it and the reason, one warning says so), and a failed
+    write (a full disk) stops the recording, not the training. The user's
+    own errors reach `fit`'s caller unchanged.
+
+    Records reach the disk every `flush_every_steps` steps or
+    `flush_every_seconds` seconds, whichever comes first, at every epoch end,
+    when `fit` ends or raises and on SIGTERM: a process killed outright
+    (SIGKILL, the OOM killer) loses at most that much.
+
+    The same class profiles Keras 3 (TensorFlow backend) and tf-keras
+    (Keras 2) models, under any `tf.distribute` strategy their `fit`
+    supports. Under a multi-worker `MultiWorkerMirroredStrategy` (tf-keras)
+    the chief writes the model-level records into `log_dir/train` and every
+    worker its own host's records into `log_dir/train/worker_<i>`. Read the
+    records with `tensorboard --logdir LOG_DIR` (the "mpprof" tab),
+    `mpprof diagnose LOG_DIR`, or `mpprof.records.reader.read_logdir(LOG_DIR)`.
+
+    The model is left as found: every patch is removed when `fit` ends or
+    raises inside a train step, and `model.save()` works after `fit`.
+
+    Args:
+        log_dir: directory to write into (local or any `tf.io.gfile` path);
+            the same `log_dir` as `keras.callbacks.TensorBoard` is fine.
+        numerics_every: sample per-layer numerics every this many train
+            steps; None turns sampling off (forensic samples too).
+        forensic_budget: how many overflow-triggered samples a fit may take.
+        forensic_spacing: least train steps between two forensic samples, so
+            that a run overflowing on many early steps is not mostly
+            instrumented.
+        flush_every_steps: how often, in train steps, the host reads the
+            in-graph loss-scale counters and writes the pending records; at
+            most `MAX_FLUSH_EVERY_STEPS`.
+        flush_every_seconds: the same, in seconds (checked after each train
+            call); None: by steps only.
+        gpu_interval: seconds between NVML samples of every visible GPU
+            (Tensor Core utilization on Hopper+ via GPM, otherwise kernel
+            utilization, memory, power, clocks); >= 0.1, or None to turn
+            the sampler off. Without NVML or a GPU the run context says so.
+        replay_budget: how many replay captures a fit may write (0: none).
+            Each holds one batch and one copy of the weights (Keras 3, one
+            replica; only sampled steps are checked, so `numerics_every=None`
+            captures nothing).
+        profile_steps: (start, stop) train steps to capture an XProf trace
+            of, inclusive; after the window mpprof records the share of GPU
+            kernel time spent in Tensor Core kernels. None (default) traces
+            nothing. A `keras.callbacks.TensorBoard(profile_batch=...)` in the
+            same fit owns the profiler: mpprof reads its trace instead.
+
+    Raises:
+        ValueError: an argument is out of range.
+        mpprof.backends.UnsupportedBackendError: Keras runs on another
+            backend than TensorFlow.
+
+    Example:
+
+    ```python
+    import keras, numpy as np, mpprof
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([
+        keras.layers.Input((784,)),
+        keras.layers.Dense(256, activation="relu"),
+        keras.layers.Dense(10, dtype="float32"),
+    ])
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    x = np.random.rand(512, 784).astype("float32")
+    y = np.random.randint(0, 10, 512)
+    model.fit(x, y, epochs=1,
+              callbacks=[mpprof.MixedPrecisionProfiler(log_dir="logs/run1")])
+    ```
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike = "logs",
+        *,
+        numerics_every: int | None = 500,
+        forensic_budget: int = 20,
+        forensic_spacing: int = 50,
+        flush_every_steps: int = 500,
+        flush_every_seconds: float | None = 30.0,
+        gpu_interval: float | None = gpu_collector.DEFAULT_INTERVAL_S,
+        profile_steps: tuple[int, int] | None = None,
+        replay_budget: int = 2,
+    ):
+        super().__init__()
+        check_backend()
+        self.log_dir = arguments.log_dir(log_dir)
+        self.numerics_every = (
+            None if numerics_every is None
+            else arguments.positive_int("numerics_every", numerics_every)
+        )
+        self.forensic_budget = arguments.non_negative_int("forensic_budget", forensic_budget)
+        self.forensic_spacing = arguments.positive_int("forensic_spacing", forensic_spacing)
+        self.flush_every_steps = arguments.positive_int(
+            "flush_every_steps", flush_every_steps, at_most=MAX_FLUSH_EVERY_STEPS
+        )
+        self.flush_every_seconds = (
+            None if flush_every_seconds is None
+            else arguments.seconds("flush_every_seconds", flush_every_seconds,
+                                   at_least=0.1, what=", or None")
+        )
+        self.gpu_interval = (
+            None if gpu_interval is None else gpu_collector.validate_interval(gpu_interval)
+        )
+        self.profile_steps = arguments.validate_profile_steps(profile_steps)
+        self.replay_budget = arguments.non_negative_int("replay_budget", replay_budget)
+        self._across_fits = AcrossFits(
+            schedule=SampleSchedule(
+                self.numerics_every, self.forensic_budget, self.forensic_spacing
+            ),
+        )
+        # The fit being profiled (or the last one).
+        self._fit: profiled_fit.ProfiledFit | None = None
+        # Keras 3's fit fails across workers before any hook runs: say it now.
+        warn_if_keras_3_multi_worker()
+
+    @property
+    def run_dir(self) -> str:
+        return posixpath.join(self.log_dir, schema.TRAIN_RUN)
+
+    # tf-keras's CallbackList asks every callback these (Keras 3 callbacks do
+    # not have them), so the one class serves models of either Keras.
+    _supports_tf_logs = True  # batch logs are not read: tf-keras need not sync them
+    _chief_worker_only = None  # every worker runs it: see mpprof.recording.distributed
+
+    def _implements_train_batch_hooks(self) -> bool:
+        return True
+
+    def _implements_test_batch_hooks(self) -> bool:
+        return False
+
+    def _implements_predict_batch_hooks(self) -> bool:
+        return False
+
+    # Keras hooks.
+
+    def on_train_begin(self, logs=None):
+        self._fit = profiled_fit.start(self, self._across_fits)
+
+    # No on_train_batch_end: overriding it makes Keras wait for every step's
+    # logs. The work after a step is done in ProfiledFit._run_train_function.
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._fit is not None:
+            self._fit.batch_begin()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._fit is not None:
+            self._fit.epoch_end()
+
+    def on_train_end(self, logs=None):
+        if self._fit is not None:
+            self._fit.finish(schema.FIT_ENDED)

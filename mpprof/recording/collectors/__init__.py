@@ -1,0 +1,1 @@
+"""The backend-neutral collectors (see `base.Collector` for their lifecycle)."""

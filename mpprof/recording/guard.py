@@ -1,0 +1,151 @@
+"""The seam that keeps mpprof's own failures out of the user's training.
+
+Whatever a collector raises while recording is caught here: the collector
+is switched off for the rest of the fit, the run context names it and the
+reason, one warning line says so, and training goes on. Writing records is
+guarded the same way (a full disk stops the recording, not the training).
+Errors of the user's own model, loss or data are never caught here: they
+reach `fit`'s caller unchanged.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+
+class Guard:
+    """Which collectors failed during this fit, and why."""
+
+    def __init__(self):
+        self.failures: dict[str, str] = {}
+
+    def ok(self, collector: str) -> bool:
+        return collector not in self.failures
+
+    def run(self, collector: str, function: Callable[..., Any], *args, **kwargs) -> Any:
+        """`function(*args, **kwargs)`, or None once `collector` has failed."""
+        if collector in self.failures:
+            return None
+        try:
+            return function(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a collector must not stop training
+            self.fail(collector, e)
+            return None
+
+    def fail(self, collector: str, error: BaseException | str) -> None:
+        """Switches `collector` off for the rest of the fit, with one warning."""
+        if collector in self.failures:
+            return
+        reason = error if isinstance(error, str) else describe_error(error)
+        self.failures[collector] = reason
+        warnings.warn(
+            f"mpprof: stopped recording {collector} ({reason}); training goes on.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def context(self, collector: str, state: dict) -> dict:
+        """`state`, or the "failed" state when `collector` failed."""
+        if collector in self.failures:
+            return {**state, "state": "failed", "reason": self.failures[collector]}
+        return state
+
+
+class GuardedHook:
+    """A layer-call hook whose failure switches its collector off.
+
+    Args:
+        collector: the collector's name in the run context.
+        hook: an object with `on_call(layer, args, kwargs, outputs)`.
+        guard: the profiler's `Guard`.
+    """
+
+    def __init__(self, collector: str, hook, guard: Guard):
+        self.collector = collector
+        self.hook = hook
+        self._guard = guard
+
+    def on_call(self, layer, args, kwargs, outputs):
+        if not self._guard.ok(self.collector):
+            return outputs
+        try:
+            return self.hook.on_call(layer, args, kwargs, outputs)
+        except Exception as e:  # noqa: BLE001 - the layer's own outputs go on
+            self._guard.fail(self.collector, e)
+            return outputs
+
+
+class GuardedWriter:
+    """A record writer whose first failure stops the recording, not the fit.
+
+    Args:
+        writer: a `mpprof.records.writer.RecordWriter` (or `DiscardingWriter`).
+        guard: where the failure is reported, as the collector "recording".
+    """
+
+    COLLECTOR = "recording"
+
+    def __init__(self, writer, guard: Guard):
+        self._writer = writer
+        self._guard = guard
+
+    def write_json(self, record: str, value, step: int) -> None:
+        self._guard.run(self.COLLECTOR, self._writer.write_json, record, value, step)
+
+    def write_array(self, record: str, value, step: int, series: str | None = None) -> None:
+        if series is None:
+            self._guard.run(self.COLLECTOR, self._writer.write_array, record, value, step)
+        else:
+            self._guard.run(
+                self.COLLECTOR, self._writer.write_array, record, value, step, series=series
+            )
+
+    def write_file(self, relative_path: str, data: bytes) -> bool:
+        """Writes a file into the run directory; returns whether it was written
+        (False once the recording stopped)."""
+        written = self._guard.run(
+            self.COLLECTOR, lambda: self._writer.write_file(relative_path, data) or True
+        )
+        return bool(written)
+
+    def flush(self) -> None:
+        self._guard.run(self.COLLECTOR, self._writer.flush)
+
+    def close(self) -> None:
+        try:
+            self._writer.close()
+        except Exception as e:  # noqa: BLE001 - closing must not raise into fit
+            self._guard.fail(self.COLLECTOR, e)
+
+
+class TracedGuard:
+    """Runs mpprof's own part of a traced function (a hook inside the user's
+    train step) so that its failure is reported, never raised into the step.
+
+    Args:
+        on_error: called with the exception; by default it is raised (a
+            collector used on its own); the profiler reports it to its
+            `Guard` instead.
+    """
+
+    def __init__(self):
+        self.on_error: Callable[[Exception], None] | None = None
+
+    def __call__(self, record: Callable[[], Any]) -> Any:
+        """`record()`, or None after reporting its failure."""
+        try:
+            return record()
+        except Exception as e:
+            if self.on_error is None:
+                raise
+            self.on_error(e)
+            return None
+
+
+def describe_error(error: BaseException) -> str:
+    """`TypeName: first line of the message`, at most 300 characters."""
+    message = getattr(error, "message", None) or str(error)
+    first_line = message.strip().splitlines()[0] if message.strip() else ""
+    return f"{type(error).__name__}: {first_line}"[:300]

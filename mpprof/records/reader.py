@@ -1,0 +1,353 @@
+"""Reads mpprof records back from a logdir into plain Python and numpy values.
+
+Every front end (CLI, HTML report, TensorBoard plugin) reads through here.
+Only mpprof's own event files are read (the writer marks them with
+`EVENT_FILE_SUFFIX`), so a logdir full of histograms stays cheap to read.
+
+Reading never trusts the files: each record's checksums are verified
+(`mpprof.records.tfrecord`) and its content checked against the schema
+(`mpprof.records.validation`); a record that fails is skipped with a warning in
+`Run.warnings`, one line per kind of problem however often it occurs
+(`mpprof.records.event_file` reads one file). A directory that cannot be listed is
+skipped with a warning, and symlink loops are not followed. Local logdirs are
+read without importing TensorFlow (`mpprof.records.filesystem`).
+
+This module owns the logdir (which runs, which files) and `Run`, the records
+of one run; the typed views of a run (`LossScale`, `Numerics`, `Float8`,
+`Gpu`) are built by `mpprof.records.views`, the float8 view by
+`mpprof.records.float8`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import posixpath
+from collections.abc import Callable
+
+import numpy as np
+
+from mpprof.display.terminal import printable
+from mpprof.records import filesystem, schema
+from mpprof.records import float8 as float8_records
+from mpprof.records import views as record_views
+from mpprof.records.event_file import ReadWarnings, Record, read_event_file, series_key
+from mpprof.records.float8 import Float8
+from mpprof.records.views import Gpu, LossScale, Numerics
+
+__all__ = [
+    "Float8",
+    "Gpu",
+    "LogdirNotFoundError",
+    "LossScale",
+    "NoMpprofDataError",
+    "Numerics",
+    "OnWarning",
+    "Record",
+    "Run",
+    "event_files",
+    "list_runs",
+    "no_runs_error",
+    "read_logdir",
+    "read_run",
+    "select_runs",
+]
+
+logger = logging.getLogger(__name__)
+
+# Called with each warning about the logdir as a whole (a directory that
+# cannot be listed, a file that is not a regular file).
+OnWarning = Callable[[str], None]
+
+
+class LogdirNotFoundError(FileNotFoundError):
+    """The logdir does not exist."""
+
+
+class NoMpprofDataError(LookupError):
+    """The logdir exists but holds no mpprof records."""
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything mpprof recorded in one run directory."""
+
+    name: str
+    path: str
+    records: dict[str, list[Record]]
+    warnings: list[str]
+
+    def latest(self, record: str):
+        found = self.records.get(record)
+        return found[-1].value if found else None
+
+    @property
+    def readable(self) -> bool:
+        """Whether any record of the run could be read."""
+        return any(self.records.values())
+
+    @functools.cached_property
+    def last_record(self) -> tuple[int, float] | None:
+        """(largest step, latest wall time) over the run's records, or None."""
+        found = [r for records in self.records.values() for r in records]
+        if not found:
+            return None
+        return max(r.step for r in found), max(r.wall_time for r in found)
+
+    @property
+    def cut_short(self) -> dict | None:
+        """How a fit that never recorded its end stopped, or None.
+
+        The callback's run context says "fit_state": "running" from train
+        begin (rewritten at each flush), then "ended" when fit returned or
+        "failed" when it raised. A run whose latest context still says
+        "running" was killed (or is still training); logs older than that key
+        say nothing, and give None like a run that ended.
+
+        Returns:
+            None, or `{"fit_state": "running"|"failed", "step": the largest
+            step of any record, "wall_time": the latest record's time}`.
+        """
+        state = self.context.get("fit_state")
+        if state in (None, "ended") or self.last_record is None:
+            return None
+        step, wall_time = self.last_record
+        return {"fit_state": state, "step": step, "wall_time": wall_time}
+
+    @property
+    def context(self) -> dict:
+        return self.latest(schema.RUN_CONTEXT) or {}
+
+    @property
+    def inventory(self) -> dict | None:
+        return self.latest(schema.INVENTORY)
+
+    @property
+    def worker(self) -> dict | None:
+        """For one worker's own run of a multi-worker fit (`train/worker_<i>`):
+        `{"index", "role" ("chief"|"worker"), "model_run", "evidence"}`, where
+        `model_run` names the run with the model-level records (inventory, loss
+        scale, numerics), written by the chief. None for any other run.
+        """
+        context = self.context
+        if context.get("run_role") != "worker":
+            return None
+        distributed = context.get("distributed") or {}
+        return {
+            "index": distributed.get("worker_index"),
+            "role": distributed.get("role"),
+            "model_run": posixpath.dirname(self.name) or ".",
+            "evidence": context.get("worker_evidence") or {},
+        }
+
+    @functools.cached_property
+    def loss_scale(self) -> LossScale | None:
+        """The primary loss-scale series (the compiled optimizer's, or the
+        first LossScaleOptimizer the train step applied), or None."""
+        return self._loss_scale_series(None)
+
+    @functools.cached_property
+    def loss_scales(self) -> dict[str, LossScale]:
+        """Every loss-scale series by optimizer name: the primary one under
+        the name the run context gives it ("optimizer" in older runs), then
+        the series of each other LossScaleOptimizer the step used (a GAN's
+        `g_opt`, `d_opt`)."""
+        found = {}
+        if self.loss_scale is not None:
+            loss_scale = (self.context.get("collectors") or {}).get("loss_scale") or {}
+            found[str(loss_scale.get("primary", "optimizer"))] = self.loss_scale
+        prefix = schema.LOSS_SCALE_PROGRESS + schema.SERIES_SEPARATOR
+        for key in sorted(self.records):
+            if key.startswith(prefix):
+                series = key[len(prefix):]
+                found[series] = self._loss_scale_series(series)
+        return found
+
+    def _loss_scale_series(self, series: str | None) -> LossScale | None:
+        return record_views.loss_scale(
+            self._stacked(series_key(schema.LOSS_SCALE_EVENTS, series),
+                          len(schema.LOSS_SCALE_EVENT_COLUMNS)),
+            self._stacked(series_key(schema.LOSS_SCALE_PROGRESS, series),
+                          len(schema.LOSS_SCALE_PROGRESS_COLUMNS)),
+        )
+
+    @property
+    def health(self) -> dict | None:
+        return self.latest(schema.HEALTH)
+    @functools.cached_property
+    def numerics(self) -> Numerics | None:
+        """Per-layer numerics samples; None if the run holds no complete one."""
+        return record_views.numerics(self.latest(schema.NUMERICS_LAYOUT), self.records)
+
+    @functools.cached_property
+    def float8(self) -> Float8 | None:
+        """The float8 layers' scales and amax; None for a run without float8
+        layers (or recorded before mpprof recorded them)."""
+        return float8_records.float8(self.latest(schema.FLOAT8_LAYOUT), self.records)
+
+    @functools.cached_property
+    def gpu(self) -> Gpu | None:
+        """GPU samples and kernel share; None if the run recorded no GPU entry."""
+        return record_views.gpu(
+            self.context.get("collectors", {}).get("gpu"),
+            self._stacked(schema.GPU_SAMPLES, len(schema.GPU_SAMPLE_COLUMNS)),
+            self.latest(schema.KERNEL_STATS),
+        )
+
+    def _stacked(self, record: str, columns: int) -> np.ndarray:
+        return record_views.stacked_rows(self.records.get(record, []), columns)
+
+
+def list_runs(logdir: str | os.PathLike, on_warning: OnWarning | None = None) -> list[str]:
+    """Names of the runs under `logdir` that hold mpprof records, sorted.
+
+    A run's name is its directory relative to `logdir` ("." for logdir
+    itself), as TensorBoard names runs. Directories that cannot be listed and
+    mpprof-named entries that are not regular files (a FIFO, a dangling
+    symlink) are skipped, each with a warning; symlinks back into the logdir
+    are not followed.
+
+    Args:
+        logdir: a local path or a remote one (`gs://...`).
+        on_warning: receives each warning; by default they are logged.
+    """
+    logdir = _existing_logdir(logdir)
+    warn = on_warning or _log_warning
+    runs = set()
+
+    def unlisted(directory: str, error: OSError) -> None:
+        warn(f"{directory}: cannot be listed ({filesystem.error_text(error)}); skipped")
+
+    for directory, entries in filesystem.walk(logdir, on_error=unlisted):
+        files, others = _event_file_entries(entries)
+        for name in others:
+            warn(f"{filesystem.join(directory, name)}: {filesystem.Kind.OTHER.value}; skipped")
+        if files:
+            runs.add(filesystem.relative(directory, logdir))
+    return sorted(runs)
+
+
+def event_files(logdir: str | os.PathLike, run: str) -> list[str]:
+    """Paths of the mpprof event files of `run` (a name from `list_runs`), sorted.
+
+    Only regular files are listed. Raises NoMpprofDataError for a name that
+    is not a run under `logdir` (absolute paths and ".." included) or a run
+    without mpprof records, and OSError if its directory cannot be listed.
+    """
+    logdir = _existing_logdir(logdir)
+    parts = run.split("/")
+    if run.startswith("/") or "\\" in run or ".." in parts or "" in parts:
+        raise NoMpprofDataError(f"No run {run!r} in {logdir}")
+    path = logdir if run == "." else filesystem.join(logdir, run)
+    if not filesystem.isdir(path):
+        raise NoMpprofDataError(f"No run {run!r} in {logdir}")
+    files, _ = _event_file_entries(filesystem.scan(path))
+    if not files:
+        raise NoMpprofDataError(f"Run {run!r} in {logdir} holds no mpprof records")
+    return [filesystem.join(path, name) for name in sorted(files)]
+
+
+def read_run(logdir: str | os.PathLike, run: str) -> Run:
+    """Reads one run; raises NoMpprofDataError if it holds no mpprof records.
+
+    Raises:
+        NoMpprofDataError: `run` is not a run of `logdir`.
+        OSError: the run's directory cannot be listed.
+    """
+    files = event_files(logdir, run)
+    records: dict[str, list[Record]] = {}
+    warnings = ReadWarnings()
+    for path in files:
+        read_event_file(path, records, warnings)
+    for found in records.values():
+        found.sort(key=lambda r: (r.wall_time, r.step))
+    return Run(
+        name=run, path=filesystem.dirname(files[0]), records=records, warnings=warnings.lines()
+    )
+
+
+def read_logdir(logdir: str | os.PathLike, on_warning: OnWarning | None = None) -> dict[str, Run]:
+    """Reads every mpprof run under `logdir`, keyed by run name.
+
+    A run whose directory became unreadable since it was listed is skipped
+    with a warning, like any directory that cannot be listed.
+    """
+    warn = on_warning or _log_warning
+    runs = list_runs(logdir, warn)
+    if not runs:
+        raise no_runs_error(logdir)
+    read = {}
+    for name in runs:
+        try:
+            read[name] = read_run(logdir, name)
+        except OSError as e:
+            warn(f"run {name}: cannot be read ({filesystem.error_text(e)}); skipped")
+    return read
+
+
+def select_runs(logdir: str | os.PathLike, run: str | None = None,
+                on_warning: OnWarning | None = None) -> list[str]:
+    """The runs of `logdir` (see `list_runs`), or only `run`.
+
+    Raises:
+        NoMpprofDataError: `run` is not among them, or there is none at all.
+    """
+    names = list_runs(logdir, on_warning=on_warning)
+    if run is not None:
+        if run not in names:
+            raise NoMpprofDataError(
+                f"No mpprof run {run!r} in {os.fspath(logdir)}; its runs: "
+                f"{', '.join(names) or 'none'}"
+            )
+        names = [run]
+    if not names:
+        raise no_runs_error(logdir)
+    return names
+
+
+def no_runs_error(logdir: str | os.PathLike) -> NoMpprofDataError:
+    """The error for a logdir without mpprof runs, saying how to record one."""
+    return NoMpprofDataError(
+        f"{os.fspath(logdir)} holds no mpprof records. Record a run with "
+        "model.fit(..., callbacks=[mpprof.MixedPrecisionProfiler(log_dir=...)]) "
+        "and point mpprof at that log_dir."
+    )
+
+
+def _log_warning(text: str) -> None:
+    # Logs end up on terminals: a hostile directory name must not drive one.
+    logger.warning("%s", printable(text))
+
+
+def _event_file_entries(entries: list[filesystem.Entry]) -> tuple[list[str], list[str]]:
+    """Names of the mpprof event files among `entries`: (regular files, others)."""
+    files, others = [], []
+    for entry in entries:
+        if _is_mpprof_event_file(entry.name) and entry.kind is not filesystem.Kind.DIRECTORY:
+            (files if entry.kind is filesystem.Kind.FILE else others).append(entry.name)
+    return files, others
+
+
+def _is_mpprof_event_file(name: str) -> bool:
+    return "tfevents" in name and name.endswith(schema.EVENT_FILE_SUFFIX)
+
+
+def _existing_logdir(logdir: str | os.PathLike) -> str:
+    logdir = os.fspath(logdir)
+    try:
+        found = filesystem.isdir(logdir)
+    except OSError as e:
+        raise LogdirNotFoundError(f"Logdir {logdir!r} cannot be read ({e})") from e
+    if not found and not filesystem.is_remote(logdir) and os.path.isfile(logdir):
+        raise LogdirNotFoundError(
+            f"Logdir {logdir!r} is a file, not a directory: pass the log_dir given to "
+            "mpprof.MixedPrecisionProfiler (the directory that holds train/)."
+        )
+    if not found:
+        raise LogdirNotFoundError(
+            f"Logdir {logdir!r} does not exist: pass the log_dir given to "
+            "mpprof.MixedPrecisionProfiler."
+        )
+    return logdir

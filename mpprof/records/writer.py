@@ -1,0 +1,120 @@
+"""Writes mpprof records (see `mpprof.records.schema`) as TensorBoard event files.
+
+The files are TensorBoard's own (TFRecord frames, `tfrecord.frame`, of
+`Event` protos holding tensor summaries, as `tf.summary.write` writes them),
+so TensorBoard, the reader and the plugin read them as before; writing them
+needs neither TensorFlow nor any other framework.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import os
+import posixpath
+import socket
+import time
+
+import numpy as np
+from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+
+from mpprof.records import filesystem, schema, tfrecord
+
+# Event files of one process are told apart by this count, as TensorBoard's
+# own writer does (two writers may start in the same second).
+_FILE_COUNT = itertools.count()
+
+
+@functools.cache
+def _metadata(record: str) -> summary_pb2.SummaryMetadata:
+    return summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(
+            plugin_name=schema.PLUGIN_NAME, content=schema.plugin_content(record)
+        ),
+        # Without a data class, TensorBoard's data providers skip the series.
+        data_class=summary_pb2.DATA_CLASS_TENSOR,
+    )
+
+
+def event_file_name(wall_time: float) -> str:
+    """A new event file's name: TensorBoard's pattern (time, host, pid, a
+    count) and mpprof's suffix, which the reader looks for."""
+    return (f"events.out.tfevents.{int(wall_time):010d}.{socket.gethostname()}."
+            f"{os.getpid()}.{next(_FILE_COUNT)}{schema.EVENT_FILE_SUFFIX}")
+
+
+class RecordWriter:
+    """Writes records into one run directory.
+
+    Records go through the file's buffer: all of them are on disk after
+    `flush()` (and `close()`). Not thread-safe: one thread writes.
+
+    Args:
+        run_dir: directory of the run (created if missing); a local path or
+            any URL `mpprof.records.filesystem` writes.
+
+    Raises:
+        OSError: the run directory or its event file cannot be written.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.run_dir = os.fspath(run_dir)
+        filesystem.makedirs(self.run_dir)
+        wall_time = time.time()
+        self.path = filesystem.join(self.run_dir, event_file_name(wall_time))
+        self._file = filesystem.open_append(self.path)
+        self._add(event_pb2.Event(wall_time=wall_time, file_version="brain.Event:2"))
+        self.flush()
+
+    def write_json(self, record: str, value, step: int) -> None:
+        text = json.dumps(value, sort_keys=True, default=_json_default)
+        tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_STRING, string_val=[text.encode()])
+        self._write(record, tensor, step)
+
+    def write_array(self, record: str, value, step: int, series: str | None = None) -> None:
+        """Writes a float64 array; `series` names one of several series of a
+        record (see `schema.tag_for`)."""
+        array = np.ascontiguousarray(value, dtype="<f8")
+        tensor = tensor_pb2.TensorProto(
+            dtype=types_pb2.DT_DOUBLE,
+            tensor_shape=tensor_shape_pb2.TensorShapeProto(
+                dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=n) for n in array.shape]
+            ),
+            tensor_content=array.tobytes(),
+        )
+        self._write(record, tensor, step, series)
+
+    def write_file(self, relative_path: str, data: bytes) -> None:
+        """Writes `data` into the file `relative_path` of the run directory
+        (its folders created as needed), replacing any file there."""
+        path = filesystem.join(self.run_dir, *relative_path.split("/"))
+        filesystem.makedirs(posixpath.dirname(path) if filesystem.is_remote(path)
+                            else os.path.dirname(path))
+        filesystem.write_bytes(path, data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._file.close()
+
+    def _write(self, record: str, tensor: tensor_pb2.TensorProto, step: int,
+               series: str | None = None) -> None:
+        value = summary_pb2.Summary.Value(
+            tag=schema.tag_for(record, series), metadata=_metadata(record), tensor=tensor
+        )
+        self._add(event_pb2.Event(wall_time=time.time(), step=int(step),
+                                  summary=summary_pb2.Summary(value=[value])))
+
+    def _add(self, event: event_pb2.Event) -> None:
+        self._file.write(tfrecord.frame(event.SerializeToString()))
+
+
+def _json_default(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"Cannot write {type(value).__name__} into an mpprof record")
