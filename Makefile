@@ -32,6 +32,7 @@ demo: install
 	fi
 
 test: install
+	$(VENV)/bin/lint-imports
 	MPPROF_REQUIRE_TF_KERAS=1 $(PY) -m pytest -q
 
 lint: install

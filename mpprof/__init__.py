@@ -6,7 +6,7 @@ Add `mpprof.MixedPrecisionProfiler(log_dir)` to `model.fit`, then look at the
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from mpprof._version import __version__
 
 __all__ = ["MixedPrecisionProfiler", "__version__"]
 

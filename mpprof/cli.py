@@ -2,7 +2,7 @@
 
 Everything printed that comes from a logdir (run names, layer names,
 recorded text, warnings quoting file names) goes through
-`mpprof.display.terminal.printable`, so a hostile name cannot drive the terminal.
+`mpprof.terminal.printable`, so a hostile name cannot drive the terminal.
 Reading a local logdir imports neither TensorFlow nor Keras.
 """
 
@@ -15,12 +15,12 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 
-import mpprof
 from mpprof import diagnosis
-from mpprof.display.terminal import printable
+from mpprof._version import __version__
 from mpprof.records import filesystem, reader
 from mpprof.replay import files as replay_files
 from mpprof.replay import text as replay_text
+from mpprof.terminal import printable
 
 # Exit statuses, a public interface (CI gates read them): see `EXIT_STATUSES`.
 EXIT_OK = 0
@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_STATUSES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"mpprof {mpprof.__version__}")
+    parser.add_argument("--version", action="version", version=f"mpprof {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help: str) -> argparse.ArgumentParser:

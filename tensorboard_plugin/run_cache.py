@@ -17,8 +17,8 @@ from collections.abc import Callable, Hashable
 
 from tensorboard import errors
 
-from mpprof.display.terminal import printable
 from mpprof.records import filesystem, reader
+from mpprof.terminal import printable
 
 logger = logging.getLogger(__name__)
 

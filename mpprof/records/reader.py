@@ -29,13 +29,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mpprof.display.terminal import printable
 from mpprof.records import filesystem, schema
 from mpprof.records import float8 as float8_records
 from mpprof.records import views as record_views
 from mpprof.records.event_file import ReadWarnings, Record, read_event_file, series_key
 from mpprof.records.float8 import Float8
 from mpprof.records.views import Gpu, LossScale, Numerics
+from mpprof.terminal import printable
 
 __all__ = [
     "Float8",

@@ -236,16 +236,7 @@ def saved_results(logdir: str | os.PathLike, run: str) -> list[dict]:
 
 def write_result(capture: Capture, result: dict) -> None:
     """Saves a replay result beside its capture."""
-    path = filesystem.join(capture.path, RESULT)
-    data = json_bytes(result)
-    if filesystem.is_remote(path):
-        import tensorflow as tf
-
-        with tf.io.gfile.GFile(path, "wb") as f:
-            f.write(data)
-        return
-    with open(path, "wb") as f:
-        f.write(data)
+    filesystem.write_bytes(filesystem.join(capture.path, RESULT), json_bytes(result))
 
 
 def _read(path: str) -> bytes:

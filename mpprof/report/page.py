@@ -11,7 +11,7 @@ import datetime
 import json
 import pathlib
 
-import mpprof
+from mpprof._version import __version__
 from mpprof.report.sections import escape
 
 
@@ -36,7 +36,7 @@ def render_page(logdir: str, summary: str, sections: list[str], data: list[dict]
 </head><body>
 <header><h1>mpprof report</h1>
 <p>Logdir <code>{escape(logdir)}</code>, {len(sections)} run(s), generated {escape(generated)}
-by mpprof {escape(mpprof.__version__)}.</p></header>
+by mpprof {escape(__version__)}.</p></header>
 {summary}
 {"".join(sections)}
 <script type="application/json" id="mpprof-data">{payload}</script>

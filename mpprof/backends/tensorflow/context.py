@@ -8,7 +8,7 @@ import time
 import keras
 import tensorflow as tf
 
-import mpprof
+from mpprof._version import __version__
 from mpprof.backends.tf_keras import support as tf_keras_support
 
 
@@ -28,7 +28,7 @@ def run_context(
     strategy = model.distribute_strategy
     optimizer = model.optimizer
     context = {
-        "mpprof_version": mpprof.__version__,
+        "mpprof_version": __version__,
         "tensorflow_version": tf.__version__,
         "keras_version": tf_keras_support.keras_version(model),
         # "tf_keras" for a tf-keras (Keras 2) model, else "keras" (Keras 3).

@@ -39,7 +39,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import mpprof
+from mpprof._version import __version__
 from mpprof.backends.tensorflow.layer_calls import walk_layers
 from mpprof.backends.tf_keras import support as tf_keras_support
 from mpprof.recording.collectors.base import Collector
@@ -211,7 +211,7 @@ class ReplayCapture(Collector):
             "model_config": {"saved": config is not None, "note": config_note},
             "jit_compile": bool(getattr(model, "jit_compile", False)),
             "versions": {
-                "mpprof": mpprof.__version__, "tensorflow": tf.__version__,
+                "mpprof": __version__, "tensorflow": tf.__version__,
                 "keras": keras.__version__, "python": platform.python_version(),
                 "numpy": np.__version__,
             },
