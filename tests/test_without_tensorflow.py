@@ -53,7 +53,8 @@ SCRIPT = textwrap.dedent("""
     statuses = [test.Client(apps[route]).get(route, query_string=query).status_code
                 for route, query in (("/runs", {}), ("/findings", {"run": "train"}),
                                      ("/loss_scale", {"run": "train"}),
-                                     ("/numerics", {"run": "train", "direction": "forward", "stat": "abs_max"}))]
+                                     ("/numerics", {"run": "train", "direction": "forward",
+                                                    "stat": "abs_max"}))]
     print(json.dumps({"same": same, "records": len(copy.records), "findings": findings,
                       "expected": [f.code for f in diagnosis.evaluate(original).findings],
                       "codes": codes, "statuses": statuses, "warnings": copy.warnings}))
