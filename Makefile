@@ -21,11 +21,7 @@ install: $(VENV)/.installed
 # the demo trains on CPU with the plain kernels unless you set it yourself.
 demo: export TF_ENABLE_ONEDNN_OPTS ?= 0
 demo: install
-	rm -rf $(LOGDIR)/mnist_mixed_float16 $(LOGDIR)/overflow_storm
-	$(PY) examples/mnist_mixed_float16.py --log-dir $(LOGDIR)/mnist_mixed_float16
-	$(PY) examples/overflow_storm.py --log-dir $(LOGDIR)/overflow_storm
-	$(VENV)/bin/mpprof diagnose $(LOGDIR)
-	$(VENV)/bin/mpprof report $(LOGDIR) -o $(LOGDIR)/report.html
+	@$(PY) examples/demo.py --log-dir $(LOGDIR) --port $(PORT)
 	@if [ "$(SERVE)" = "1" ]; then \
 	  echo "Serving TensorBoard at http://127.0.0.1:$(PORT)/#mpprof (Ctrl+C to stop; SERVE=0 skips)"; \
 	  $(VENV)/bin/tensorboard --logdir $(LOGDIR) --host 127.0.0.1 --port $(PORT); \
