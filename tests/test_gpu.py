@@ -20,8 +20,8 @@ from fake_nvml import FakeGpu, FakeNvmlLibrary, ampere_gpu, installed
 
 import mpprof
 from mpprof.backends.tensorflow.hardware import hardware_facts
-from mpprof.recording.collectors import gpu
-from mpprof.recording.collectors.host import HostRecorder
+from mpprof.recording.collectors.gpu_host import HostRecorder
+from mpprof.recording.nvml import sampler as gpu
 from mpprof.records import reader, schema
 
 REPO = Path(__file__).resolve().parents[1]

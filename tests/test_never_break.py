@@ -14,14 +14,14 @@ import pytest
 import tensorflow as tf
 
 import mpprof
-from mpprof.backends.tensorflow.loss_scale import LossScaleCollector
+from mpprof.backends.tensorflow.loss_scale_series import LossScaleSeries
 from mpprof.backends.tensorflow.loss_scales import LossScales
-from mpprof.backends.tensorflow.loss_watch import LossHealthCollector
-from mpprof.backends.tensorflow.numerics import NumericsCollector
-from mpprof.backends.tensorflow.precision import PrecisionCollector
+from mpprof.backends.tensorflow.loss_watch import LossWatch
+from mpprof.backends.tensorflow.numerics_taps import NumericsTaps
+from mpprof.backends.tensorflow.precision_tracer import PrecisionTracer
 from mpprof.backends.tensorflow.run_health import RunHealth
 from mpprof.backends.tensorflow.train_functions import TrainFunctions
-from mpprof.recording.collectors.host import HostRecorder
+from mpprof.recording.collectors.gpu_host import HostRecorder
 from mpprof.recording.collectors.inventory import Inventory
 from mpprof.recording.collectors.numerics_samples import NumericsSamples
 from mpprof.recording.profiled_fit import ProfiledFit
@@ -341,12 +341,12 @@ INJECTIONS = [
     ("numerics", NumericsSamples, "after_sample"),
     ("loss_health", RunHealth, "record"),
     ("precision", Inventory, "after_call"),
-    ("precision", PrecisionCollector, "inventory"),
+    ("precision", PrecisionTracer, "inventory"),
     ("gpu", HostRecorder, "flush"),
-    ("numerics", NumericsCollector, "on_call"),
-    ("loss_scale", LossScaleCollector, "_append"),
-    ("loss_health", LossHealthCollector, "_watch"),
-    ("precision", PrecisionCollector, "on_call"),
+    ("numerics", NumericsTaps, "on_call"),
+    ("loss_scale", LossScaleSeries, "_append"),
+    ("loss_health", LossWatch, "_watch"),
+    ("precision", PrecisionTracer, "on_call"),
 ]
 
 

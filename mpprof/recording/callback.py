@@ -10,8 +10,8 @@ import keras
 
 from mpprof.backends import check_backend
 from mpprof.recording import arguments, profiled_fit
-from mpprof.recording.collectors import gpu as gpu_collector
 from mpprof.recording.distributed import warn_if_keras_3_multi_worker
+from mpprof.recording.nvml import sampler as gpu_collector
 from mpprof.recording.sampling import SampleSchedule
 from mpprof.records import schema
 

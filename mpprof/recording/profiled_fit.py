@@ -19,16 +19,16 @@ import weakref
 from typing import TYPE_CHECKING
 
 from mpprof.backends import backend_for
-from mpprof.recording.collectors import step_origin
+from mpprof.recording import step_origin
 from mpprof.recording.collectors.base import Collector
-from mpprof.recording.collectors.host import HostRecorder
+from mpprof.recording.collectors.gpu_host import HostRecorder
 from mpprof.recording.collectors.inventory import Inventory
 from mpprof.recording.collectors.numerics_samples import NumericsSamples
-from mpprof.recording.collectors.optimizers import OptimizerUsage
 from mpprof.recording.distributed import announce_keras_3_multi_worker, worker_role
 from mpprof.recording.fit_state import FitState
 from mpprof.recording.guard import Guard
 from mpprof.recording.hard_stop import FlushClock, SigtermFlush
+from mpprof.recording.optimizer_usage import OptimizerUsage
 from mpprof.recording.patching import Patches
 from mpprof.recording.routing import RecordRouting
 from mpprof.recording.siblings import sibling_callbacks
@@ -193,7 +193,7 @@ class ProfiledFit:
         self._health = api.RunHealth(api, usage, strategy, self._loss_scales.graph_step_of,
                                  self._across_fits.health, instrumenting)
         self._numerics = NumericsSamples(
-            api.numerics_collector, self._inventory, self._loss_scales, self._health,
+            api.numerics_taps, self._inventory, self._loss_scales, self._health,
             {"every": profiler.numerics_every, "forensic_budget": profiler.forensic_budget,
              "forensic_spacing": profiler.forensic_spacing},
         )

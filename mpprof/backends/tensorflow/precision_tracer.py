@@ -21,7 +21,7 @@ from mpprof.dtypes import HALF_DTYPES, gemm_multiple
 from mpprof.records import schema
 
 
-class PrecisionCollector:
+class PrecisionTracer:
     """Builds the precision inventory of `model`; a `LayerCallPatch` hook.
 
     Args:
