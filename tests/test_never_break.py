@@ -278,8 +278,9 @@ def test_numpy_scalars_are_accepted_by_every_numeric_argument(tmp_path):
         flush_every_seconds=np.float32(2.5), gpu_interval=np.float32(0.5),
         profile_steps=(np.int64(1), np.int64(2)),
     )
-    assert (profiler.numerics_every, profiler.flush_every_seconds, profiler.gpu_interval,
-            profiler.profile_steps) == (3, 2.5, 0.5, (1, 2))
+    settings = profiler.settings
+    assert (settings.numerics_every, settings.flush_every_seconds, settings.gpu_interval,
+            settings.profile_steps) == (3, 2.5, 0.5, (1, 2))
 
 
 def test_two_profilers_in_one_fit_are_refused(tmp_path):
