@@ -18,6 +18,7 @@ import pynvml
 import pytest
 from conftest import BatchTimes, mnist_like, seed_model
 from fake_nvml import FakeGpu, FakeNvmlLibrary, ampere_gpu, installed
+from real_nvml import nvml_on_this_machine
 
 import mpprof
 from mpprof import reader, schema
@@ -73,28 +74,6 @@ def fit_with(profiler, steps: int = 4, before=(), after=()):
 
 
 # ---------------------------------------------------------------- real path
-
-
-def nvml_on_this_machine() -> dict | None:
-    """What the real NVML says here, asked directly through pynvml: None
-    without the library, else {uuid: (total memory, GPM supported)} per GPU."""
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError_LibraryNotFound:
-        return None
-    try:
-        gpus = {}
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            try:
-                gpm = bool(pynvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice)
-            except pynvml.NVMLError:
-                gpm = False
-            uuid = pynvml.nvmlDeviceGetUUID(handle)
-            gpus[uuid] = (pynvml.nvmlDeviceGetMemoryInfo(handle).total, gpm)
-        return gpus
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def test_the_real_nvml_path_records_what_this_machine_has(tmp_path):
