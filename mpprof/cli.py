@@ -2,7 +2,7 @@
 
 Everything printed that comes from a logdir (run names, layer names,
 recorded text, warnings quoting file names) goes through
-`mpprof.terminal.printable`, so a hostile name cannot drive the terminal.
+`mpprof.display.terminal.printable`, so a hostile name cannot drive the terminal.
 Reading a local logdir imports neither TensorFlow nor Keras.
 """
 
@@ -20,7 +20,7 @@ from mpprof._version import __version__
 from mpprof.records import filesystem, reader
 from mpprof.replay import files as replay_files
 from mpprof.replay import text as replay_text
-from mpprof.terminal import printable
+from mpprof.display.terminal import printable
 
 # Exit statuses, a public interface (CI gates read them): see `EXIT_STATUSES`.
 EXIT_OK = 0

@@ -18,7 +18,7 @@ from collections.abc import Callable, Hashable
 from tensorboard import errors
 
 from mpprof.records import filesystem, reader
-from mpprof.terminal import printable
+from mpprof.display.terminal import printable
 
 logger = logging.getLogger(__name__)
 

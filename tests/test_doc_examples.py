@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from mpprof import reader
+from mpprof.records import reader
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -35,7 +35,7 @@ from mpprof.records import views as record_views
 from mpprof.records.event_file import ReadWarnings, Record, read_event_file, series_key
 from mpprof.records.float8 import Float8
 from mpprof.records.views import Gpu, LossScale, Numerics
-from mpprof.terminal import printable
+from mpprof.display.terminal import printable
 
 __all__ = [
     "Float8",
