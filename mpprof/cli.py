@@ -135,6 +135,8 @@ def _read(logdir: str, run: str | None,
             runs[name] = reader.read_run(logdir, name)
         except OSError as e:
             _warn(f"run {name}: cannot be read ({e.strerror or e}); skipped")
+        except reader.NoMpprofDataError as e:  # removed since it was listed
+            _warn(f"run {name}: {e}; skipped")
     return runs, chatty
 
 
@@ -194,7 +196,7 @@ def _diagnose(args) -> int:
 def _replays_of(logdir: str, run: str, replay_missing: bool) -> list[dict]:
     """The run's replay results; with `replay_missing`, captures without one
     are replayed first (imports TensorFlow)."""
-    captures = replay_files.find_captures(logdir, run)
+    captures = replay_files.find_captures(logdir, run, on_skipped=_warn)
     if replay_missing:
         for capture in captures:
             if capture.result() is None:
@@ -248,7 +250,8 @@ def _report(args) -> int:
 def _replay(args) -> int:
     names = reader.select_runs(args.logdir, args.run, on_warning=_warn)
     with_captures = [name for name in names
-                     if replay_files.find_captures(args.logdir, name)]
+                     if replay_files.find_captures(args.logdir, name, on_skipped=_warn)
+                     or _has_step_folder(args.logdir, name, args.step)]
     if not with_captures:
         raise replay_files.NoCaptureError(
             f"no replay capture in {args.logdir} (runs: {', '.join(names)}): mpprof "
@@ -273,11 +276,23 @@ def _replay(args) -> int:
     return EXIT_OK
 
 
+def _has_step_folder(logdir: str, run: str, step: int | None) -> bool:
+    """Whether `run` has a folder for the capture of `step` (readable or not:
+    asking for a damaged one must name its damage, not say it is missing)."""
+    if step is None:
+        return False
+    folder = filesystem.join(replay_files.run_path(logdir, run), replay_files.step_folder(step))
+    try:
+        return filesystem.isdir(folder)
+    except OSError:
+        return False
+
+
 def _bundle(args) -> int:
     from mpprof.replay import bundle
 
     written = bundle.write_bundle(args.logdir, args.output, run=args.run, step=args.step,
-                                  include_batch=args.include_batch)
+                                  include_batch=args.include_batch, on_skipped=_warn)
     held = "with the batch and weights" if args.include_batch else (
         "statistics and shapes only (no batch, no weights: --include-batch adds them)")
     _say([f"mpprof: wrote {written['path']} ({written['bytes'] / 1e3:.0f} kB): run "

@@ -238,7 +238,12 @@ def event_files(logdir: str | os.PathLike, run: str) -> list[str]:
     """
     logdir = _existing_logdir(logdir)
     parts = run.split("/")
-    if run.startswith("/") or "\\" in run or ".." in parts or "" in parts:
+    # A backslash is an ordinary character of a POSIX or object-store name
+    # (`list_runs` lists such runs); only where it separates paths (Windows)
+    # could it reach outside the logdir.
+    separators = "\\" in run and not filesystem.is_remote(logdir) and (
+        os.sep == "\\" or os.altsep == "\\")
+    if run.startswith("/") or separators or ".." in parts or "" in parts:
         raise NoMpprofDataError(f"No run {run!r} in {logdir}")
     path = logdir if run == "." else filesystem.join(logdir, run)
     if not filesystem.isdir(path):
@@ -284,6 +289,8 @@ def read_logdir(logdir: str | os.PathLike, on_warning: OnWarning | None = None) 
             read[name] = read_run(logdir, name)
         except OSError as e:
             warn(f"run {name}: cannot be read ({filesystem.error_text(e)}); skipped")
+        except NoMpprofDataError as e:  # removed since it was listed
+            warn(f"run {name}: {e}; skipped")
     return read
 
 

@@ -1,0 +1,80 @@
+"""Logdirs as a sweep makes them, read without a framework: odd run names,
+many runs, concurrent writers, what `diagnose --format json` says of each run,
+and the HTML report's escaping. Runs are written with `RecordWriter` (the
+callback's own writer); the plugin is served by TensorBoard's WSGI app."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from werkzeug import test as werkzeug_test
+
+from mpprof import cli
+from mpprof.records import reader, schema
+from mpprof.records.writer import RecordWriter
+
+ROUTE = "/data/plugin/mpprof/"
+
+
+def small_run(run_dir, *, steps: int = 40, scale: float = 2.0**15, fit_state="ended",
+              model_policy: str = "mixed_float16") -> None:
+    """A run as the callback leaves it: context, loss-scale progress."""
+    writer = RecordWriter(run_dir)
+    writer.write_json(schema.RUN_CONTEXT, {
+        "model_policy": model_policy, "global_policy": model_policy,
+        "optimizer": "LossScaleOptimizer", "fit_state": fit_state}, 0)
+    writer.write_array(schema.LOSS_SCALE_PROGRESS, [steps, scale, 0.0], steps)
+    writer.close()
+
+
+def plugin_client(logdir) -> werkzeug_test.Client:
+    """TensorBoard's WSGI app serving only the mpprof plugin over `logdir`
+    (the plugin reads the logdir itself; no event multiplexer needed)."""
+    from tensorboard.backend import application
+    from tensorboard.plugins import base_plugin
+
+    from tensorboard_plugin_mpprof.plugin import MpprofPluginLoader
+
+    plugin = MpprofPluginLoader().load(base_plugin.TBContext(logdir=str(logdir)))
+    return werkzeug_test.Client(application.TensorBoardWSGI([plugin]))
+
+
+def get_json(client, route: str, **params):
+    response = client.get(ROUTE + route, query_string=params)
+    assert response.status_code == 200, response.get_data(as_text=True)
+    return json.loads(response.get_data())
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpprof.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+# ------------------------------------------------------- fault 1: run names
+
+
+def test_a_run_name_with_a_backslash_is_read_everywhere(tmp_path):
+    small_run(tmp_path / "sweep\\lr=0.1" / "train")
+    small_run(tmp_path / "plain" / "train")
+    runs = reader.read_logdir(tmp_path)
+    assert sorted(runs) == ["plain/train", "sweep\\lr=0.1/train"]
+    assert runs["sweep\\lr=0.1/train"].readable
+    for command in ("summary", "diagnose", "report"):
+        extra = ["-o", tmp_path / "r.html"] if command == "report" else []
+        done = run_cli(command, tmp_path, *extra)
+        assert done.returncode == cli.EXIT_OK, (command, done.stderr)
+    assert "sweep\\lr=0.1/train" in run_cli("summary", tmp_path).stdout
+    names = [r["run"] for r in get_json(plugin_client(tmp_path), "runs")["runs"]]
+    assert sorted(names) == ["plain/train", "sweep\\lr=0.1/train"]
+    context = get_json(plugin_client(tmp_path), "context", run="sweep\\lr=0.1/train")
+    assert context
+
+
+@pytest.mark.parametrize("name", ["..\\..\\etc", "a\\..\\b"])
+def test_a_backslash_name_that_is_not_a_run_is_still_refused(tmp_path, name):
+    small_run(tmp_path / "train")
+    with pytest.raises(reader.NoMpprofDataError):
+        reader.read_run(tmp_path, name)
