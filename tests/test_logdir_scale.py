@@ -78,3 +78,20 @@ def test_a_backslash_name_that_is_not_a_run_is_still_refused(tmp_path, name):
     small_run(tmp_path / "train")
     with pytest.raises(reader.NoMpprofDataError):
         reader.read_run(tmp_path, name)
+
+
+# ------------------------------------------- fault 6: the report's run names
+
+
+def test_the_html_report_escapes_bidi_overrides_and_controls_of_run_names(tmp_path):
+    hostile = "evil\u202egnp.exe\x1b[2J"
+    small_run(tmp_path / hostile / "train")
+    output = tmp_path / "report.html"
+    done = run_cli("report", tmp_path, "-o", output, "-q")
+    assert done.returncode == cli.EXIT_OK, done.stderr
+    page = output.read_text(encoding="utf-8")
+    head, _, rest = page.partition('<script type="application/json" id="mpprof-data">')
+    data, _, tail = rest.partition("</script>")
+    for text in (head, tail, json.dumps(json.loads(data), ensure_ascii=False)):
+        assert "\u202e" not in text and "\x1b" not in text
+    assert "evil\\u202egnp.exe\\x1b[2J/train" in head

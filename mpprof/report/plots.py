@@ -15,6 +15,7 @@ import numpy as np
 from mpprof import diagnosis
 from mpprof.display import downsample, headroom
 from mpprof.display import float8 as float8_view
+from mpprof.display.terminal import printable
 from mpprof.jsonsafe import json_floats
 from mpprof.records import reader, schema
 
@@ -212,5 +213,6 @@ def _gpu_data(gpu: reader.Gpu) -> list[dict]:
 
 
 def _label(text) -> str:
-    """`text` for a plotly label: plotly renders labels as markup, so escape it."""
-    return html.escape(str(text), quote=False)
+    """`text` for a plotly label: plotly renders labels as markup, so escape
+    it, and control and bidi-override characters too (see `sections.escape`)."""
+    return html.escape(printable(text), quote=False)

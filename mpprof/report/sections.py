@@ -11,6 +11,7 @@ import html
 import json
 
 from mpprof import diagnosis
+from mpprof.display.terminal import printable
 from mpprof.records import reader
 from mpprof.replay import text as replay_text
 
@@ -22,8 +23,10 @@ MAX_OPEN_TABLE_ROWS = 40
 
 
 def escape(value) -> str:
-    """`value` as HTML text (None as nothing)."""
-    return html.escape("" if value is None else str(value))
+    """`value` as HTML text (None as nothing), control and bidi-override
+    characters written as escapes (as the terminal shows them): U+202E would
+    reverse a run name on the page."""
+    return html.escape("" if value is None else printable(value))
 
 
 def run_section(index: int, run: reader.Run, result: diagnosis.Diagnosis, data: dict,
