@@ -175,13 +175,18 @@ def _diagnose(args) -> int:
             _warn(f"run {name}: {warning}")
     if args.format == "json":
         rows = [
-            {"run": name, **finding.to_dict(), **_replay_field(finding, replays[name])}
+            {"run": name, "fit_state": _fit_state(runs[name]), **finding.to_dict(),
+             **_replay_field(finding, replays[name])}
             for name, result in results.items()
             for finding in result.findings
         ]
         rows.sort(key=lambda row: diagnosis.SEVERITIES.index(row["severity"]))
         # json.dumps escapes control characters (ensure_ascii).
         print(json.dumps(rows, indent=2))
+    elif args.format == "json-runs":
+        print(json.dumps({"runs": [
+            _run_json(run, results.get(name), replays[name]) for name, run in runs.items()
+        ]}, indent=2))
     else:
         color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
         print("\n\n".join(_diagnosis_text(run, results.get(name), color, replays[name])
@@ -191,6 +196,32 @@ def _diagnose(args) -> int:
         return status
     findings = [f for result in results.values() for f in result.findings]
     return EXIT_FINDINGS if diagnosis.exceeds(findings, args.fail_on) else EXIT_OK
+
+
+def _fit_state(run: reader.Run) -> str:
+    """How the run's (latest) fit stands: "ended", "failed", "cut_short" (it
+    never recorded its end: killed, or still training), or "unknown" (a run
+    recorded before mpprof said, or nothing readable)."""
+    stopped = run.cut_short
+    if stopped is not None:
+        return "failed" if stopped["fit_state"] == "failed" else "cut_short"
+    return "ended" if run.context.get("fit_state") else "unknown"
+
+
+def _run_json(run: reader.Run, result, replays: list[dict]) -> dict:
+    """One run of `diagnose --format json-runs`: every run, readable or not."""
+    findings = [] if result is None else [
+        {**f.to_dict(), **_replay_field(f, replays)} for f in result.findings]
+    findings.sort(key=lambda row: diagnosis.SEVERITIES.index(row["severity"]))
+    return {
+        "run": run.name,
+        "readable": run.readable,
+        "fit_state": _fit_state(run),
+        "cut_short": run.cut_short,
+        "recording_stopped": getattr(run, "recording_stopped", None),
+        "warnings": run.warnings,
+        "findings": findings,
+    }
 
 
 def _replays_of(logdir: str, run: str, replay_missing: bool) -> list[dict]:
@@ -329,7 +360,11 @@ def build_parser() -> argparse.ArgumentParser:
     diagnose = command("diagnose", "list what is wrong in LOGDIR's runs and what to change")
     diagnose.add_argument("logdir")
     diagnose.add_argument("--run", help="only this run (as `mpprof summary` names it)")
-    diagnose.add_argument("--format", choices=("text", "json"), default="text")
+    diagnose.add_argument(
+        "--format", choices=("text", "json", "json-runs"), default="text",
+        help="json: a list of findings, most severe first, each with its run and the "
+             "run's fit_state; json-runs: every run (unreadable ones too) with its fit "
+             "state, warnings and findings")
     diagnose.add_argument(
         "--fail-on", choices=("critical", "warning"), default=None,
         help=f"exit with status {EXIT_FINDINGS} if a finding is at least this severe (for CI)",

@@ -95,3 +95,26 @@ def test_the_html_report_escapes_bidi_overrides_and_controls_of_run_names(tmp_pa
     for text in (head, tail, json.dumps(json.loads(data), ensure_ascii=False)):
         assert "\u202e" not in text and "\x1b" not in text
     assert "evil\\u202egnp.exe\\x1b[2J/train" in head
+
+
+# --------------------------------------- fault 5: diagnose's JSON, every run
+
+
+def test_diagnose_json_says_each_run_s_fit_state_and_lists_unreadable_runs(tmp_path):
+    small_run(tmp_path / "ended" / "train")
+    small_run(tmp_path / "killed" / "train", fit_state="running")
+    small_run(tmp_path / "raised" / "train", fit_state="failed")
+    (tmp_path / "corrupt" / "train").mkdir(parents=True)
+    name = "events.out.tfevents.1.host.1.0" + schema.EVENT_FILE_SUFFIX
+    (tmp_path / "corrupt" / "train" / name).write_bytes(b"\0" * 64)
+    done = run_cli("diagnose", tmp_path, "--format", "json-runs")
+    assert done.returncode == cli.EXIT_UNREADABLE, done.stderr
+    runs = {r["run"]: r for r in json.loads(done.stdout)["runs"]}
+    assert set(runs) == {"ended/train", "killed/train", "raised/train", "corrupt/train"}
+    assert runs["ended/train"]["fit_state"] == "ended"
+    assert runs["killed/train"]["fit_state"] == "cut_short"
+    assert runs["killed/train"]["cut_short"]["step"] == 40
+    assert runs["raised/train"]["fit_state"] == "failed"
+    assert runs["corrupt/train"]["readable"] is False and runs["corrupt/train"]["warnings"]
+    rows = json.loads(run_cli("diagnose", tmp_path, "--format", "json").stdout)
+    assert {row["fit_state"] for row in rows if row["run"] == "killed/train"} == {"cut_short"}
