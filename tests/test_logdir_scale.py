@@ -6,6 +6,7 @@ callback's own writer); the plugin is served by TensorBoard's WSGI app."""
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -16,16 +17,19 @@ from mpprof import cli
 from mpprof.records import reader, schema
 from mpprof.records.writer import RecordWriter
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from synthetic_logdir import write_synthetic_run
+
 ROUTE = "/data/plugin/mpprof/"
 
 
 def small_run(run_dir, *, steps: int = 40, scale: float = 2.0**15, fit_state="ended",
-              model_policy: str = "mixed_float16") -> None:
+              model_policy: str = "mixed_float16", optimizer: str = "LossScaleOptimizer") -> None:
     """A run as the callback leaves it: context, loss-scale progress."""
     writer = RecordWriter(run_dir)
     writer.write_json(schema.RUN_CONTEXT, {
         "model_policy": model_policy, "global_policy": model_policy,
-        "optimizer": "LossScaleOptimizer", "fit_state": fit_state}, 0)
+        "optimizer": optimizer, "fit_state": fit_state}, 0)
     writer.write_array(schema.LOSS_SCALE_PROGRESS, [steps, scale, 0.0], steps)
     writer.close()
 
@@ -102,7 +106,8 @@ def test_the_html_report_escapes_bidi_overrides_and_controls_of_run_names(tmp_pa
 
 def test_diagnose_json_says_each_run_s_fit_state_and_lists_unreadable_runs(tmp_path):
     small_run(tmp_path / "ended" / "train")
-    small_run(tmp_path / "killed" / "train", fit_state="running")
+    write_synthetic_run(tmp_path / "killed" / "train", steps=4000, layers=3, samples=4)
+    small_run(tmp_path / "killed" / "train", fit_state="running", steps=4000)
     small_run(tmp_path / "raised" / "train", fit_state="failed")
     (tmp_path / "corrupt" / "train").mkdir(parents=True)
     name = "events.out.tfevents.1.host.1.0" + schema.EVENT_FILE_SUFFIX
@@ -113,7 +118,8 @@ def test_diagnose_json_says_each_run_s_fit_state_and_lists_unreadable_runs(tmp_p
     assert set(runs) == {"ended/train", "killed/train", "raised/train", "corrupt/train"}
     assert runs["ended/train"]["fit_state"] == "ended"
     assert runs["killed/train"]["fit_state"] == "cut_short"
-    assert runs["killed/train"]["cut_short"]["step"] == 40
+    assert runs["killed/train"]["cut_short"]["step"] == 4000
+    assert runs["killed/train"]["findings"]
     assert runs["raised/train"]["fit_state"] == "failed"
     assert runs["corrupt/train"]["readable"] is False and runs["corrupt/train"]["warnings"]
     rows = json.loads(run_cli("diagnose", tmp_path, "--format", "json").stdout)
