@@ -93,6 +93,13 @@ _NOTHING_READABLE = "nothing readable: no record of this run could be read (see 
 def _cut_short_text(run: reader.Run) -> str | None:
     """The line saying a run's fit stopped without recording its end."""
     stopped = run.cut_short
+    lost = run.recording_stopped
+    if stopped is None and lost is not None:
+        return (
+            f"the records stop at step {lost['records_until_step']}: writing them failed "
+            f"({lost['reason']}); the fit went on and {lost['fit_state']} at step "
+            f"{lost['fit_step']}"
+        )
     if stopped is None:
         return None
     when = datetime.datetime.fromtimestamp(stopped["wall_time"], datetime.timezone.utc)
@@ -218,7 +225,7 @@ def _run_json(run: reader.Run, result, replays: list[dict]) -> dict:
         "readable": run.readable,
         "fit_state": _fit_state(run),
         "cut_short": run.cut_short,
-        "recording_stopped": getattr(run, "recording_stopped", None),
+        "recording_stopped": run.recording_stopped,
         "warnings": run.warnings,
         "findings": findings,
     }

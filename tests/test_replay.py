@@ -290,7 +290,7 @@ def test_a_full_disk_during_a_capture_does_not_break_fit(tmp_path):
                             timeout=300, cwd=TESTS)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "FIT COMPLETED" in result.stdout
-    assert "stopped recording recording" in result.stdout
+    assert "mpprof: stopped writing its records" in result.stdout
     assert "File too large" in result.stdout or "No space" in result.stdout
     # The capture never got its manifest: it is not offered for replay.
     assert files.find_captures(str(tmp_path), "train") == []

@@ -464,10 +464,15 @@ class ProfiledFit:
             for failure in self._patches.restore():
                 print(f"mpprof: could not undo a patch ({failure})")
             self._fit = None
-            self._routing.close()
+            self._routing.close(self._fit_state, self._ended_at_step(fit))
             self._routing = None
             if _ACTIVE.get(self.model) is self:
                 del _ACTIVE[self.model]
+
+    def _ended_at_step(self, fit: FitState | None) -> int:
+        if fit is not None:
+            return fit.step
+        return self._across_fits.last_step or 0
 
     # The run context.
 

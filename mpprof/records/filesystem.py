@@ -193,6 +193,18 @@ def write_bytes(path: str, data: bytes) -> None:
         f.write(data)
 
 
+def overwrite_bytes(path: str, data: bytes) -> None:
+    """Writes `data` at the start of the file `path`, in place where the file
+    exists (its blocks reused: no new space needed when `data` is no longer
+    than the file), else as a new file; raises OSError."""
+    if is_remote(path):
+        write_bytes(path, data)
+        return
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+    with os.fdopen(descriptor, "wb") as f:
+        f.write(data)
+
+
 class _RemoteFile:
     """A `tf.io.gfile.GFile` whose errors are OSErrors."""
 

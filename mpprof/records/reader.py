@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import posixpath
@@ -78,6 +79,9 @@ class Run:
     path: str
     records: dict[str, list[Record]]
     warnings: list[str]
+    # How each writer's fit ended, from its fit-end file (see
+    # `schema.fit_end_name`), newest writer last; empty for older logs.
+    fit_ends: list[dict] = dataclasses.field(default_factory=list)
 
     def latest(self, record: str):
         found = self.records.get(record)
@@ -113,8 +117,32 @@ class Run:
         state = self.context.get("fit_state")
         if state in (None, "ended") or self.last_record is None:
             return None
+        # The records stop early when a full disk stopped them: the fit-end
+        # file, reserved at the start, says whether the fit itself ended.
+        end = self.fit_ends[-1] if self.fit_ends else {}
+        if end.get("fit_state") == schema.FIT_ENDED:
+            return None
+        if end.get("fit_state") == schema.FIT_FAILED:
+            state = schema.FIT_FAILED
         step, wall_time = self.last_record
         return {"fit_state": state, "step": step, "wall_time": wall_time}
+
+    @property
+    def recording_stopped(self) -> dict | None:
+        """When a failed write (a full disk) stopped the records while the fit
+        went on: `{"reason", "records_until_step", "fit_state" (how the fit
+        ended), "fit_step" (its last step), "wall_time" (its end)}`, else None.
+        """
+        end = self.fit_ends[-1] if self.fit_ends else {}
+        if not end.get("recording_stopped"):
+            return None
+        return {
+            "reason": str(end["recording_stopped"]),
+            "records_until_step": self.last_record[0] if self.last_record else None,
+            "fit_state": end.get("fit_state"),
+            "fit_step": end.get("step"),
+            "wall_time": end.get("wall_time"),
+        }
 
     @property
     def context(self) -> dict:
@@ -254,6 +282,30 @@ def event_files(logdir: str | os.PathLike, run: str) -> list[str]:
     return [filesystem.join(path, name) for name in sorted(files)]
 
 
+def _fit_ends(paths: list[str]) -> list[dict]:
+    """The fit-end files of the event files `paths` that have one, oldest
+    writer first (by the start time in each event file's name)."""
+    found = []
+    for path in sorted(paths, key=_start_time):
+        end = filesystem.join(filesystem.dirname(path),
+                              schema.fit_end_name(posixpath.basename(path.replace(os.sep, "/"))))
+        try:
+            with filesystem.open_file(end) as f:
+                value = json.loads(f.read(schema.FIT_END_SIZE * 2))
+        except (OSError, ValueError):
+            continue  # older logs, or a writer that could not reserve it
+        if isinstance(value, dict) and isinstance(value.get("fit_state"), str):
+            found.append(value)
+    return found
+
+
+def _start_time(path: str) -> tuple[int, str]:
+    """An event file's start time from its name (`...tfevents.<time>....`)."""
+    name = posixpath.basename(path.replace(os.sep, "/"))
+    parts = name.split("tfevents.", 1)[-1].split(".", 1)
+    return (int(parts[0]) if parts[0].isdigit() else 0, name)
+
+
 def read_run(logdir: str | os.PathLike, run: str) -> Run:
     """Reads one run; raises NoMpprofDataError if it holds no mpprof records.
 
@@ -269,7 +321,8 @@ def read_run(logdir: str | os.PathLike, run: str) -> Run:
     for found in records.values():
         found.sort(key=lambda r: (r.wall_time, r.step))
     return Run(
-        name=run, path=filesystem.dirname(files[0]), records=records, warnings=warnings.lines()
+        name=run, path=filesystem.dirname(files[0]), records=records, warnings=warnings.lines(),
+        fit_ends=_fit_ends(files),
     )
 
 
