@@ -7,15 +7,21 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
 import pytest
+from tensorboard.backend import application
+from tensorboard.plugins import base_plugin
 from werkzeug import test as werkzeug_test
 
 from mpprof import cli
 from mpprof.records import reader, schema
 from mpprof.records.writer import RecordWriter
+from tensorboard_plugin_mpprof import run_cache
+from tensorboard_plugin_mpprof.plugin import MpprofPluginLoader
+from tensorboard_plugin_mpprof.routes import MpprofPlugin
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 from synthetic_logdir import write_synthetic_run
@@ -37,11 +43,6 @@ def small_run(run_dir, *, steps: int = 40, scale: float = 2.0**15, fit_state="en
 def plugin_client(logdir) -> werkzeug_test.Client:
     """TensorBoard's WSGI app serving only the mpprof plugin over `logdir`
     (the plugin reads the logdir itself; no event multiplexer needed)."""
-    from tensorboard.backend import application
-    from tensorboard.plugins import base_plugin
-
-    from tensorboard_plugin_mpprof.plugin import MpprofPluginLoader
-
     plugin = MpprofPluginLoader().load(base_plugin.TBContext(logdir=str(logdir)))
     return werkzeug_test.Client(application.TensorBoardWSGI([plugin]))
 
@@ -124,3 +125,37 @@ def test_diagnose_json_says_each_run_s_fit_state_and_lists_unreadable_runs(tmp_p
     assert runs["corrupt/train"]["readable"] is False and runs["corrupt/train"]["warnings"]
     rows = json.loads(run_cli("diagnose", tmp_path, "--format", "json").stdout)
     assert {row["fit_state"] for row in rows if row["run"] == "killed/train"} == {"cut_short"}
+
+
+# ------------------------------------------------------- build 1: many runs
+
+
+def test_a_sweep_is_read_once_then_only_what_changed(tmp_path, monkeypatch, caplog):
+    for i in range(30):
+        small_run(tmp_path / f"lr_{i:03d}" / "train", steps=10 + i)
+    monkeypatch.setattr(run_cache, "_RUN_LIST_TTL_S", 0.0)  # every request walks
+    # A budget below one run's read: full reads are dropped, summaries stay.
+    monkeypatch.setenv("MPPROF_CACHE_MB", "0")
+    reads = []
+    real_read = reader.read_run
+    monkeypatch.setattr(run_cache.reader, "read_run",
+                        lambda logdir, run: reads.append(run) or real_read(logdir, run))
+    plugin = MpprofPlugin(base_plugin.TBContext(logdir=str(tmp_path)))
+    client = werkzeug_test.Client(application.TensorBoardWSGI([plugin]))
+    with caplog.at_level("WARNING"):
+        first = get_json(client, "runs")["runs"]
+    assert [r["run"] for r in first] == [f"lr_{i:03d}/train" for i in range(30)]
+    assert first[7]["loss_scale"]["steps_run"] == 17
+    assert len(reads) == 30 and "mpprof: reading 30 runs" in caplog.text
+    assert "mpprof: read 30 runs in" in caplog.text
+    assert get_json(client, "runs")["runs"] == first and len(reads) == 30
+    assert plugin._runs.cached_bytes < 200_000  # one full read kept, not 30
+    # One run grows (a fit writing into it): only it is read again.
+    writer = RecordWriter(tmp_path / "lr_007" / "train")
+    writer.write_array(schema.LOSS_SCALE_PROGRESS, [500, 2.0**15, 0.0], 500)
+    writer.close()
+    again = get_json(client, "runs")["runs"]
+    assert reads[30:] == ["lr_007/train"] and again[7]["loss_scale"]["steps_run"] == 500
+    # A run removed from the sweep leaves the list.
+    shutil.rmtree(tmp_path / "lr_000")
+    assert len(get_json(client, "runs")["runs"]) == 29 and len(reads) == 31

@@ -33,6 +33,11 @@ class Entry:
     name: str
     kind: Kind
     is_symlink: bool = False
+    # Where the listing itself says (an object store's listing does; a local
+    # one is stat'ed on demand): the file's size and modification time (or
+    # another token that changes with the content, e.g. from an ETag).
+    size: int | None = None
+    mtime_ns: int | None = None
 
 
 def is_remote(path: str) -> bool:
