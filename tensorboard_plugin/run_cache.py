@@ -27,7 +27,7 @@ from collections.abc import Callable, Hashable
 from tensorboard import errors
 
 from mpprof.display.terminal import printable
-from mpprof.records import reader
+from mpprof.records import filesystem, reader
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +91,11 @@ class RunCache:
         self._listing: tuple[float, dict[str, tuple]] = (float("-inf"), {})
         self._warned: set[str] = set()
 
-    def _files(self) -> dict[str, tuple]:
-        """Every run with its signature, from a walk at most `_RUN_LIST_TTL_S` old."""
+    def _files(self, fresh: bool = False) -> dict[str, tuple]:
+        """Every run with its signature, from a walk at most `_RUN_LIST_TTL_S`
+        old (`fresh`: walked now)."""
         listed_at, runs = self._listing
-        if time.monotonic() - listed_at > _RUN_LIST_TTL_S:
+        if fresh or time.monotonic() - listed_at > _RUN_LIST_TTL_S:
             try:
                 runs = reader.run_files(self.logdir, self._warn_once) if self.logdir else {}
             except reader.LogdirNotFoundError:
@@ -115,7 +116,9 @@ class RunCache:
     def summaries(self, summarize: Callable[[CachedRun], dict]) -> list[dict]:
         """`summarize(run)` of every run, computed again only for runs whose
         files changed; unreadable runs are left out (logged once)."""
-        files = self._files()
+        # Walked now: the run list is what a page load asks first, and it
+        # must not list a run removed (or locked) a moment ago.
+        files = self._files(fresh=True)
         stale = [name for name, signature in files.items()
                  if self._summaries.get(name, (None,))[0] != signature]
         progress = _Progress(len(stale)) if len(stale) >= _PROGRESS_RUNS else None
@@ -149,7 +152,9 @@ class RunCache:
         if run not in files:
             raise errors.NotFoundError(f"No mpprof run named {run!r}")
         with self._run_locks[run]:
-            signature = files[run]
+            # The run's own files, stat'ed now: a view reloaded while the fit
+            # writes shows the new data at once, not after the listing's reuse.
+            signature = self._signature(run)
             with self._lock:
                 cached = self._runs.get(run)
             if cached is None or cached.signature != signature:
@@ -161,6 +166,14 @@ class RunCache:
                     raise _unreadable(run, e) from e
             self._keep(run, cached)
             return cached
+
+    def _signature(self, run: str) -> tuple:
+        """Path, size and mtime of each of the run's mpprof event files."""
+        try:
+            paths = reader.event_files(self.logdir, run)
+            return tuple((path, *filesystem.size_and_mtime(path)) for path in paths)
+        except (reader.NoMpprofDataError, OSError) as e:
+            raise _unreadable(run, e) from e
 
     def _keep(self, run: str, cached: CachedRun) -> None:
         """Puts `cached` first; drops the least recent full reads over budget."""
