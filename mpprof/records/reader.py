@@ -242,20 +242,9 @@ def list_runs(logdir: str | os.PathLike, on_warning: OnWarning | None = None) ->
         logdir: a local path or a remote one (`gs://...`).
         on_warning: receives each warning; by default they are logged.
     """
-    logdir = _existing_logdir(logdir)
-    warn = on_warning or _log_warning
-    runs = set()
-
-    def unlisted(directory: str, error: OSError) -> None:
-        warn(f"{directory}: cannot be listed ({filesystem.error_text(error)}); skipped")
-
-    for directory, entries in filesystem.walk(logdir, on_error=unlisted):
-        files, others = _event_file_entries(entries)
-        for name in others:
-            warn(f"{filesystem.join(directory, name)}: {filesystem.Kind.OTHER.value}; skipped")
-        if files:
-            runs.add(filesystem.relative(directory, logdir))
-    return sorted(runs)
+    # Two fits that wrote into one directory at once are two runs: the
+    # listing needs each file's state (`run_files`, `split_writers`).
+    return list(run_files(logdir, on_warning))
 
 
 # One event file as listed: (path, size in bytes, modification time in ns).
@@ -289,8 +278,61 @@ def run_files(logdir: str | os.PathLike,
             if size is not None:
                 states.append((path, size, mtime))
         if files:
-            runs[filesystem.relative(directory, logdir)] = tuple(states)
+            run = filesystem.relative(directory, logdir)
+            for suffix, group in split_writers(states).items():
+                runs[run + suffix] = tuple(group)
     return dict(sorted(runs.items()))
+
+
+# How far apart (seconds) a writer's start (its file name's whole second)
+# and an earlier writer's last write may be and still be one after the other.
+_START_RESOLUTION_S = 1.0
+
+
+def split_writers(states: list[FileState]) -> dict[str, list[FileState]]:
+    """The event files of one run directory, by the fit that wrote them.
+
+    Each event file is one writer's (its name holds its start time, host,
+    pid and a count). Writers one after the other (a later fit into the same
+    log_dir) stay one run, under the suffix "". A writer that started while
+    an earlier one was still writing (two fits into one log_dir at once) is
+    kept apart, never mixed into the same series: its run is named
+    `<run>@<host>-<pid>` (and `.<count>` for two in one process).
+    """
+    groups: dict[str, list[FileState]] = {"": []}
+    main_end = float("-inf")
+    for state in sorted(states, key=lambda s: _start_time(s[0])):
+        start = _start_time(state[0])[0]
+        end = state[2] / 1e9 if state[2] is not None else start
+        if start + _START_RESOLUTION_S >= main_end or not groups[""]:
+            groups[""].append(state)
+            main_end = max(main_end, end)
+            continue
+        suffix = "@" + _writer_name(state[0])
+        if suffix in groups:
+            suffix += "." + _writer_count(state[0])
+        groups.setdefault(suffix, []).append(state)
+    return {suffix: sorted(group) for suffix, group in groups.items() if group}
+
+
+def _writer_fields(path: str) -> list[str]:
+    """[time, host..., pid, count] from `events.out.tfevents.<time>.<host>.<pid>.<n><suffix>`."""
+    name = posixpath.basename(path.replace(os.sep, "/"))
+    name = name.split("tfevents.", 1)[-1]
+    if name.endswith(schema.EVENT_FILE_SUFFIX):
+        name = name[: -len(schema.EVENT_FILE_SUFFIX)]
+    return name.split(".")
+
+
+def _writer_name(path: str) -> str:
+    fields = _writer_fields(path)
+    if len(fields) >= 4:
+        return f"{'.'.join(fields[1:-2])}-{fields[-2]}"
+    return posixpath.basename(path.replace(os.sep, "/"))
+
+
+def _writer_count(path: str) -> str:
+    return _writer_fields(path)[-1]
 
 
 def _listed_state(entries: list[filesystem.Entry], name: str,
@@ -314,6 +356,17 @@ def event_files(logdir: str | os.PathLike, run: str) -> list[str]:
     without mpprof records, and OSError if its directory cannot be listed.
     """
     logdir = _existing_logdir(logdir)
+    directory, _, writer = run.rpartition("@") if "@" in run.rsplit("/", 1)[-1] else (run, "", "")
+    try:
+        return _writer_files(logdir, run, "")
+    except NoMpprofDataError:
+        if not writer:
+            raise
+    # `<run>@<host>-<pid>`: one writer's files of a run written by two fits at once.
+    return _writer_files(logdir, directory, "@" + writer)
+
+
+def _writer_files(logdir: str, run: str, suffix: str) -> list[str]:
     parts = run.split("/")
     # A backslash is an ordinary character of a POSIX or object-store name
     # (`list_runs` lists such runs); only where it separates paths (Windows)
@@ -325,10 +378,19 @@ def event_files(logdir: str | os.PathLike, run: str) -> list[str]:
     path = logdir if run == "." else filesystem.join(logdir, run)
     if not filesystem.isdir(path):
         raise NoMpprofDataError(f"No run {run!r} in {logdir}")
-    files, _ = _event_file_entries(filesystem.scan(path))
+    entries = filesystem.scan(path)
+    files, _ = _event_file_entries(entries)
     if not files:
         raise NoMpprofDataError(f"Run {run!r} in {logdir} holds no mpprof records")
-    return [filesystem.join(path, name) for name in sorted(files)]
+    states = []
+    for name in sorted(files):
+        size, mtime = _listed_state(entries, name, filesystem.join(path, name))
+        if size is not None:
+            states.append((filesystem.join(path, name), size, mtime))
+    group = split_writers(states).get(suffix)
+    if not group:
+        raise NoMpprofDataError(f"No run {run + suffix!r} in {logdir}")
+    return [state[0] for state in group]
 
 
 def _fit_ends(paths: list[str]) -> list[dict]:
