@@ -126,7 +126,7 @@ class RunCache:
             if progress is not None:
                 progress.step(index)
             try:
-                cached = self.get(name)
+                cached = self.get(name, files)  # not a walk per run
             except errors.NotFoundError as e:
                 self._warn_once(f"run {name} left out of the run list: {e}")
                 continue
@@ -140,7 +140,7 @@ class RunCache:
                 del self._summaries[name]
             return [self._summaries[name][1] for name in files if name in self._summaries]
 
-    def get(self, run: str | None) -> CachedRun:
+    def get(self, run: str | None, listed: dict[str, tuple] | None = None) -> CachedRun:
         """The run named `run`; NotFoundError unless the logdir lists it.
 
         Only names from the listing reach the file system, so a run name
@@ -148,7 +148,7 @@ class RunCache:
         """
         if not run:
             raise errors.InvalidArgumentError("Missing query parameter: run")
-        files = self._files()
+        files = listed if listed is not None else self._files()
         if run not in files:
             raise errors.NotFoundError(f"No mpprof run named {run!r}")
         with self._run_locks[run]:
