@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import mpprof
+from mpprof import cli
 from mpprof.backends.tensorflow.loss_scale_series import LossScaleSeries
 from mpprof.backends.tensorflow.loss_scales import LossScales
 from mpprof.backends.tensorflow.loss_watch import LossWatch
@@ -402,11 +403,49 @@ def test_a_full_disk_stops_recording_not_training(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=300, cwd=TESTS)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "stopped recording recording" in result.stdout
+    assert "mpprof: stopped writing its records (OSError" in result.stdout
     assert "File too large" in result.stdout or "No space" in result.stdout
     assert "FIT COMPLETED" in result.stdout
-    # What reached the disk before the failure still reads.
-    assert reader.read_run(str(tmp_path), "train").context is not None
+    # What reached the disk before the failure still reads, and the run says
+    # the fit ended (its reserved fit-end file), not that it was cut short.
+    run = reader.read_run(str(tmp_path), "train")
+    assert run.context is not None and run.cut_short is None
+    stopped = run.recording_stopped
+    assert stopped["fit_state"] == "ended" and "File too large" in stopped["reason"]
+    assert stopped["fit_step"] == 192 > stopped["records_until_step"]
+    summary = cli.summarize_run(run)
+    assert "cut short" not in summary and "the fit went on and ended at step 192" in summary
+
+
+def test_a_disk_full_at_the_start_stops_recording_not_training(tmp_path):
+    """The one rule (mpprof.recording.routing): a full disk, at the start as
+    midway, stops the recording with one warning, never the fit; an
+    unwritable log_dir still fails at the start (test_callback.py:
+    test_unwritable_log_dir_fails_at_train_begin)."""
+    script = textwrap.dedent(f"""
+        import resource, signal, sys, warnings
+        sys.path.insert(0, {TESTS!r})
+        import keras, numpy as np, mpprof
+        from conftest import overflow_model, overflow_data
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        model = overflow_model(growth_steps=4)
+        x, y = overflow_data(64)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
+                mpprof.MixedPrecisionProfiler({str(tmp_path)!r}, numerics_every=2)])
+        mine = [str(w.message) for w in caught if "mpprof" in str(w.message)]
+        assert len(mine) == 1, mine
+        print(mine[0])
+        print("FIT COMPLETED", int(model.optimizer.iterations.numpy()))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300, cwd=TESTS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "mpprof: stopped writing its records (OSError" in result.stdout
+    assert "File too large" in result.stdout
+    assert "FIT COMPLETED" in result.stdout
 
 
 def _raising(message: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from mpprof.diagnosis.core import SEVERITIES, Diagnosis, Finding
-from mpprof.display.terminal import printable
+from mpprof.terminal import printable
 
 
 def exceeds(findings: list[Finding], fail_on: str | None) -> bool:

@@ -395,6 +395,11 @@ class ProfiledFit:
         }
         self._across_fits.health = self._collectors.health.by_optimizer()
 
+    def _ended_at_step(self, fit: FitState | None) -> int:
+        if fit is not None:
+            return fit.step
+        return self._across_fits.last_step or 0
+
     def _release(self, fit: FitState | None) -> None:
         """Leaves the model as found, and closes the records."""
         if fit is not None:
@@ -403,7 +408,7 @@ class ProfiledFit:
         for failure in self._patches.restore():
             print(f"mpprof: could not undo a patch ({failure})")
         self._fit = None
-        self._routing.close()
+        self._routing.close(self._fit_state, self._ended_at_step(fit))
         self._routing = None
         if _ACTIVE.get(self.model) is self:
             del _ACTIVE[self.model]

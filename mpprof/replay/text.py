@@ -1,14 +1,14 @@
 """A replay result as lines of text, for `mpprof replay` and `mpprof diagnose`.
 
 Every value comes from files a logdir holds (layer names, op names): each
-line is escaped with `mpprof.display.terminal.printable`. Needs no TensorFlow.
+line is escaped with `mpprof.terminal.printable`. Needs no TensorFlow.
 """
 
 from __future__ import annotations
 
 import json
 
-from mpprof.display.terminal import printable
+from mpprof.terminal import printable
 
 # Layers of the float16-vs-float32 ranking shown (the JSON holds them all).
 RANKING_SHOWN = 5
