@@ -8,7 +8,7 @@ from conftest import mnist_like, overflow_data, overflow_model, seed_model
 import mpprof
 from mpprof.backends.tensorflow import loss_scale_series as loss_scale
 from mpprof.recording import loss_scale_growth, step_origin
-from mpprof.records import reader, schema
+from mpprof.records import reader, run_context, schema
 
 
 class _ScaleProbe(keras.callbacks.Callback):
@@ -185,7 +185,7 @@ def test_earlier_records_that_cannot_be_read_leave_the_skips_unknown(tmp_path, m
     monkeypatch.undo()
     run = reader.read_run(tmp_path, "train")
     assert "PermissionError: denied" in _unknown_origin(run)
-    assert run.context["fit_state"] == schema.FIT_ENDED
+    assert run.context["fit_state"] == run_context.FIT_ENDED
     assert run.context["collectors"]["loss_scale"]["state"] == "ok"
 
 

@@ -13,7 +13,7 @@ from mpprof.recording.distributed import warn_if_keras_3_multi_worker
 from mpprof.recording.nvml import sampler
 from mpprof.recording.sampling import SampleSchedule
 from mpprof.recording.settings import Settings
-from mpprof.records import schema
+from mpprof.records import run_context
 
 
 class MixedPrecisionProfiler(keras.callbacks.Callback):
@@ -192,4 +192,4 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         if self._fit is not None:
-            self._fit.finish(schema.FIT_ENDED)
+            self._fit.finish(run_context.FIT_ENDED)
