@@ -62,7 +62,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
     the chief writes the model-level records into `log_dir/train` and every
     worker its own host's records into `log_dir/train/worker_<i>`. Read the
     records with `tensorboard --logdir LOG_DIR` (the "mpprof" tab),
-    `mpprof diagnose LOG_DIR`, or `mpprof.records.reader.read_logdir(LOG_DIR)`.
+    `mpprof diagnose LOG_DIR`, or `mpprof.reader.read_logdir(LOG_DIR)`.
 
     The model is left as found: every patch is removed when `fit` ends or
     raises inside a train step, and `model.save()` works after `fit`.
