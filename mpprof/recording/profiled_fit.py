@@ -154,6 +154,9 @@ class ProfiledFit:
         self._after_calls_changed()
         self._sigterm.install()
         self._write_context()
+        # On disk at once: a fit stopped before its first step (by another
+        # callback) still says what it was and that its step never traced.
+        self._routing.flush()
 
     def _after_calls_changed(self) -> None:
         """What the first call's tracing, or a forensic sample, changes: the
