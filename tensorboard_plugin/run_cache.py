@@ -26,7 +26,7 @@ from collections.abc import Callable, Hashable
 
 from tensorboard import errors
 
-from mpprof.records import filesystem, reader
+from mpprof.records import reader
 from mpprof.terminal import printable
 
 logger = logging.getLogger(__name__)
@@ -50,9 +50,12 @@ class CachedRun:
     # Derived payloads kept per run: a handful of views and screen sizes.
     MAX_DERIVED = 64
 
-    def __init__(self, run: reader.Run, signature: tuple):
+    def __init__(self, run: reader.Run, signature: tuple, files: reader.FileReads):
         self.run = run
         self.signature = signature
+        # Each event file's records, so the next read of this run reads only
+        # the files that changed (a remote run's new parts).
+        self.files = files
         self.bytes = _MEMORY_PER_FILE_BYTE * sum(size for _, size, _ in signature) + 64_000
         self._derived: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -158,8 +161,10 @@ class RunCache:
             with self._lock:
                 cached = self._runs.get(run)
             if cached is None or cached.signature != signature:
+                files = cached.files if cached is not None else reader.FileReads()
                 try:
-                    cached = CachedRun(reader.read_run(self.logdir, run), signature)
+                    cached = CachedRun(reader.read_run(self.logdir, run, files), signature,
+                                       files)
                 except reader.NoMpprofDataError as e:
                     raise _unreadable(run, e) from e
                 except OSError as e:
@@ -168,10 +173,10 @@ class RunCache:
             return cached
 
     def _signature(self, run: str) -> tuple:
-        """Path, size and mtime of each of the run's mpprof event files."""
+        """Path, size and mtime of each of the run's mpprof event files, from
+        one listing of its directory (not a request per file)."""
         try:
-            paths = reader.event_files(self.logdir, run)
-            return tuple((path, *filesystem.size_and_mtime(path)) for path in paths)
+            return tuple(reader.run_file_states(self.logdir, run))
         except (reader.NoMpprofDataError, OSError) as e:
             raise _unreadable(run, e) from e
 

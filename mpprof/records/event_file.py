@@ -45,6 +45,11 @@ class ReadWarnings:
         entry = self._kinds.setdefault(kind, [0, text])
         entry[0] += 1
 
+    def merge(self, other: ReadWarnings) -> None:
+        """Adds `other`'s problems (those of another file of the run)."""
+        for kind, (count, text) in other._kinds.items():
+            self._kinds.setdefault(kind, [0, text])[0] += count
+
     def lines(self) -> list[str]:
         return [
             text if count == 1 else f"{text} (and {count - 1:,} more records like it)"
