@@ -139,7 +139,8 @@ def test_a_sweep_is_read_once_then_only_what_changed(tmp_path, monkeypatch, capl
     reads = []
     real_read = reader.read_run
     monkeypatch.setattr(run_cache.reader, "read_run",
-                        lambda logdir, run, *rest: reads.append(run) or real_read(logdir, run, *rest))
+                        lambda logdir, run, *rest: reads.append(run)
+                        or real_read(logdir, run, *rest))
     plugin = MpprofPlugin(base_plugin.TBContext(logdir=str(tmp_path)))
     client = werkzeug_test.Client(application.TensorBoardWSGI([plugin]))
     with caplog.at_level("WARNING"):

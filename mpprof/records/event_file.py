@@ -57,19 +57,20 @@ class ReadWarnings:
         ]
 
 
-def read_event_file(path: str, records: dict[str, list[Record]], warnings: ReadWarnings) -> None:
+def read_event_file(source: str, records: dict[str, list[Record]], warnings: ReadWarnings) -> None:
     """Reads one event file record by record (see `mpprof.records.tfrecord`).
 
     Args:
-        path: a local or remote event file.
+        source: a local or remote event file.
         records: gets each valid record appended under its `series_key`.
         warnings: gets each problem; a file that cannot be read is one.
     """
     # TensorBoard semantics: a tag's metadata (here: the schema version) may
     # come with its first value only and holds for the whole series.
     tag_problems: dict[str, tuple[str, str] | None] = {}
+    path = filesystem.shown(source)  # as warnings show it
     try:
-        with filesystem.open_file(path) as stream:
+        with filesystem.open_file(source) as stream:
             for frame in tfrecord.read_frames(stream):
                 if frame.problem is not None:
                     skipped = "" if frame.fatal else "; skipped"

@@ -267,12 +267,14 @@ def run_files(logdir: str | os.PathLike,
     runs: dict[str, tuple[FileState, ...]] = {}
 
     def unlisted(directory: str, error: OSError) -> None:
-        warn(f"{directory}: cannot be listed ({filesystem.error_text(error)}); skipped")
+        warn(f"{filesystem.shown(directory)}: cannot be listed "
+             f"({filesystem.error_text(error)}); skipped")
 
     for directory, entries in filesystem.walk(logdir, on_error=unlisted):
         files, others = _event_file_entries(entries)
         for name in others:
-            warn(f"{filesystem.join(directory, name)}: {filesystem.Kind.OTHER.value}; skipped")
+            warn(f"{filesystem.shown(filesystem.join(directory, name))}: "
+                 f"{filesystem.Kind.OTHER.value}; skipped")
         states = _listed_states(directory, entries, files)
         if files:
             run = filesystem.relative(directory, logdir)
@@ -533,7 +535,7 @@ def select_runs(logdir: str | os.PathLike, run: str | None = None,
     if run is not None:
         if run not in names:
             raise NoMpprofDataError(
-                f"No mpprof run {run!r} in {os.fspath(logdir)}; its runs: "
+                f"No mpprof run {run!r} in {filesystem.shown(os.fspath(logdir))}; its runs: "
                 f"{', '.join(names) or 'none'}"
             )
         names = [run]
@@ -545,7 +547,7 @@ def select_runs(logdir: str | os.PathLike, run: str | None = None,
 def no_runs_error(logdir: str | os.PathLike) -> NoMpprofDataError:
     """The error for a logdir without mpprof runs, saying how to record one."""
     return NoMpprofDataError(
-        f"{os.fspath(logdir)} holds no mpprof records. Record a run with "
+        f"{filesystem.shown(os.fspath(logdir))} holds no mpprof records. Record a run with "
         "model.fit(..., callbacks=[mpprof.MixedPrecisionProfiler(log_dir=...)]) "
         "and point mpprof at that log_dir."
     )
@@ -574,7 +576,9 @@ def _existing_logdir(logdir: str | os.PathLike) -> str:
     try:
         found = filesystem.isdir(logdir)
     except OSError as e:
-        raise LogdirNotFoundError(f"Logdir {logdir!r} cannot be read ({e})") from e
+        raise LogdirNotFoundError(
+            f"Logdir {filesystem.shown(logdir)!r} cannot be read ({filesystem.error_text(e)})"
+        ) from e
     if not found and not filesystem.is_remote(logdir) and os.path.isfile(logdir):
         raise LogdirNotFoundError(
             f"Logdir {logdir!r} is a file, not a directory: pass the log_dir given to "
@@ -582,7 +586,7 @@ def _existing_logdir(logdir: str | os.PathLike) -> str:
         )
     if not found:
         raise LogdirNotFoundError(
-            f"Logdir {logdir!r} does not exist: pass the log_dir given to "
+            f"Logdir {filesystem.shown(logdir)!r} does not exist: pass the log_dir given to "
             "mpprof.MixedPrecisionProfiler."
         )
     return logdir
