@@ -160,3 +160,41 @@ def test_a_sweep_is_read_once_then_only_what_changed(tmp_path, monkeypatch, capl
     # A run removed from the sweep leaves the list.
     shutil.rmtree(tmp_path / "lr_000")
     assert len(get_json(client, "runs")["runs"]) == 29 and len(reads) == 31
+
+
+def test_a_later_run_list_costs_one_listing_per_directory(tmp_path, monkeypatch):
+    """A later `/runs` of a sweep lists each directory once and takes each
+    file's size and mtime from that listing: no stat per event file and no
+    realpath per directory (the cost that made `/runs` of 1,000 runs slow)."""
+    import os
+
+    for i in range(5):
+        small_run(tmp_path / f"lr_{i}" / "train", steps=10)
+    (tmp_path / "elsewhere").mkdir()
+    small_run(tmp_path / "elsewhere" / "train", steps=10)
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "sweep" / "linked").symlink_to(tmp_path / "elsewhere")
+    monkeypatch.setattr(run_cache, "_RUN_LIST_TTL_S", 0.0)
+    plugin = MpprofPlugin(base_plugin.TBContext(logdir=str(tmp_path)))
+    client = werkzeug_test.Client(application.TensorBoardWSGI([plugin]))
+    first = get_json(client, "runs")["runs"]
+    calls = {"stat": 0, "realpath": []}
+    real_stat, real_realpath = os.stat, os.path.realpath
+
+    def counting_stat(*args, **kwargs):
+        calls["stat"] += 1
+        return real_stat(*args, **kwargs)
+
+    def counting_realpath(path, *args, **kwargs):
+        calls["realpath"].append(os.path.basename(path))
+        return real_realpath(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", counting_stat)
+    monkeypatch.setattr(os.path, "realpath", counting_realpath)
+    assert get_json(client, "runs")["runs"] == first
+    assert calls["stat"] == 1  # is the logdir a directory; no file is stat'ed again
+    # The logdir itself, and the one symlink; no other directory.
+    assert sorted(calls["realpath"]) == sorted([tmp_path.name, "linked"])
+    # The symlinked run is listed once, under both names' walk rules.
+    assert sorted(r["run"] for r in first) == sorted(
+        ["elsewhere/train", *(f"lr_{i}/train" for i in range(5))])

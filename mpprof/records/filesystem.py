@@ -80,6 +80,12 @@ def dirname(path: str) -> str:
 
 def relative(path: str, root: str) -> str:
     """`path` relative to `root`, with "/" separators ("." for root itself)."""
+    if path == root:
+        return "."
+    prefix = root.rstrip("/" if is_remote(root) else os.sep)
+    separator = "/" if is_remote(root) else os.sep
+    if path.startswith(prefix + separator):  # a walk's directories: no normalising
+        return path[len(prefix) + 1:].replace(os.sep, "/")
     if is_remote(root):
         return posixpath.relpath(path, root)
     return os.path.relpath(path, root).replace(os.sep, "/")
@@ -107,17 +113,19 @@ def scan(directory: str) -> list[Entry]:
 
 
 def _local_entry(entry: os.DirEntry) -> Entry:
+    symlink = _is_symlink(entry)
+    if not symlink and entry.is_dir(follow_symlinks=False):  # from the listing: no stat
+        return Entry(entry.name, Kind.DIRECTORY)
     try:
         found = entry.stat()  # follows symlinks; cached by the DirEntry
     except OSError:  # a dangling symlink, or a target we may not stat
-        return Entry(entry.name, Kind.OTHER, _is_symlink(entry))
+        return Entry(entry.name, Kind.OTHER, symlink)
     mode = found.st_mode
     if stat.S_ISDIR(mode):
-        return Entry(entry.name, Kind.DIRECTORY, _is_symlink(entry))
+        return Entry(entry.name, Kind.DIRECTORY, symlink)
     if stat.S_ISREG(mode):
-        return Entry(entry.name, Kind.FILE, _is_symlink(entry), found.st_size,
-                     found.st_mtime_ns)
-    return Entry(entry.name, Kind.OTHER, _is_symlink(entry))
+        return Entry(entry.name, Kind.FILE, symlink, found.st_size, found.st_mtime_ns)
+    return Entry(entry.name, Kind.OTHER, symlink)
 
 
 def _is_symlink(entry: os.DirEntry) -> bool:
@@ -145,9 +153,11 @@ def walk(root: str, on_error: Callable[[str, OSError], None]) -> Iterator[tuple[
     remote = is_remote(root)
     root_real = root if remote else os.path.realpath(root)
     seen = {root_real}
-    pending = [root]
+    # Each directory with its real path: a child that is no symlink is its
+    # parent's real path joined with its name (no realpath per directory).
+    pending = [(root, root_real)]
     while pending:
-        directory = pending.pop()
+        directory, directory_real = pending.pop()
         try:
             entries = scan(directory)
         except OSError as e:
@@ -158,12 +168,15 @@ def walk(root: str, on_error: Callable[[str, OSError], None]) -> Iterator[tuple[
             if entry.kind is not Kind.DIRECTORY:
                 continue
             path = join(directory, entry.name)
-            real = path if remote else os.path.realpath(path)
+            if remote or not entry.is_symlink:
+                real = path if remote else os.path.join(directory_real, entry.name)
+            else:
+                real = os.path.realpath(path)
             inside = real == root_real or real.startswith(root_real.rstrip(os.sep) + os.sep)
             if real in seen or (entry.is_symlink and inside):
                 continue
             seen.add(real)
-            pending.append(path)
+            pending.append((path, real))
 
 
 def size_and_mtime(path: str) -> tuple[int, int]:

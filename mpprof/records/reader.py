@@ -299,6 +299,8 @@ def split_writers(states: list[FileState]) -> dict[str, list[FileState]]:
     never mixed into the same series: its run is named `<run>@<host>-<pid>`
     (and `.<count>` for two in one process).
     """
+    if len(states) == 1:  # the common case: one local writer
+        return {"": list(states)}
     writers: dict[str, list[FileState]] = {}
     for state in states:
         writers.setdefault(_writer_path(state[0]), []).append(state)
