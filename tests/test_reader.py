@@ -285,6 +285,33 @@ def test_a_remote_run_read_again_fetches_only_its_new_parts(monkeypatch):
     writer.close()
 
 
+def test_a_remote_run_of_many_parts_is_fetched_in_batches(monkeypatch):
+    """Each part is one object: reading them one request after another would
+    cost a round trip per flush; they are fetched a batch at a time."""
+    import fsspec
+
+    root = "memory://mpprof-remote-batches"
+    writer = RecordWriter(f"{root}/train")
+    for step in range(300):
+        writer.write_array(schema.LOSS_SCALE_PROGRESS, [step, 2.0**15, 0.0], step)
+        writer.flush()
+    writer.close()
+    batches = []
+    fs = fsspec.filesystem("memory")
+    original = type(fs).cat
+
+    def counting(self, path, *args, **kwargs):
+        batches.append(len(path) if isinstance(path, list) else 1)
+        return original(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(type(fs), "cat", counting)
+    for reuse in (None, reader.FileReads()):
+        batches.clear()
+        run = reader.read_run(root, "train", reuse)
+        assert [r.step for r in run.records[schema.LOSS_SCALE_PROGRESS]] == list(range(300))
+        assert batches == [128, 128, 45]  # 301 parts: the writer's start, then 300 flushes
+
+
 def test_an_unknown_scheme_is_one_line_naming_it():
     with pytest.raises(reader.LogdirNotFoundError) as raised:
         reader.list_runs("nosuchscheme://bucket/logs")

@@ -84,8 +84,13 @@ def test_each_flush_is_one_new_object_never_a_rewrite(fitted):
     assert writes[fit_end] == 2
 
 
-def test_mpprof_diagnose_reads_s3_like_the_local_logdir(fitted):
+def test_mpprof_diagnose_and_report_read_s3_like_the_local_logdir(fitted, tmp_path):
     local, remote = fitted
+    done = subprocess.run([MPPROF, "report", remote, "-q", "-o", str(tmp_path / "r.html")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode in (cli.EXIT_OK, cli.EXIT_FINDINGS), done.stderr
+    assert SECRET_KEY not in done.stdout + done.stderr
+    assert "MP002" in (tmp_path / "r.html").read_text()
     found = {}
     for logdir in (local, remote):
         done = subprocess.run([MPPROF, "diagnose", logdir, "--format", "json"],

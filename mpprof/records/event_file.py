@@ -10,6 +10,7 @@ this for each event file of a run.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 
@@ -57,11 +58,14 @@ class ReadWarnings:
         ]
 
 
-def read_event_file(source: str, records: dict[str, list[Record]], warnings: ReadWarnings) -> None:
+def read_event_file(source: str, records: dict[str, list[Record]], warnings: ReadWarnings,
+                    fetched: bytes | OSError | None = None) -> None:
     """Reads one event file record by record (see `mpprof.records.tfrecord`).
 
     Args:
         source: a local or remote event file.
+        fetched: the file's bytes (or why they could not be fetched) when
+            fetched already (`filesystem.fetch_all`); else it is opened here.
         records: gets each valid record appended under its `series_key`.
         warnings: gets each problem; a file that cannot be read is one.
     """
@@ -70,7 +74,10 @@ def read_event_file(source: str, records: dict[str, list[Record]], warnings: Rea
     tag_problems: dict[str, tuple[str, str] | None] = {}
     path = filesystem.shown(source)  # as warnings show it
     try:
-        with filesystem.open_file(source) as stream:
+        if isinstance(fetched, OSError):
+            raise fetched
+        with (io.BytesIO(fetched) if fetched is not None
+              else filesystem.open_file(source)) as stream:
             for frame in tfrecord.read_frames(stream):
                 if frame.problem is not None:
                     skipped = "" if frame.fatal else "; skipped"

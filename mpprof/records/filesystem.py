@@ -15,6 +15,11 @@ new object per flush (`mpprof.records.writer`), and listings give each
 object's size and modification time, so a reader re-fetches only what
 changed. Every failure surfaces as an `OSError`, so callers handle one kind
 of error whatever the file system.
+
+TensorFlow's file systems (`tf.io.gfile`) are not used, not even as a
+fallback: the records import no framework, and fsspec serves every scheme
+gfile did (hdfs:// through pyarrow); a scheme no installed fsspec file
+system serves is one line saying so.
 """
 
 from __future__ import annotations
@@ -210,6 +215,36 @@ def open_file(path: str) -> BinaryIO:
     except BaseException:
         os.close(descriptor)
         raise
+
+
+# Remote files fetched together, at most this many at once in memory.
+_FETCH_BATCH = 128
+
+
+def fetch_all(paths: list[str]) -> Iterator[tuple[str, bytes | OSError]]:
+    """(path, its bytes or why it could not be read) of each remote file of
+    `paths` (all on one file system, as a run's files are), in order,
+    fetched concurrently where the file system can (s3fs and gcsfs fetch a
+    batch at once: a run of thousands of parts is not thousands of round
+    trips one after the other). Local paths are left out."""
+    remote = [path for path in paths if is_remote(path)]
+    for start in range(0, len(remote), _FETCH_BATCH):
+        batch = remote[start:start + _FETCH_BATCH]
+        try:
+            fs, _ = _remote(batch[0])
+            inner = [_remote(path)[1] for path in batch]
+            found = _call(fs.cat, inner, False, "return")
+        except OSError:
+            found = {}
+        for path, key in zip(batch, inner if found else batch, strict=True):
+            value = found.get(key) if isinstance(found, dict) else None
+            if isinstance(value, bytes):
+                yield path, value
+                continue
+            try:  # not in the batch's answer (a name fsspec read as a glob): alone
+                yield path, open_file(path).read()
+            except OSError as e:
+                yield path, e
 
 
 def makedirs(path: str) -> None:

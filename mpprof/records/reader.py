@@ -462,12 +462,15 @@ class FileReads:
         records: dict[str, list[Record]] = {}
         warnings = ReadWarnings()
         kept = {}
+        changed = [path for path, size, mtime in states
+                   if self._files.get(path, (None, None))[:2] != (size, mtime)]
+        fetched = _Fetched(changed)
         for path, size, mtime in states:
             found = self._files.get(path)
             if found is None or found[:2] != (size, mtime):
                 own: dict[str, list[Record]] = {}
                 own_warnings = ReadWarnings()
-                read_event_file(path, own, own_warnings)
+                read_event_file(path, own, own_warnings, fetched.take(path))
                 found = (size, mtime, own, own_warnings)
             kept[path] = found
             for key, values in found[2].items():
@@ -475,6 +478,23 @@ class FileReads:
             warnings.merge(found[3])
         self._files = kept
         return records, warnings
+
+
+class _Fetched:
+    """The remote files of `paths` fetched a batch at a time
+    (`filesystem.fetch_all`), taken in the same order."""
+
+    def __init__(self, paths: list[str]):
+        self._found = filesystem.fetch_all(paths)
+
+    def take(self, path: str) -> bytes | OSError | None:
+        """`path`'s bytes (or error); None for a local file (opened by the reader)."""
+        if not filesystem.is_remote(path):
+            return None
+        found, value = next(self._found, (None, None))
+        if found != path:  # never: the same order; read it alone then
+            return None
+        return value
 
 
 def read_run(logdir: str | os.PathLike, run: str, reuse: FileReads | None = None) -> Run:
@@ -495,8 +515,9 @@ def read_run(logdir: str | os.PathLike, run: str, reuse: FileReads | None = None
     else:
         records = {}
         warnings = ReadWarnings()
+        fetched = _Fetched(files)
         for path in files:
-            read_event_file(path, records, warnings)
+            read_event_file(path, records, warnings, fetched.take(path))
     for found in records.values():
         found.sort(key=lambda r: (r.wall_time, r.step))
     return Run(
