@@ -59,7 +59,7 @@ class MpprofPlugin(base_plugin.TBPlugin):
             metadata.ES_MODULE_ROUTE: self._index_js,
             metadata.STATIC_ROUTE_PREFIX + "*": self._static,
             metadata.PLOTLY_ROUTE: self._plotly,
-            "/runs": self._json_route(self._list_runs),
+            "/runs": self._list_runs,
             "/context": self._run_route(lambda args: ("context", payloads.context_payload)),
             "/findings": self._run_route(
                 lambda args: ("findings", payloads.findings_payload), diagnosed=True
@@ -85,13 +85,15 @@ class MpprofPlugin(base_plugin.TBPlugin):
 
     # JSON routes ------------------------------------------------------------
 
-    def _list_runs(self, args) -> dict:
-        # Each run's summary is kept while its files are unchanged: a sweep
-        # of many runs is read once, then only what changed.
+    @wrappers.Request.application
+    def _list_runs(self, request):
+        # Each run's summary (and its JSON text) is kept while its files are
+        # unchanged: a sweep of many runs is read once, then only what changed.
         def summarize(cached: CachedRun) -> dict:
             return payloads.run_summary(cached.run, _diagnosis(cached))
 
-        return {"runs": self._runs.summaries(summarize)}
+        return http_util.Respond(request, self._runs.summaries_json(summarize),
+                                 "application/json")
 
     # Each run route parses its parameters (400 on a bad one) and returns a
     # cache key and the payload's computation; see `_run_route`.
@@ -183,15 +185,6 @@ class MpprofPlugin(base_plugin.TBPlugin):
             else:
                 body = run.derive(key, lambda r: _gzip_json(compute(r)))
             return http_util.Respond(request, body, "application/json", content_encoding="gzip")
-
-        return route
-
-    @staticmethod
-    def _json_route(handler: Callable) -> Callable:
-        @wrappers.Request.application
-        def route(request):
-            body = json.dumps(handler(request.args), allow_nan=False)
-            return http_util.Respond(request, body, "application/json")
 
         return route
 

@@ -18,6 +18,7 @@ The first read of many runs says how far it got in TensorBoard's log.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import threading
@@ -88,7 +89,8 @@ class RunCache:
         self._budget = budget_bytes
         self._runs: collections.OrderedDict[str, CachedRun] = collections.OrderedDict()
         self._bytes = 0
-        self._summaries: dict[str, tuple[tuple, dict]] = {}
+        # Run -> (signature, summary, the summary as JSON text).
+        self._summaries: dict[str, tuple[tuple, dict, str]] = {}
         self._run_locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self._lock = threading.Lock()
         self._listing: tuple[float, dict[str, tuple]] = (float("-inf"), {})
@@ -119,6 +121,14 @@ class RunCache:
     def summaries(self, summarize: Callable[[CachedRun], dict]) -> list[dict]:
         """`summarize(run)` of every run, computed again only for runs whose
         files changed; unreadable runs are left out (logged once)."""
+        return [entry[1] for entry in self._summary_entries(summarize)]
+
+    def summaries_json(self, summarize: Callable[[CachedRun], dict]) -> str:
+        """`{"runs": summaries(summarize)}` as JSON text: each run's summary is
+        serialised once, when computed, not at every request."""
+        return '{"runs": [' + ", ".join(e[2] for e in self._summary_entries(summarize)) + "]}"
+
+    def _summary_entries(self, summarize: Callable[[CachedRun], dict]) -> list[tuple]:
         # Walked now: the run list is what a page load asks first, and it
         # must not list a run removed (or locked) a moment ago.
         files = self._files(fresh=True)
@@ -134,14 +144,15 @@ class RunCache:
                 self._warn_once(f"run {name} left out of the run list: {e}")
                 continue
             summary = summarize(cached)
+            text = json.dumps(summary, allow_nan=False)
             with self._lock:
-                self._summaries[name] = (cached.signature, summary)
+                self._summaries[name] = (cached.signature, summary, text)
         if progress is not None:
             progress.done()
         with self._lock:
             for name in set(self._summaries) - set(files):
                 del self._summaries[name]
-            return [self._summaries[name][1] for name in files if name in self._summaries]
+            return [self._summaries[name] for name in files if name in self._summaries]
 
     def get(self, run: str | None, listed: dict[str, tuple] | None = None) -> CachedRun:
         """The run named `run`; NotFoundError unless the logdir lists it.

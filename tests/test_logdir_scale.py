@@ -189,9 +189,16 @@ def test_a_later_run_list_costs_one_listing_per_directory(tmp_path, monkeypatch)
         calls["realpath"].append(os.path.basename(path))
         return real_realpath(path, *args, **kwargs)
 
+    def counting_dumps(*args, **kwargs):
+        calls["dumps"] = calls.get("dumps", 0) + 1
+        return real_dumps(*args, **kwargs)
+
+    real_dumps = run_cache.json.dumps
     monkeypatch.setattr(os, "stat", counting_stat)
     monkeypatch.setattr(os.path, "realpath", counting_realpath)
+    monkeypatch.setattr(run_cache.json, "dumps", counting_dumps)
     assert get_json(client, "runs")["runs"] == first
+    assert "dumps" not in calls  # each summary serialised once, when computed
     assert calls["stat"] == 1  # is the logdir a directory; no file is stat'ed again
     # The logdir itself, and the one symlink; no other directory.
     assert sorted(calls["realpath"]) == sorted([tmp_path.name, "linked"])
