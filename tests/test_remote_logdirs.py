@@ -26,7 +26,7 @@ from werkzeug import test as werkzeug_test
 
 import mpprof
 from mpprof import cli
-from mpprof.records import reader, schema
+from mpprof.records import reader, run_context, schema
 from tensorboard_plugin_mpprof.routes import MpprofPlugin
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -70,7 +70,7 @@ def test_a_fit_writes_to_s3_and_reads_back_like_the_local_run(fitted):
     assert there.warnings == []
     assert _steps(there) == _steps(here)
     assert there.loss_scale.events.tolist() == here.loss_scale.events.tolist()
-    assert there.fit_ends[-1]["fit_state"] == schema.FIT_ENDED and there.cut_short is None
+    assert there.fit_ends[-1]["fit_state"] == run_context.FIT_ENDED and there.cut_short is None
 
 
 def test_each_flush_is_one_new_object_never_a_rewrite(fitted):
@@ -167,7 +167,7 @@ def test_a_writer_killed_between_flushes_reads_like_a_local_cut_short_run(s3, tm
     run = reader.read_run(logdir, "train")
     assert run.warnings == []
     assert set(range(must_have)) <= set(run.loss_scale.overflow_steps.astype(int).tolist())
-    assert run.cut_short is not None and run.cut_short["fit_state"] == schema.FIT_RUNNING
+    assert run.cut_short is not None and run.cut_short["fit_state"] == run_context.FIT_RUNNING
     done = subprocess.run([MPPROF, "diagnose", logdir, "--format", "json-runs"],
                           capture_output=True, text=True, timeout=120)
     (listed,) = json.loads(done.stdout)["runs"]
