@@ -20,6 +20,7 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
+from mpprof.records import filesystem
 from tensorboard_plugin_mpprof import metadata, payloads
 from tensorboard_plugin_mpprof.run_cache import CachedRun, RunCache
 
@@ -74,9 +75,16 @@ class MpprofPlugin(base_plugin.TBPlugin):
         }
 
     def is_active(self) -> bool:
-        # TensorBoard's data provider lists "mpprof" when the logdir holds
-        # mpprof summaries; that alone decides whether the tab shows.
-        return False
+        """Asked only when TensorBoard's data provider does not list "mpprof".
+
+        A local logdir with mpprof summaries is always listed there. A remote
+        one may not be: TensorBoard reads s3:// only through TensorFlow's file
+        systems (gone from TensorFlow since 2.6) or boto3, RustBoard only
+        local disks and GCS. The plugin reads it itself (fsspec), so the tab
+        shows when its own listing finds runs."""
+        if not filesystem.is_remote(self._runs.logdir):
+            return False
+        return bool(self._runs.list_runs())
 
     def frontend_metadata(self) -> base_plugin.FrontendMetadata:
         return base_plugin.FrontendMetadata(

@@ -112,8 +112,13 @@ def test_the_plugin_serves_an_s3_logdir(fitted):
         assert runs.status_code == 200
         findings = client.get("/data/plugin/mpprof/findings", query_string={"run": "train"})
         assert findings.status_code == 200
+        listing = json.loads(client.get("/data/plugins_listing").get_data())
         answers[logdir] = ([r["run"] for r in json.loads(runs.get_data())["runs"]],
                            [f["code"] for f in json.loads(findings.get_data())["findings"]])
+        if logdir == remote:
+            # No data provider here reads s3:// (TensorBoard's own may not
+            # either): the tab shows from the plugin's own listing.
+            assert listing["mpprof"]["enabled"] is True
     assert answers[remote] == answers[local] and answers[local][0] == ["train"]
 
 

@@ -24,7 +24,6 @@ system serves is one line saying so.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import enum
 import io
@@ -33,7 +32,7 @@ import posixpath
 import re
 import stat
 from collections.abc import Callable, Iterator
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 
 class Kind(enum.Enum):
@@ -44,8 +43,7 @@ class Kind(enum.Enum):
     OTHER = "neither a regular file nor a directory"
 
 
-@dataclasses.dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):  # a tuple: a listing of thousands of runs builds many
     name: str
     kind: Kind
     is_symlink: bool = False
