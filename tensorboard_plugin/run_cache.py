@@ -27,7 +27,7 @@ from collections.abc import Callable, Hashable
 
 from tensorboard import errors
 
-from mpprof.records import reader
+from mpprof.records import filesystem, reader
 from mpprof.terminal import printable
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,8 @@ class RunCache:
         self._lock = threading.Lock()
         self._listing: tuple[float, dict[str, tuple]] = (float("-inf"), {})
         self._warned: set[str] = set()
+        # Listings of the logdir's directories, kept while each is unchanged.
+        self._listings = filesystem.Listings()
 
     def _files(self, fresh: bool = False) -> dict[str, tuple]:
         """Every run with its signature, from a walk at most `_RUN_LIST_TTL_S`
@@ -102,7 +104,8 @@ class RunCache:
         listed_at, runs = self._listing
         if fresh or time.monotonic() - listed_at > _RUN_LIST_TTL_S:
             try:
-                runs = reader.run_files(self.logdir, self._warn_once) if self.logdir else {}
+                runs = (reader.run_files(self.logdir, self._warn_once, self._listings)
+                        if self.logdir else {})
             except reader.LogdirNotFoundError:
                 runs = {}
             self._listing = (time.monotonic(), runs)

@@ -31,6 +31,8 @@ import os
 import posixpath
 import re
 import stat
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import BinaryIO, NamedTuple
 
@@ -138,7 +140,62 @@ def _is_symlink(entry: os.DirEntry) -> bool:
         return False
 
 
-def walk(root: str, on_error: Callable[[str, OSError], None]) -> Iterator[tuple[str, list[Entry]]]:
+class Listings:
+    """Listings of local directories kept between walks (`walk`'s `listings`).
+
+    A directory's entries change only with its mtime (an entry added, removed
+    or renamed); a file's size does not. A kept listing is used again, for
+    the cost of one stat, while its directory's mtime and ctime (which a
+    chmod changes too) are unchanged, and only when the directory had not
+    changed for `SETTLED_NS` before it was listed
+    (a change within the same mtime tick as the listing could go unseen:
+    git's "racily clean" rule). Its files are given without size or mtime,
+    so the reader stats the event files it needs. Directories holding a
+    symlink are always listed (the target may change under an unchanged
+    parent). Remote listings are never kept: the store's listing is the check.
+    """
+
+    SETTLED_NS = 2_000_000_000
+
+    def __init__(self):
+        self._kept: dict[str, tuple[tuple[int, int], list[Entry]]] = {}
+        self._visited: set[str] = set()
+        self._lock = threading.Lock()  # walks of concurrent requests
+
+    def scan(self, directory: str) -> list[Entry]:
+        """`scan(directory)`, or its kept listing if still valid; raises OSError."""
+        if is_remote(directory):
+            return scan(directory)
+        found = os.stat(directory)
+        mtime = found.st_mtime_ns
+        key = (mtime, found.st_ctime_ns)
+        with self._lock:
+            self._visited.add(directory)
+            kept = self._kept.get(directory)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        entries = scan(directory)
+        settled = (time.time_ns() - mtime > self.SETTLED_NS
+                   and not any(e.is_symlink for e in entries))
+        with self._lock:
+            if settled:
+                self._kept[directory] = (key, [
+                    e._replace(size=None, mtime_ns=None) if e.kind is Kind.FILE else e
+                    for e in entries])
+            else:
+                self._kept.pop(directory, None)
+        return entries
+
+    def forget_unvisited(self) -> None:
+        """Drops the listings of directories the last walk did not reach."""
+        with self._lock:
+            for directory in set(self._kept) - self._visited:
+                del self._kept[directory]
+            self._visited = set()
+
+
+def walk(root: str, on_error: Callable[[str, OSError], None],
+         listings: Listings | None = None) -> Iterator[tuple[str, list[Entry]]]:
     """Every directory under `root` (itself included) with its entries.
 
     Each directory is visited once: a directory symlink that points back into
@@ -152,6 +209,7 @@ def walk(root: str, on_error: Callable[[str, OSError], None]) -> Iterator[tuple[
         root: the directory to walk (local or remote).
         on_error: called with the directory and the error of each directory
             that cannot be listed.
+        listings: listings kept from earlier walks (see `Listings`).
     """
     remote = is_remote(root)
     root_real = root if remote else os.path.realpath(root)
@@ -162,7 +220,7 @@ def walk(root: str, on_error: Callable[[str, OSError], None]) -> Iterator[tuple[
     while pending:
         directory, directory_real = pending.pop()
         try:
-            entries = scan(directory)
+            entries = scan(directory) if listings is None else listings.scan(directory)
         except OSError as e:
             on_error(directory, e)
             continue

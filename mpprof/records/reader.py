@@ -255,14 +255,18 @@ def list_runs(logdir: str | os.PathLike, on_warning: OnWarning | None = None) ->
 FileState = tuple[str, int, int]
 
 
-def run_files(logdir: str | os.PathLike,
-              on_warning: OnWarning | None = None) -> dict[str, tuple[FileState, ...]]:
+def run_files(logdir: str | os.PathLike, on_warning: OnWarning | None = None,
+              listings: filesystem.Listings | None = None) -> dict[str, tuple[FileState, ...]]:
     """Every run of `logdir` (as `list_runs` names them) with the state of
     each of its mpprof event files, sorted, from one walk of the logdir.
 
     What a cache of many runs compares to know which runs changed: reading
     a sweep of 1,000 runs again costs this walk, not 1,000 reads. A file that
     vanished between the listing and its stat is left out.
+
+    Args:
+        listings: directory listings kept between calls (`filesystem.Listings`):
+            an unchanged directory costs a stat, not a listing.
     """
     logdir = _existing_logdir(logdir)
     warn = on_warning or _log_warning
@@ -272,7 +276,7 @@ def run_files(logdir: str | os.PathLike,
         warn(f"{filesystem.shown(directory)}: cannot be listed "
              f"({filesystem.error_text(error)}); skipped")
 
-    for directory, entries in filesystem.walk(logdir, on_error=unlisted):
+    for directory, entries in filesystem.walk(logdir, unlisted, listings):
         files, others = _event_file_entries(entries)
         for name in others:
             warn(f"{filesystem.shown(filesystem.join(directory, name))}: "
@@ -282,6 +286,8 @@ def run_files(logdir: str | os.PathLike,
             run = filesystem.relative(directory, logdir)
             for suffix, group in split_writers(states).items():
                 runs[run + suffix] = tuple(group)
+    if listings is not None:
+        listings.forget_unvisited()
     return dict(sorted(runs.items()))
 
 
