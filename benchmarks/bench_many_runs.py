@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import pathlib
-import resource
 import subprocess
 import sys
 import tempfile
@@ -77,13 +76,18 @@ def make_logdir(root: pathlib.Path, runs: int, steps: int) -> pathlib.Path:
 
 
 def command(args: list[str], env: dict) -> dict:
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    start = time.perf_counter()
-    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=3600)
-    wall = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return {"wall_s": wall, "peak_rss_mb": max(peak, before) / 1024, "rc": done.returncode,
-            "stderr": done.stderr[-300:] if done.returncode not in (0, 1) else ""}
+    """Wall time and peak RSS of this one command (`os.wait4`: its own
+    rusage; RUSAGE_CHILDREN would give the largest of every child so far)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        process = subprocess.Popen(args, stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.perf_counter() - start
+        process.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
+    return {"wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024, "rc": process.returncode,
+            "stderr": stderr[-300:] if process.returncode not in (0, 1) else ""}
 
 
 def main() -> None:

@@ -140,7 +140,7 @@ def _read(logdir: str, run: str | None,
         try:
             runs[name] = reader.read_run(logdir, name)
         except OSError as e:
-            _warn(f"run {name}: cannot be read ({e.strerror or e}); skipped")
+            _warn(f"run {name}: cannot be read ({filesystem.error_text(e)}); skipped")
         except reader.NoMpprofDataError as e:  # removed since it was listed
             _warn(f"run {name}: {e}; skipped")
     return runs, chatty
@@ -148,7 +148,7 @@ def _read(logdir: str, run: str | None,
 
 def _bytes(logdir: str, run: str) -> int:
     try:
-        return sum(filesystem.size_and_mtime(p)[0] for p in reader.event_files(logdir, run))
+        return sum(size for _, size, _ in reader.run_file_states(logdir, run))
     except (OSError, reader.NoMpprofDataError):
         return 0  # reading it will say what is wrong
 

@@ -20,6 +20,7 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
+from mpprof.records import filesystem
 from tensorboard_plugin_mpprof import metadata, payloads
 from tensorboard_plugin_mpprof.run_cache import CachedRun, RunCache
 
@@ -59,7 +60,7 @@ class MpprofPlugin(base_plugin.TBPlugin):
             metadata.ES_MODULE_ROUTE: self._index_js,
             metadata.STATIC_ROUTE_PREFIX + "*": self._static,
             metadata.PLOTLY_ROUTE: self._plotly,
-            "/runs": self._json_route(self._list_runs),
+            "/runs": self._list_runs,
             "/context": self._run_route(lambda args: ("context", payloads.context_payload)),
             "/findings": self._run_route(
                 lambda args: ("findings", payloads.findings_payload), diagnosed=True
@@ -74,9 +75,16 @@ class MpprofPlugin(base_plugin.TBPlugin):
         }
 
     def is_active(self) -> bool:
-        # TensorBoard's data provider lists "mpprof" when the logdir holds
-        # mpprof summaries; that alone decides whether the tab shows.
-        return False
+        """Asked only when TensorBoard's data provider does not list "mpprof".
+
+        A local logdir with mpprof summaries is always listed there. A remote
+        one may not be: TensorBoard reads s3:// only through TensorFlow's file
+        systems (gone from TensorFlow since 2.6) or boto3, RustBoard only
+        local disks and GCS. The plugin reads it itself (fsspec), so the tab
+        shows when its own listing finds runs."""
+        if not filesystem.is_remote(self._runs.logdir):
+            return False
+        return bool(self._runs.list_runs())
 
     def frontend_metadata(self) -> base_plugin.FrontendMetadata:
         return base_plugin.FrontendMetadata(
@@ -85,13 +93,15 @@ class MpprofPlugin(base_plugin.TBPlugin):
 
     # JSON routes ------------------------------------------------------------
 
-    def _list_runs(self, args) -> dict:
-        # Each run's summary is kept while its files are unchanged: a sweep
-        # of many runs is read once, then only what changed.
+    @wrappers.Request.application
+    def _list_runs(self, request):
+        # Each run's summary (and its JSON text) is kept while its files are
+        # unchanged: a sweep of many runs is read once, then only what changed.
         def summarize(cached: CachedRun) -> dict:
             return payloads.run_summary(cached.run, _diagnosis(cached))
 
-        return {"runs": self._runs.summaries(summarize)}
+        return http_util.Respond(request, self._runs.summaries_json(summarize),
+                                 "application/json")
 
     # Each run route parses its parameters (400 on a bad one) and returns a
     # cache key and the payload's computation; see `_run_route`.
@@ -183,15 +193,6 @@ class MpprofPlugin(base_plugin.TBPlugin):
             else:
                 body = run.derive(key, lambda r: _gzip_json(compute(r)))
             return http_util.Respond(request, body, "application/json", content_encoding="gzip")
-
-        return route
-
-    @staticmethod
-    def _json_route(handler: Callable) -> Callable:
-        @wrappers.Request.application
-        def route(request):
-            body = json.dumps(handler(request.args), allow_nan=False)
-            return http_util.Respond(request, body, "application/json")
 
         return route
 

@@ -18,6 +18,7 @@ The first read of many runs says how far it got in TensorBoard's log.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import threading
@@ -50,9 +51,12 @@ class CachedRun:
     # Derived payloads kept per run: a handful of views and screen sizes.
     MAX_DERIVED = 64
 
-    def __init__(self, run: reader.Run, signature: tuple):
+    def __init__(self, run: reader.Run, signature: tuple, files: reader.FileReads):
         self.run = run
         self.signature = signature
+        # Each event file's records, so the next read of this run reads only
+        # the files that changed (a remote run's new parts).
+        self.files = files
         self.bytes = _MEMORY_PER_FILE_BYTE * sum(size for _, size, _ in signature) + 64_000
         self._derived: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -85,11 +89,14 @@ class RunCache:
         self._budget = budget_bytes
         self._runs: collections.OrderedDict[str, CachedRun] = collections.OrderedDict()
         self._bytes = 0
-        self._summaries: dict[str, tuple[tuple, dict]] = {}
+        # Run -> (signature, summary, the summary as JSON text).
+        self._summaries: dict[str, tuple[tuple, dict, str]] = {}
         self._run_locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self._lock = threading.Lock()
         self._listing: tuple[float, dict[str, tuple]] = (float("-inf"), {})
         self._warned: set[str] = set()
+        # Listings of the logdir's directories, kept while each is unchanged.
+        self._listings = filesystem.Listings()
 
     def _files(self, fresh: bool = False) -> dict[str, tuple]:
         """Every run with its signature, from a walk at most `_RUN_LIST_TTL_S`
@@ -97,7 +104,8 @@ class RunCache:
         listed_at, runs = self._listing
         if fresh or time.monotonic() - listed_at > _RUN_LIST_TTL_S:
             try:
-                runs = reader.run_files(self.logdir, self._warn_once) if self.logdir else {}
+                runs = (reader.run_files(self.logdir, self._warn_once, self._listings)
+                        if self.logdir else {})
             except reader.LogdirNotFoundError:
                 runs = {}
             self._listing = (time.monotonic(), runs)
@@ -116,6 +124,14 @@ class RunCache:
     def summaries(self, summarize: Callable[[CachedRun], dict]) -> list[dict]:
         """`summarize(run)` of every run, computed again only for runs whose
         files changed; unreadable runs are left out (logged once)."""
+        return [entry[1] for entry in self._summary_entries(summarize)]
+
+    def summaries_json(self, summarize: Callable[[CachedRun], dict]) -> str:
+        """`{"runs": summaries(summarize)}` as JSON text: each run's summary is
+        serialised once, when computed, not at every request."""
+        return '{"runs": [' + ", ".join(e[2] for e in self._summary_entries(summarize)) + "]}"
+
+    def _summary_entries(self, summarize: Callable[[CachedRun], dict]) -> list[tuple]:
         # Walked now: the run list is what a page load asks first, and it
         # must not list a run removed (or locked) a moment ago.
         files = self._files(fresh=True)
@@ -131,14 +147,15 @@ class RunCache:
                 self._warn_once(f"run {name} left out of the run list: {e}")
                 continue
             summary = summarize(cached)
+            text = json.dumps(summary, allow_nan=False)
             with self._lock:
-                self._summaries[name] = (cached.signature, summary)
+                self._summaries[name] = (cached.signature, summary, text)
         if progress is not None:
             progress.done()
         with self._lock:
             for name in set(self._summaries) - set(files):
                 del self._summaries[name]
-            return [self._summaries[name][1] for name in files if name in self._summaries]
+            return [self._summaries[name] for name in files if name in self._summaries]
 
     def get(self, run: str | None, listed: dict[str, tuple] | None = None) -> CachedRun:
         """The run named `run`; NotFoundError unless the logdir lists it.
@@ -158,8 +175,10 @@ class RunCache:
             with self._lock:
                 cached = self._runs.get(run)
             if cached is None or cached.signature != signature:
+                files = cached.files if cached is not None else reader.FileReads()
                 try:
-                    cached = CachedRun(reader.read_run(self.logdir, run), signature)
+                    cached = CachedRun(reader.read_run(self.logdir, run, files), signature,
+                                       files)
                 except reader.NoMpprofDataError as e:
                     raise _unreadable(run, e) from e
                 except OSError as e:
@@ -168,10 +187,10 @@ class RunCache:
             return cached
 
     def _signature(self, run: str) -> tuple:
-        """Path, size and mtime of each of the run's mpprof event files."""
+        """Path, size and mtime of each of the run's mpprof event files, from
+        one listing of its directory (not a request per file)."""
         try:
-            paths = reader.event_files(self.logdir, run)
-            return tuple((path, *filesystem.size_and_mtime(path)) for path in paths)
+            return tuple(reader.run_file_states(self.logdir, run))
         except (reader.NoMpprofDataError, OSError) as e:
             raise _unreadable(run, e) from e
 

@@ -17,7 +17,7 @@ from tensorboard.plugins import base_plugin
 from werkzeug import test as werkzeug_test
 
 from mpprof import cli
-from mpprof.records import reader, schema
+from mpprof.records import filesystem, reader, schema
 from mpprof.records.writer import RecordWriter
 from tensorboard_plugin_mpprof import run_cache
 from tensorboard_plugin_mpprof.plugin import MpprofPluginLoader
@@ -139,7 +139,8 @@ def test_a_sweep_is_read_once_then_only_what_changed(tmp_path, monkeypatch, capl
     reads = []
     real_read = reader.read_run
     monkeypatch.setattr(run_cache.reader, "read_run",
-                        lambda logdir, run: reads.append(run) or real_read(logdir, run))
+                        lambda logdir, run, *rest: reads.append(run)
+                        or real_read(logdir, run, *rest))
     plugin = MpprofPlugin(base_plugin.TBContext(logdir=str(tmp_path)))
     client = werkzeug_test.Client(application.TensorBoardWSGI([plugin]))
     with caplog.at_level("WARNING"):
@@ -159,3 +160,115 @@ def test_a_sweep_is_read_once_then_only_what_changed(tmp_path, monkeypatch, capl
     # A run removed from the sweep leaves the list.
     shutil.rmtree(tmp_path / "lr_000")
     assert len(get_json(client, "runs")["runs"]) == 29 and len(reads) == 31
+
+
+def _settle(root, seconds: float = 10.0) -> None:
+    """Every directory under `root` last changed `seconds` ago."""
+    import os
+    import time
+
+    past = time.time() - seconds
+    for directory, _, _ in os.walk(root):
+        os.utime(directory, (past, past))
+
+
+def test_a_later_run_list_lists_only_changed_directories(tmp_path, monkeypatch):
+    """A later `/runs` of a sweep lists no directory unchanged since the last
+    one (a stat says so), stats only the event files, realpaths only
+    symlinks and serialises no summary again: the costs that made `/runs` of
+    1,000 runs slow."""
+    import os
+
+    for i in range(5):
+        small_run(tmp_path / f"lr_{i}" / "train", steps=10)
+    (tmp_path / "elsewhere").mkdir()
+    small_run(tmp_path / "elsewhere" / "train", steps=10)
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "sweep" / "linked").symlink_to(tmp_path / "elsewhere")
+    _settle(tmp_path)
+    monkeypatch.setattr(run_cache, "_RUN_LIST_TTL_S", 0.0)
+    plugin = MpprofPlugin(base_plugin.TBContext(logdir=str(tmp_path)))
+    client = werkzeug_test.Client(application.TensorBoardWSGI([plugin]))
+    first = get_json(client, "runs")["runs"]
+    calls = {"scandir": [], "realpath": [], "dumps": 0}
+    real_scandir, real_realpath, real_dumps = os.scandir, os.path.realpath, run_cache.json.dumps
+
+    def counting_scandir(path, *args, **kwargs):
+        calls["scandir"].append(os.path.basename(path))
+        return real_scandir(path, *args, **kwargs)
+
+    def counting_realpath(path, *args, **kwargs):
+        calls["realpath"].append(os.path.basename(path))
+        return real_realpath(path, *args, **kwargs)
+
+    def counting_dumps(*args, **kwargs):
+        calls["dumps"] += 1
+        return real_dumps(*args, **kwargs)
+
+    monkeypatch.setattr(os, "scandir", counting_scandir)
+    monkeypatch.setattr(os.path, "realpath", counting_realpath)
+    monkeypatch.setattr(run_cache.json, "dumps", counting_dumps)
+    assert get_json(client, "runs")["runs"] == first
+    assert calls["dumps"] == 0  # each summary serialised once, when computed
+    # Only the directory holding a symlink is listed again (its target may
+    # change under it); the logdir and the symlink are the only realpaths.
+    assert calls["scandir"] == ["sweep"]
+    assert sorted(calls["realpath"]) == sorted([tmp_path.name, "linked"])
+    # The symlinked run is listed once.
+    assert sorted(r["run"] for r in first) == sorted(
+        ["elsewhere/train", *(f"lr_{i}/train" for i in range(5))])
+    # A new run in a settled directory changes its mtime: it is listed.
+    small_run(tmp_path / "lr_9" / "train", steps=10)
+    assert "lr_9/train" in [r["run"] for r in get_json(client, "runs")["runs"]]
+
+
+def test_an_event_file_grown_in_a_settled_directory_is_seen(tmp_path, monkeypatch):
+    """Appending leaves the directory's mtime as it was: the kept listing is
+    used, and the event file's size is still taken anew."""
+    import io
+
+    from mpprof.records import tfrecord
+
+    small_run(tmp_path / "lr_0" / "train", steps=10)
+    _settle(tmp_path)
+    monkeypatch.setattr(run_cache, "_RUN_LIST_TTL_S", 0.0)
+    client = plugin_client(tmp_path)
+    assert get_json(client, "runs")["runs"][0]["loss_scale"]["steps_run"] == 10
+    assert get_json(client, "runs")["runs"][0]["loss_scale"]["steps_run"] == 10
+    # The records of another writer, appended to the run's event file.
+    writer = RecordWriter(tmp_path / "source")
+    writer.write_array(schema.LOSS_SCALE_PROGRESS, [500, 2.0**15, 0.0], 500)
+    writer.close()
+    data = next((tmp_path / "source").glob("*tfevents*")).read_bytes()
+    second = list(tfrecord.read_frames(io.BytesIO(data)))[1].offset
+    (event_file,) = (tmp_path / "lr_0" / "train").glob("*tfevents*")
+    with open(event_file, "ab") as f:
+        f.write(data[second:])
+    _settle(tmp_path / "lr_0")
+    assert get_json(client, "runs")["runs"][0]["loss_scale"]["steps_run"] == 500
+
+
+def test_a_settled_directory_whose_mode_changed_is_listed_again(tmp_path, monkeypatch):
+    """A chmod (a directory made unreadable) changes its ctime, not its
+    mtime: the kept listing goes and the directory is listed again, so a
+    run that can no longer be listed is not served from the old listing."""
+    import os
+
+    small_run(tmp_path / "a" / "train", steps=10)
+    small_run(tmp_path / "b" / "train", steps=10)
+    _settle(tmp_path)
+    listings = filesystem.Listings()
+    assert len(reader.run_files(tmp_path, listings=listings)) == 2
+    listed = []
+    real_scandir = os.scandir
+
+    def counting_scandir(path, *args, **kwargs):
+        listed.append(os.path.basename(path))
+        return real_scandir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "scandir", counting_scandir)
+    assert len(reader.run_files(tmp_path, listings=listings)) == 2
+    assert listed == []
+    os.chmod(tmp_path / "b", 0o700)
+    assert len(reader.run_files(tmp_path, listings=listings)) == 2
+    assert listed == ["b"]

@@ -194,21 +194,116 @@ def test_symlinks_into_the_logdir_are_not_followed(tmp_path):
     assert reader.read_run(tmp_path, "linked/train").readable
 
 
-def test_a_remote_logdir_is_read_through_tensorflow_file_systems():
-    """`scheme://` paths go through tf.io.gfile (here its in-memory ram://)."""
+def test_a_remote_logdir_is_written_in_parts_and_read_through_fsspec():
+    """`scheme://` paths go through fsspec (here its in-memory memory://): each
+    flush writes one new object with only what it adds, and the run reads
+    back joined, in order, like the local file."""
+    import fsspec
+
     source = reader.read_run(logdir("storm"), "train")
-    writer = RecordWriter("ram://mpprof-remote/run/train")
+    root = "memory://mpprof-remote-parts"
+    writer = RecordWriter(f"{root}/run/train")
+    flushes = 0
     for record, found in source.records.items():
         for item in found:
             if isinstance(item.value, dict):
                 writer.write_json(record, item.value, item.step)
             else:
                 writer.write_array(record, item.value, item.step)
+        writer.flush()
+        flushes += 1
+    writer.flush()  # nothing new: no object
     writer.close()
-    assert reader.list_runs("ram://mpprof-remote") == ["run/train"]
-    remote = reader.read_run("ram://mpprof-remote", "run/train")
+    fs = fsspec.filesystem("memory")
+    names = sorted(path.rsplit("/", 1)[-1] for path in fs.ls(f"{root}/run/train", detail=False))
+    parts = [name for name in names if schema.PART_MARK in name]
+    assert len(parts) == 1 + flushes  # the writer's start, then one per flush
+    assert parts == [schema.part_name(writer.path.rsplit("/", 1)[-1], i)
+                     for i in range(len(parts))]
+    # Each part is a complete event file: the first record of each is the
+    # file-version event, and no part repeats another's records.
+    import io
+
+    from tensorboard.compat.proto import event_pb2
+
+    from mpprof.records import tfrecord
+
+    for name in parts:
+        frames = list(tfrecord.read_frames(io.BytesIO(fs.cat_file(f"{root}/run/train/{name}"))))
+        assert all(frame.problem is None for frame in frames)
+        assert event_pb2.Event.FromString(frames[0].payload).file_version == "brain.Event:2"
+    assert reader.list_runs(root) == ["run/train"]
+    remote = reader.read_run(root, "run/train")
     assert remote.warnings == [] and remote.context == source.context
     np.testing.assert_array_equal(remote.loss_scale.events, source.loss_scale.events)
+    for record, found in source.records.items():
+        assert [r.step for r in remote.records[record]] == [r.step for r in found]
+
+
+def test_a_remote_run_read_again_fetches_only_its_new_parts(monkeypatch):
+    import fsspec
+
+    root = "memory://mpprof-remote-reread"
+    writer = RecordWriter(f"{root}/train")
+    writer.write_json(schema.RUN_CONTEXT, {"fit_state": "running"}, 0)
+    writer.flush()
+    reuse = reader.FileReads()
+    first = reader.read_run(root, "train", reuse)
+    fetched = []
+    fs = fsspec.filesystem("memory")
+    original = type(fs).cat_file
+
+    def counting(self, path, *args, **kwargs):
+        fetched.append(path.rsplit("/", 1)[-1])
+        return original(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(type(fs), "cat_file", counting)
+    writer.write_json(schema.RUN_CONTEXT, {"fit_state": "ended"}, 5)
+    writer.flush()
+    again = reader.read_run(root, "train", reuse)
+    # The new part, and the writer's 1 KiB fit-end file (rewritten in place).
+    parts = [name for name in fetched if "tfevents" in name]
+    assert parts == [schema.part_name(writer.path.rsplit("/", 1)[-1], 2)]
+    assert len(fetched) == 2
+    assert first.context["fit_state"] == "running" and again.context["fit_state"] == "ended"
+    assert [r.step for r in again.records[schema.RUN_CONTEXT]] == [0, 5]
+    fetched.clear()
+    reader.read_run(root, "train", reuse)
+    assert [name for name in fetched if "tfevents" in name] == []  # nothing new
+    writer.close()
+
+
+def test_a_remote_run_of_many_parts_is_fetched_in_batches(monkeypatch):
+    """Each part is one object: reading them one request after another would
+    cost a round trip per flush; they are fetched a batch at a time."""
+    import fsspec
+
+    root = "memory://mpprof-remote-batches"
+    writer = RecordWriter(f"{root}/train")
+    for step in range(300):
+        writer.write_array(schema.LOSS_SCALE_PROGRESS, [step, 2.0**15, 0.0], step)
+        writer.flush()
+    writer.close()
+    batches = []
+    fs = fsspec.filesystem("memory")
+    original = type(fs).cat
+
+    def counting(self, path, *args, **kwargs):
+        batches.append(len(path) if isinstance(path, list) else 1)
+        return original(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(type(fs), "cat", counting)
+    for reuse in (None, reader.FileReads()):
+        batches.clear()
+        run = reader.read_run(root, "train", reuse)
+        assert [r.step for r in run.records[schema.LOSS_SCALE_PROGRESS]] == list(range(300))
+        assert batches == [128, 128, 45]  # 301 parts: the writer's start, then 300 flushes
+
+
+def test_an_unknown_scheme_is_one_line_naming_it():
+    with pytest.raises(reader.LogdirNotFoundError) as raised:
+        reader.list_runs("nosuchscheme://bucket/logs")
+    assert "nosuchscheme://" in str(raised.value) and "\n" not in str(raised.value)
 
 
 # ---------------------------------------------------------------- cut short

@@ -10,6 +10,7 @@ this for each event file of a run.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 
@@ -45,6 +46,11 @@ class ReadWarnings:
         entry = self._kinds.setdefault(kind, [0, text])
         entry[0] += 1
 
+    def merge(self, other: ReadWarnings) -> None:
+        """Adds `other`'s problems (those of another file of the run)."""
+        for kind, (count, text) in other._kinds.items():
+            self._kinds.setdefault(kind, [0, text])[0] += count
+
     def lines(self) -> list[str]:
         return [
             text if count == 1 else f"{text} (and {count - 1:,} more records like it)"
@@ -52,19 +58,26 @@ class ReadWarnings:
         ]
 
 
-def read_event_file(path: str, records: dict[str, list[Record]], warnings: ReadWarnings) -> None:
+def read_event_file(source: str, records: dict[str, list[Record]], warnings: ReadWarnings,
+                    fetched: bytes | OSError | None = None) -> None:
     """Reads one event file record by record (see `mpprof.records.tfrecord`).
 
     Args:
-        path: a local or remote event file.
+        source: a local or remote event file.
+        fetched: the file's bytes (or why they could not be fetched) when
+            fetched already (`filesystem.fetch_all`); else it is opened here.
         records: gets each valid record appended under its `series_key`.
         warnings: gets each problem; a file that cannot be read is one.
     """
     # TensorBoard semantics: a tag's metadata (here: the schema version) may
     # come with its first value only and holds for the whole series.
     tag_problems: dict[str, tuple[str, str] | None] = {}
+    path = filesystem.shown(source)  # as warnings show it
     try:
-        with filesystem.open_file(path) as stream:
+        if isinstance(fetched, OSError):
+            raise fetched
+        with (io.BytesIO(fetched) if fetched is not None
+              else filesystem.open_file(source)) as stream:
             for frame in tfrecord.read_frames(stream):
                 if frame.problem is not None:
                     skipped = "" if frame.fatal else "; skipped"

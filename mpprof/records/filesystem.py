@@ -1,23 +1,40 @@
-"""Where a logdir lives: local paths through `os`, remote ones through `tf.io.gfile`.
+"""Where a logdir lives: local paths through `os`, remote ones through fsspec.
 
-Reading and writing both go through here.
+Reading and writing both go through here, and nothing here imports a
+framework: local paths (anything without a `scheme://`) use the standard
+library; any URL (`s3://`, `gs://`, `az://`, `memory://`, ...) goes through
+fsspec, with the file system of its scheme (`s3fs`, `gcsfs`: the extras
+`mpprof[s3]`, `mpprof[gcs]`). Credentials and endpoints are the file system's
+own business, found as botocore/s3fs find them (`AWS_ENDPOINT_URL`,
+`AWS_PROFILE`, the instance role, ...); mpprof never reads, passes or logs a
+secret. A URL that carries a password (`ftp://user:secret@host/`) is shown
+with the password masked (`shown`).
 
-Reading a local logdir must not import TensorFlow (about 3 s): local paths
-(anything without a `scheme://`) are read with the standard library, and
-TensorFlow's file systems (gs://, s3://, hdfs://, ram://, ...) are imported
-only for a remote path. Every failure surfaces as an `OSError`, so callers
-handle one kind of error whatever the file system.
+Object stores cannot append, so a remote writer never appends: it writes one
+new object per flush (`mpprof.records.writer`), and listings give each
+object's size and modification time, so a reader re-fetches only what
+changed. Every failure surfaces as an `OSError`, so callers handle one kind
+of error whatever the file system.
+
+TensorFlow's file systems (`tf.io.gfile`) are not used, not even as a
+fallback: the records import no framework, and fsspec serves every scheme
+gfile did (hdfs:// through pyarrow); a scheme no installed fsspec file
+system serves is one line saying so.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import datetime
 import enum
+import io
 import os
 import posixpath
+import re
 import stat
+import threading
+import time
 from collections.abc import Callable, Iterator
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 
 class Kind(enum.Enum):
@@ -28,14 +45,12 @@ class Kind(enum.Enum):
     OTHER = "neither a regular file nor a directory"
 
 
-@dataclasses.dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):  # a tuple: a listing of thousands of runs builds many
     name: str
     kind: Kind
     is_symlink: bool = False
-    # Where the listing itself says (an object store's listing does; a local
-    # one is stat'ed on demand): the file's size and modification time (or
-    # another token that changes with the content, e.g. from an ETag).
+    # From the listing itself (a local listing's stat, an object store's
+    # listing): the file's size and modification time, None where unknown.
     size: int | None = None
     mtime_ns: int | None = None
 
@@ -45,9 +60,17 @@ def is_remote(path: str) -> bool:
     return "://" in path
 
 
+_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/@:]*):[^/@]*@")
+
+
+def shown(path: str) -> str:
+    """`path` as it may be shown or logged: a password in a URL masked."""
+    return _PASSWORD.sub(r"\1:***@", path)
+
+
 def error_text(error: OSError) -> str:
     """What went wrong, in words, without the path the caller already shows."""
-    return error.strerror or str(error)
+    return shown(error.strerror or str(error))
 
 
 def join(directory: str, *names: str) -> str:
@@ -62,6 +85,12 @@ def dirname(path: str) -> str:
 
 def relative(path: str, root: str) -> str:
     """`path` relative to `root`, with "/" separators ("." for root itself)."""
+    if path == root:
+        return "."
+    prefix = root.rstrip("/" if is_remote(root) else os.sep)
+    separator = "/" if is_remote(root) else os.sep
+    if path.startswith(prefix + separator):  # a walk's directories: no normalising
+        return path[len(prefix) + 1:].replace(os.sep, "/")
     if is_remote(root):
         return posixpath.relpath(path, root)
     return os.path.relpath(path, root).replace(os.sep, "/")
@@ -69,42 +98,104 @@ def relative(path: str, root: str) -> str:
 
 def isdir(path: str) -> bool:
     if is_remote(path):
-        return _gfile_call(_gfile().isdir, path)
+        fs, inner = _remote(path)
+        _call(fs.invalidate_cache, inner)
+        return bool(_call(fs.isdir, inner))
     return os.path.isdir(path)
 
 
 def scan(directory: str) -> list[Entry]:
-    """The entries of `directory`, symlinks followed to say what they are.
+    """The entries of `directory`, symlinks followed to say what they are,
+    each with its size and modification time from the same listing.
 
     Raises:
         OSError: the directory cannot be listed.
     """
     if is_remote(directory):
-        gfile = _gfile()
-        return [
-            Entry(name.rstrip("/"), Kind.DIRECTORY if _gfile_call(
-                gfile.isdir, posixpath.join(directory, name)
-            ) else Kind.FILE)
-            for name in _gfile_call(gfile.listdir, directory)
-        ]
+        return _remote_scan(directory)
     with os.scandir(directory) as entries:
         return [_local_entry(entry) for entry in entries]
 
 
 def _local_entry(entry: os.DirEntry) -> Entry:
+    symlink = _is_symlink(entry)
+    if not symlink and entry.is_dir(follow_symlinks=False):  # from the listing: no stat
+        return Entry(entry.name, Kind.DIRECTORY)
     try:
-        mode = entry.stat().st_mode  # follows symlinks
-        kind = (
-            Kind.DIRECTORY if stat.S_ISDIR(mode)
-            else Kind.FILE if stat.S_ISREG(mode)
-            else Kind.OTHER
-        )
+        found = entry.stat()  # follows symlinks; cached by the DirEntry
     except OSError:  # a dangling symlink, or a target we may not stat
-        kind = Kind.OTHER
-    return Entry(entry.name, kind, entry.is_symlink())
+        return Entry(entry.name, Kind.OTHER, symlink)
+    mode = found.st_mode
+    if stat.S_ISDIR(mode):
+        return Entry(entry.name, Kind.DIRECTORY, symlink)
+    if stat.S_ISREG(mode):
+        return Entry(entry.name, Kind.FILE, symlink, found.st_size, found.st_mtime_ns)
+    return Entry(entry.name, Kind.OTHER, symlink)
 
 
-def walk(root: str, on_error: Callable[[str, OSError], None]) -> Iterator[tuple[str, list[Entry]]]:
+def _is_symlink(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_symlink()
+    except OSError:
+        return False
+
+
+class Listings:
+    """Listings of local directories kept between walks (`walk`'s `listings`).
+
+    A directory's entries change only with its mtime (an entry added, removed
+    or renamed); a file's size does not. A kept listing is used again, for
+    the cost of one stat, while its directory's mtime and ctime (which a
+    chmod changes too) are unchanged, and only when the directory had not
+    changed for `SETTLED_NS` before it was listed
+    (a change within the same mtime tick as the listing could go unseen:
+    git's "racily clean" rule). Its files are given without size or mtime,
+    so the reader stats the event files it needs. Directories holding a
+    symlink are always listed (the target may change under an unchanged
+    parent). Remote listings are never kept: the store's listing is the check.
+    """
+
+    SETTLED_NS = 2_000_000_000
+
+    def __init__(self):
+        self._kept: dict[str, tuple[tuple[int, int], list[Entry]]] = {}
+        self._visited: set[str] = set()
+        self._lock = threading.Lock()  # walks of concurrent requests
+
+    def scan(self, directory: str) -> list[Entry]:
+        """`scan(directory)`, or its kept listing if still valid; raises OSError."""
+        if is_remote(directory):
+            return scan(directory)
+        found = os.stat(directory)
+        mtime = found.st_mtime_ns
+        key = (mtime, found.st_ctime_ns)
+        with self._lock:
+            self._visited.add(directory)
+            kept = self._kept.get(directory)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        entries = scan(directory)
+        settled = (time.time_ns() - mtime > self.SETTLED_NS
+                   and not any(e.is_symlink for e in entries))
+        with self._lock:
+            if settled:
+                self._kept[directory] = (key, [
+                    e._replace(size=None, mtime_ns=None) if e.kind is Kind.FILE else e
+                    for e in entries])
+            else:
+                self._kept.pop(directory, None)
+        return entries
+
+    def forget_unvisited(self) -> None:
+        """Drops the listings of directories the last walk did not reach."""
+        with self._lock:
+            for directory in set(self._kept) - self._visited:
+                del self._kept[directory]
+            self._visited = set()
+
+
+def walk(root: str, on_error: Callable[[str, OSError], None],
+         listings: Listings | None = None) -> Iterator[tuple[str, list[Entry]]]:
     """Every directory under `root` (itself included) with its entries.
 
     Each directory is visited once: a directory symlink that points back into
@@ -118,15 +209,18 @@ def walk(root: str, on_error: Callable[[str, OSError], None]) -> Iterator[tuple[
         root: the directory to walk (local or remote).
         on_error: called with the directory and the error of each directory
             that cannot be listed.
+        listings: listings kept from earlier walks (see `Listings`).
     """
     remote = is_remote(root)
     root_real = root if remote else os.path.realpath(root)
     seen = {root_real}
-    pending = [root]
+    # Each directory with its real path: a child that is no symlink is its
+    # parent's real path joined with its name (no realpath per directory).
+    pending = [(root, root_real)]
     while pending:
-        directory = pending.pop()
+        directory, directory_real = pending.pop()
         try:
-            entries = scan(directory)
+            entries = scan(directory) if listings is None else listings.scan(directory)
         except OSError as e:
             on_error(directory, e)
             continue
@@ -135,19 +229,23 @@ def walk(root: str, on_error: Callable[[str, OSError], None]) -> Iterator[tuple[
             if entry.kind is not Kind.DIRECTORY:
                 continue
             path = join(directory, entry.name)
-            real = path if remote else os.path.realpath(path)
+            if remote or not entry.is_symlink:
+                real = path if remote else os.path.join(directory_real, entry.name)
+            else:
+                real = os.path.realpath(path)
             inside = real == root_real or real.startswith(root_real.rstrip(os.sep) + os.sep)
             if real in seen or (entry.is_symlink and inside):
                 continue
             seen.add(real)
-            pending.append(path)
+            pending.append((path, real))
 
 
 def size_and_mtime(path: str) -> tuple[int, int]:
     """(size in bytes, modification time in ns) of a file; raises OSError."""
     if is_remote(path):
-        found = _gfile_call(_gfile().stat, path)
-        return found.length, found.mtime_nsec
+        fs, inner = _remote(path)
+        info = _call(fs.info, inner)
+        return int(info.get("size") or 0), _mtime_ns(info)
     found = os.stat(path)
     return found.st_size, found.st_mtime_ns
 
@@ -157,10 +255,12 @@ def open_file(path: str) -> BinaryIO:
 
     A local path is opened without blocking and checked on the open file, so
     a FIFO named like an event file is refused instead of waiting forever for
-    a writer.
+    a writer. A remote file is fetched whole, in one request (event file
+    parts are small; a file is read to its end anyway).
     """
     if is_remote(path):
-        return _RemoteFile(_gfile_call(_gfile().GFile, path, "rb"))
+        fs, inner = _remote(path)
+        return io.BytesIO(_call(fs.cat_file, inner))
     descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     try:
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):
@@ -173,26 +273,63 @@ def open_file(path: str) -> BinaryIO:
         raise
 
 
+# Remote files fetched together, at most this many at once in memory.
+_FETCH_BATCH = 128
+
+
+def fetch_all(paths: list[str]) -> Iterator[tuple[str, bytes | OSError]]:
+    """(path, its bytes or why it could not be read) of each remote file of
+    `paths` (all on one file system, as a run's files are), in order,
+    fetched concurrently where the file system can (s3fs and gcsfs fetch a
+    batch at once: a run of thousands of parts is not thousands of round
+    trips one after the other). Local paths are left out."""
+    remote = [path for path in paths if is_remote(path)]
+    for start in range(0, len(remote), _FETCH_BATCH):
+        batch = remote[start:start + _FETCH_BATCH]
+        try:
+            fs, _ = _remote(batch[0])
+            inner = [_remote(path)[1] for path in batch]
+            found = _call(fs.cat, inner, False, "return")
+        except OSError:
+            found = {}
+        for path, key in zip(batch, inner if found else batch, strict=True):
+            value = found.get(key) if isinstance(found, dict) else None
+            if isinstance(value, bytes):
+                yield path, value
+                continue
+            try:  # not in the batch's answer (a name fsspec read as a glob): alone
+                yield path, open_file(path).read()
+            except OSError as e:
+                yield path, e
+
+
 def makedirs(path: str) -> None:
-    """Creates the directory `path` and its parents; raises OSError."""
+    """Creates the directory `path` and its parents; raises OSError.
+
+    On an object store, where folders are only prefixes, this checks that
+    the bucket can be reached (and creates it where the store allows)."""
     if is_remote(path):
-        _gfile_call(_gfile().makedirs, path)
+        fs, inner = _remote(path)
+        _call(fs.makedirs, inner, True)
     else:
         os.makedirs(path, exist_ok=True)
 
 
 def open_append(path: str) -> BinaryIO:
-    """Opens a file for writing at its end (created if missing); raises OSError."""
+    """Opens a local file for writing at its end (created if missing);
+    raises OSError. Remote files are never appended to: see the module
+    docstring and `write_bytes`."""
     if is_remote(path):
-        return _RemoteFile(_gfile_call(_gfile().GFile, path, "ab"))
+        raise OSError(f"{shown(path)}: remote files are written whole, never appended to")
     return open(path, "ab")
 
 
 def write_bytes(path: str, data: bytes) -> None:
-    """Writes `data` as the whole file `path`; raises OSError."""
+    """Writes `data` as the whole file `path` (one object, one request on an
+    object store); raises OSError."""
     if is_remote(path):
-        with _RemoteFile(_gfile_call(_gfile().GFile, path, "wb")) as f:
-            f.write(data)
+        fs, inner = _remote(path)
+        _call(fs.pipe_file, inner, bytes(data))
         return
     with open(path, "wb") as f:
         f.write(data)
@@ -210,46 +347,80 @@ def overwrite_bytes(path: str, data: bytes) -> None:
         f.write(data)
 
 
-class _RemoteFile:
-    """A `tf.io.gfile.GFile` whose errors are OSErrors."""
+# Remote file systems (fsspec) --------------------------------------------
 
-    def __init__(self, gfile):
-        self._file = gfile
-
-    def read(self, size: int = -1) -> bytes:
-        return _gfile_call(self._file.read, size)
-
-    def write(self, data: bytes) -> None:
-        _gfile_call(self._file.write, data)
-
-    def flush(self) -> None:
-        _gfile_call(self._file.flush)
-
-    def close(self) -> None:
-        _gfile_call(self._file.close)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        self.close()
+# The extra that brings each scheme's file system, for the error message.
+_EXTRAS = {"s3": "mpprof[s3]", "s3a": "mpprof[s3]", "gs": "mpprof[gcs]", "gcs": "mpprof[gcs]"}
 
 
-def _gfile():
+def _remote(url: str):
+    """(fsspec file system, its path) for `url`; OSError when no file system
+    serves the scheme."""
+    scheme = url.split("://", 1)[0]
     try:
-        import tensorflow as tf
+        import fsspec.core
+    except ImportError as e:  # a base dependency; only a broken install lacks it
+        raise OSError(f"{scheme}:// paths need fsspec: pip install fsspec ({e})") from e
+    try:
+        return fsspec.core.url_to_fs(url)
     except ImportError as e:
-        raise OSError(
-            f"Reading a remote logdir needs TensorFlow's file systems (tf.io.gfile): {e}"
-        ) from e
-    return tf.io.gfile
+        extra = _EXTRAS.get(scheme.lower())
+        hint = f'pip install "{extra}"' if extra else "install the fsspec file system of it"
+        raise OSError(f"{scheme}:// needs a package that is not installed: {hint} ({e})") \
+            from e
+    except ValueError as e:  # "Protocol not known"
+        raise OSError(f"no file system serves {scheme}:// (fsspec: {e})") from e
 
 
-def _gfile_call(function, *args):
-    """`function(*args)`, TensorFlow's errors turned into OSError."""
-    import tensorflow as tf
+def _remote_scan(directory: str) -> list[Entry]:
+    fs, inner = _remote(directory)
+    _call(fs.invalidate_cache, inner)  # a listing is always the store's, now
+    base = inner.rstrip("/")
+    entries = []
+    for info in _call(fs.ls, inner, True):
+        full = str(info.get("name", "")).rstrip("/")
+        name = full.rsplit("/", 1)[-1]
+        if not name or full == base:  # the folder's own placeholder object
+            continue
+        kind = {"directory": Kind.DIRECTORY, "file": Kind.FILE}.get(info.get("type"), Kind.OTHER)
+        if kind is Kind.FILE:
+            entries.append(Entry(name, kind, False, int(info.get("size") or 0), _mtime_ns(info)))
+        else:
+            entries.append(Entry(name, kind))
+    return entries
 
+
+def _mtime_ns(info: dict) -> int:
+    """A listed object's modification time in ns (0 when the store gives none)."""
+    for key in ("LastModified", "mtime", "updated", "last_modified", "created", "modified"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, datetime.datetime):
+            if value.tzinfo is None:
+                value = value.replace(tzinfo=datetime.timezone.utc)
+            return int(value.timestamp() * 1e9)
+        if isinstance(value, (int, float)):
+            return int(value * 1e9)
+        try:
+            parsed = datetime.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+        except ValueError:
+            continue
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=datetime.timezone.utc)
+        return int(parsed.timestamp() * 1e9)
+    return 0
+
+
+def _call(function, *args):
+    """`function(*args)` on a remote file system, every failure an OSError.
+
+    File systems raise their client's own errors too (botocore's, aiohttp's
+    connection errors); their text names the operation and the bucket, never
+    the credentials."""
     try:
         return function(*args)
-    except tf.errors.OpError as e:
-        raise OSError(e.message) from e
+    except OSError:
+        raise
+    except Exception as e:  # any client error: "cannot be read/written"
+        raise OSError(f"{type(e).__name__}: {e}") from e

@@ -47,6 +47,7 @@ __all__ = [
     "NoMpprofDataError",
     "Numerics",
     "OnWarning",
+    "FileReads",
     "Record",
     "Run",
     "event_files",
@@ -55,6 +56,7 @@ __all__ = [
     "no_runs_error",
     "read_logdir",
     "read_run",
+    "run_file_states",
     "select_runs",
 ]
 
@@ -253,36 +255,39 @@ def list_runs(logdir: str | os.PathLike, on_warning: OnWarning | None = None) ->
 FileState = tuple[str, int, int]
 
 
-def run_files(logdir: str | os.PathLike,
-              on_warning: OnWarning | None = None) -> dict[str, tuple[FileState, ...]]:
+def run_files(logdir: str | os.PathLike, on_warning: OnWarning | None = None,
+              listings: filesystem.Listings | None = None) -> dict[str, tuple[FileState, ...]]:
     """Every run of `logdir` (as `list_runs` names them) with the state of
     each of its mpprof event files, sorted, from one walk of the logdir.
 
     What a cache of many runs compares to know which runs changed: reading
     a sweep of 1,000 runs again costs this walk, not 1,000 reads. A file that
     vanished between the listing and its stat is left out.
+
+    Args:
+        listings: directory listings kept between calls (`filesystem.Listings`):
+            an unchanged directory costs a stat, not a listing.
     """
     logdir = _existing_logdir(logdir)
     warn = on_warning or _log_warning
     runs: dict[str, tuple[FileState, ...]] = {}
 
     def unlisted(directory: str, error: OSError) -> None:
-        warn(f"{directory}: cannot be listed ({filesystem.error_text(error)}); skipped")
+        warn(f"{filesystem.shown(directory)}: cannot be listed "
+             f"({filesystem.error_text(error)}); skipped")
 
-    for directory, entries in filesystem.walk(logdir, on_error=unlisted):
+    for directory, entries in filesystem.walk(logdir, unlisted, listings):
         files, others = _event_file_entries(entries)
         for name in others:
-            warn(f"{filesystem.join(directory, name)}: {filesystem.Kind.OTHER.value}; skipped")
-        states = []
-        for name in sorted(files):
-            path = filesystem.join(directory, name)
-            size, mtime = _listed_state(entries, name, path)
-            if size is not None:
-                states.append((path, size, mtime))
+            warn(f"{filesystem.shown(filesystem.join(directory, name))}: "
+                 f"{filesystem.Kind.OTHER.value}; skipped")
+        states = _listed_states(directory, entries, files)
         if files:
             run = filesystem.relative(directory, logdir)
             for suffix, group in split_writers(states).items():
                 runs[run + suffix] = tuple(group)
+    if listings is not None:
+        listings.forget_unvisited()
     return dict(sorted(runs.items()))
 
 
@@ -295,38 +300,58 @@ def split_writers(states: list[FileState]) -> dict[str, list[FileState]]:
     """The event files of one run directory, by the fit that wrote them.
 
     Each event file is one writer's (its name holds its start time, host,
-    pid and a count). Writers one after the other (a later fit into the same
-    log_dir) stay one run, under the suffix "". A writer that started while
-    an earlier one was still writing (two fits into one log_dir at once) is
-    kept apart, never mixed into the same series: its run is named
-    `<run>@<host>-<pid>` (and `.<count>` for two in one process).
+    pid and a count; a remote writer's parts, `schema.part_name`, are one
+    file). Writers one after the other (a later fit into the same log_dir)
+    stay one run, under the suffix "". A writer that started while an earlier
+    one was still writing (two fits into one log_dir at once) is kept apart,
+    never mixed into the same series: its run is named `<run>@<host>-<pid>`
+    (and `.<count>` for two in one process).
     """
+    if len(states) == 1:  # the common case: one local writer
+        return {"": list(states)}
+    writers: dict[str, list[FileState]] = {}
+    for state in states:
+        writers.setdefault(_writer_path(state[0]), []).append(state)
     groups: dict[str, list[FileState]] = {"": []}
     main_end = float("-inf")
-    for state in sorted(states, key=lambda s: _start_time(s[0])):
-        start = _start_time(state[0])[0]
-        end = state[2] / 1e9 if state[2] is not None else start
+    for path in sorted(writers, key=_start_time):
+        parts = writers[path]
+        start = _start_time(path)[0]
+        times = [state[2] / 1e9 for state in parts if state[2] is not None]
+        end = max(times) if times else start
         # A file whose name names no writer (not `<time>.<host>.<pid>.<n>`:
         # copied in, or damaged) cannot be told apart: it stays in the run.
         # Nor does it say when a writer was active.
-        if len(_writer_fields(state[0])) < 4:
-            groups[""].append(state)
+        if len(_writer_fields(path)) < 4:
+            groups[""].extend(parts)
             continue
         if start + _START_RESOLUTION_S >= main_end or not groups[""]:
-            groups[""].append(state)
+            groups[""].extend(parts)
             main_end = max(main_end, end)
             continue
-        suffix = "@" + _writer_name(state[0])
+        suffix = "@" + _writer_name(path)
         if suffix in groups:
-            suffix += "." + _writer_count(state[0])
-        groups.setdefault(suffix, []).append(state)
+            suffix += "." + _writer_count(path)
+        groups.setdefault(suffix, []).extend(parts)
     return {suffix: sorted(group) for suffix, group in groups.items() if group}
+
+
+def _writer_path(path: str) -> str:
+    """The writer's event file of `path`, an event file or a part of one."""
+    _, name = _split(path)
+    base = schema.event_file_base(name) or name
+    return path if base == name else path[: len(path) - len(name)] + base
+
+
+def _split(path: str) -> tuple[str, str]:
+    name = posixpath.basename(path.replace(os.sep, "/"))
+    return path[: len(path) - len(name)], name
 
 
 def _writer_fields(path: str) -> list[str]:
     """[time, host..., pid, count] from `events.out.tfevents.<time>.<host>.<pid>.<n><suffix>`."""
     name = posixpath.basename(path.replace(os.sep, "/"))
-    name = name.split("tfevents.", 1)[-1]
+    name = (schema.event_file_base(name) or name).split("tfevents.", 1)[-1]
     if name.endswith(schema.EVENT_FILE_SUFFIX):
         name = name[: -len(schema.EVENT_FILE_SUFFIX)]
     return name.split(".")
@@ -343,17 +368,24 @@ def _writer_count(path: str) -> str:
     return _writer_fields(path)[-1]
 
 
-def _listed_state(entries: list[filesystem.Entry], name: str,
-                  path: str) -> tuple[int | None, int | None]:
-    """(size, mtime) of `name`: from the listing where it says (an object
-    store lists sizes), else from a stat; (None, None) if it is gone."""
-    for entry in entries:
-        if entry.name == name and entry.size is not None:
-            return entry.size, entry.mtime_ns
-    try:
-        return filesystem.size_and_mtime(path)
-    except OSError:
-        return None, None
+def _listed_states(directory: str, entries: list[filesystem.Entry],
+                   names: list[str]) -> list[FileState]:
+    """(path, size, mtime) of each file `names` of `directory`, sorted: from
+    the listing where it says (a local listing's stat, an object store's
+    listing), else from a stat; a file gone since the listing is left out."""
+    listed = {entry.name: entry for entry in entries}
+    states = []
+    for name in sorted(names):
+        path = filesystem.join(directory, name)
+        entry = listed.get(name)
+        if entry is not None and entry.size is not None:
+            states.append((path, entry.size, entry.mtime_ns))
+            continue
+        try:
+            states.append((path, *filesystem.size_and_mtime(path)))
+        except OSError:
+            continue
+    return states
 
 
 def event_files(logdir: str | os.PathLike, run: str) -> list[str]:
@@ -363,6 +395,13 @@ def event_files(logdir: str | os.PathLike, run: str) -> list[str]:
     is not a run under `logdir` (absolute paths and ".." included) or a run
     without mpprof records, and OSError if its directory cannot be listed.
     """
+    return [state[0] for state in run_file_states(logdir, run)]
+
+
+def run_file_states(logdir: str | os.PathLike, run: str) -> list[FileState]:
+    """(path, size, mtime) of each mpprof event file of `run`, sorted, from
+    one listing of its directory (no request per file on an object store).
+    Raises as `event_files`."""
     logdir = _existing_logdir(logdir)
     directory, _, writer = run.rpartition("@") if "@" in run.rsplit("/", 1)[-1] else (run, "", "")
     try:
@@ -390,22 +429,17 @@ def _writer_files(logdir: str, run: str, suffix: str) -> list[str]:
     files, _ = _event_file_entries(entries)
     if not files:
         raise NoMpprofDataError(f"Run {run!r} in {logdir} holds no mpprof records")
-    states = []
-    for name in sorted(files):
-        size, mtime = _listed_state(entries, name, filesystem.join(path, name))
-        if size is not None:
-            states.append((filesystem.join(path, name), size, mtime))
-    group = split_writers(states).get(suffix)
+    group = split_writers(_listed_states(path, entries, files)).get(suffix)
     if not group:
         raise NoMpprofDataError(f"No run {run + suffix!r} in {logdir}")
-    return [state[0] for state in group]
+    return group
 
 
 def _fit_ends(paths: list[str]) -> list[dict]:
     """The fit-end files of the event files `paths` that have one, oldest
     writer first (by the start time in each event file's name)."""
     found = []
-    for path in sorted(paths, key=_start_time):
+    for path in sorted({_writer_path(path) for path in paths}, key=_start_time):
         end = filesystem.join(filesystem.dirname(path),
                               schema.fit_end_name(posixpath.basename(path.replace(os.sep, "/"))))
         try:
@@ -421,22 +455,83 @@ def _fit_ends(paths: list[str]) -> list[dict]:
 def _start_time(path: str) -> tuple[int, str]:
     """An event file's start time from its name (`...tfevents.<time>....`)."""
     name = posixpath.basename(path.replace(os.sep, "/"))
+    name = schema.event_file_base(name) or name
     parts = name.split("tfevents.", 1)[-1].split(".", 1)
     return (int(parts[0]) if parts[0].isdigit() else 0, name)
 
 
-def read_run(logdir: str | os.PathLike, run: str) -> Run:
+class FileReads:
+    """What each event file of a run held when last read, by path, with the
+    size and mtime it was read at: a run read again with the same
+    `FileReads` reads only the files that changed since (on an object store,
+    the new parts: one request each; the others are not fetched again)."""
+
+    def __init__(self):
+        self._files: dict[str, tuple[int, int | None, dict[str, list[Record]],
+                                     ReadWarnings]] = {}
+
+    def read(self, states: list[FileState]) -> tuple[dict[str, list[Record]], ReadWarnings]:
+        """The records and warnings of the files `states`, joined in order;
+        forgets every other file."""
+        records: dict[str, list[Record]] = {}
+        warnings = ReadWarnings()
+        kept = {}
+        changed = [path for path, size, mtime in states
+                   if self._files.get(path, (None, None))[:2] != (size, mtime)]
+        fetched = _Fetched(changed)
+        for path, size, mtime in states:
+            found = self._files.get(path)
+            if found is None or found[:2] != (size, mtime):
+                own: dict[str, list[Record]] = {}
+                own_warnings = ReadWarnings()
+                read_event_file(path, own, own_warnings, fetched.take(path))
+                found = (size, mtime, own, own_warnings)
+            kept[path] = found
+            for key, values in found[2].items():
+                records.setdefault(key, []).extend(values)
+            warnings.merge(found[3])
+        self._files = kept
+        return records, warnings
+
+
+class _Fetched:
+    """The remote files of `paths` fetched a batch at a time
+    (`filesystem.fetch_all`), taken in the same order."""
+
+    def __init__(self, paths: list[str]):
+        self._found = filesystem.fetch_all(paths)
+
+    def take(self, path: str) -> bytes | OSError | None:
+        """`path`'s bytes (or error); None for a local file (opened by the reader)."""
+        if not filesystem.is_remote(path):
+            return None
+        found, value = next(self._found, (None, None))
+        if found != path:  # never: the same order; read it alone then
+            return None
+        return value
+
+
+def read_run(logdir: str | os.PathLike, run: str, reuse: FileReads | None = None) -> Run:
     """Reads one run; raises NoMpprofDataError if it holds no mpprof records.
+
+    Args:
+        reuse: keeps each file's records between reads of this run (see
+            `FileReads`); by default every file is read.
 
     Raises:
         NoMpprofDataError: `run` is not a run of `logdir`.
         OSError: the run's directory cannot be listed.
     """
-    files = event_files(logdir, run)
-    records: dict[str, list[Record]] = {}
-    warnings = ReadWarnings()
-    for path in files:
-        read_event_file(path, records, warnings)
+    states = run_file_states(logdir, run)
+    files = [state[0] for state in states]
+    if reuse is not None:
+        records, warnings = reuse.read(states)
+    else:
+        records = {}
+        warnings = ReadWarnings()
+        fetched = _Fetched(files)
+        for path in files:
+            read_event_file(path, records, warnings, fetched.take(path))
     for found in records.values():
         found.sort(key=lambda r: (r.wall_time, r.step))
     return Run(
@@ -477,7 +572,7 @@ def select_runs(logdir: str | os.PathLike, run: str | None = None,
     if run is not None:
         if run not in names:
             raise NoMpprofDataError(
-                f"No mpprof run {run!r} in {os.fspath(logdir)}; its runs: "
+                f"No mpprof run {run!r} in {filesystem.shown(os.fspath(logdir))}; its runs: "
                 f"{', '.join(names) or 'none'}"
             )
         names = [run]
@@ -489,7 +584,7 @@ def select_runs(logdir: str | os.PathLike, run: str | None = None,
 def no_runs_error(logdir: str | os.PathLike) -> NoMpprofDataError:
     """The error for a logdir without mpprof runs, saying how to record one."""
     return NoMpprofDataError(
-        f"{os.fspath(logdir)} holds no mpprof records. Record a run with "
+        f"{filesystem.shown(os.fspath(logdir))} holds no mpprof records. Record a run with "
         "model.fit(..., callbacks=[mpprof.MixedPrecisionProfiler(log_dir=...)]) "
         "and point mpprof at that log_dir."
     )
@@ -510,7 +605,7 @@ def _event_file_entries(entries: list[filesystem.Entry]) -> tuple[list[str], lis
 
 
 def _is_mpprof_event_file(name: str) -> bool:
-    return "tfevents" in name and name.endswith(schema.EVENT_FILE_SUFFIX)
+    return schema.event_file_base(name) is not None
 
 
 def _existing_logdir(logdir: str | os.PathLike) -> str:
@@ -518,7 +613,9 @@ def _existing_logdir(logdir: str | os.PathLike) -> str:
     try:
         found = filesystem.isdir(logdir)
     except OSError as e:
-        raise LogdirNotFoundError(f"Logdir {logdir!r} cannot be read ({e})") from e
+        raise LogdirNotFoundError(
+            f"Logdir {filesystem.shown(logdir)!r} cannot be read ({filesystem.error_text(e)})"
+        ) from e
     if not found and not filesystem.is_remote(logdir) and os.path.isfile(logdir):
         raise LogdirNotFoundError(
             f"Logdir {logdir!r} is a file, not a directory: pass the log_dir given to "
@@ -526,7 +623,7 @@ def _existing_logdir(logdir: str | os.PathLike) -> str:
         )
     if not found:
         raise LogdirNotFoundError(
-            f"Logdir {logdir!r} does not exist: pass the log_dir given to "
+            f"Logdir {filesystem.shown(logdir)!r} does not exist: pass the log_dir given to "
             "mpprof.MixedPrecisionProfiler."
         )
     return logdir

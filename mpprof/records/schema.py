@@ -29,6 +29,35 @@ TAG_PREFIX = "mpprof/"
 
 # mpprof's event files end with this, so readers skip everyone else's.
 EVENT_FILE_SUFFIX = ".mpprof.v2"
+# On a remote file system (an object store cannot append) a writer writes each
+# flush as a new object, a part of its event file: `<event file name>.part<n>`
+# with n zero-padded, so name order is write order. Each part begins with the
+# file-version event: it is a complete event file on its own, which
+# TensorBoard's loaders (reading every name that holds "tfevents", in name
+# order) read like a writer's successive files, and the reader joins.
+PART_MARK = ".part"
+PART_DIGITS = 8
+
+
+def part_name(event_file_name: str, index: int) -> str:
+    """The name of part `index` (0, 1, ...) of the event file `event_file_name`."""
+    return f"{event_file_name}{PART_MARK}{index:0{PART_DIGITS}d}"
+
+
+def event_file_base(name: str) -> str | None:
+    """The writer's event file name of `name` (an mpprof event file, or a
+    part of one), or None when `name` is no mpprof event file."""
+    if "tfevents" not in name:
+        return None
+    if name.endswith(EVENT_FILE_SUFFIX):
+        return name
+    base, mark, index = name.rpartition(PART_MARK)
+    if (mark and base.endswith(EVENT_FILE_SUFFIX) and len(index) == PART_DIGITS
+            and index.isdigit() and index.isascii()):
+        return base
+    return None
+
+
 # Beside each event file, a small file that says how its writer's fit ended,
 # reserved when the writer starts and rewritten in place at the end, so a disk
 # that fills midway still lets it say "ended" (an in-place rewrite of a

@@ -4,6 +4,11 @@ The files are TensorBoard's own (TFRecord frames, `tfrecord.frame`, of
 `Event` protos holding tensor summaries, as `tf.summary.write` writes them),
 so TensorBoard, the reader and the plugin read them as before; writing them
 needs neither TensorFlow nor any other framework.
+
+A local event file is appended to. A remote one (an object store cannot
+append: rewriting the whole object at every flush, as TensorBoard's own
+writers do there, costs the file's size per flush) is written as parts, one
+new object per flush holding only what the flush adds (`schema.part_name`).
 """
 
 from __future__ import annotations
@@ -65,7 +70,8 @@ class RecordWriter:
         name = event_file_name(wall_time)
         self.path = filesystem.join(self.run_dir, name)
         self._fit_end_path = filesystem.join(self.run_dir, schema.fit_end_name(name))
-        self._file = filesystem.open_append(self.path)
+        self._file = (_PartWriter(self.path, wall_time) if filesystem.is_remote(self.path)
+                      else filesystem.open_append(self.path))
         try:
             self._add(event_pb2.Event(wall_time=wall_time, file_version="brain.Event:2"))
             self.flush()
@@ -136,6 +142,37 @@ class RecordWriter:
 
     def _add(self, event: event_pb2.Event) -> None:
         self._file.write(tfrecord.frame(event.SerializeToString()))
+
+
+class _PartWriter:
+    """A remote event file written as parts: each flush puts one new object
+    with what was written since the last one (after the file-version event,
+    so each part is a complete event file). A flush that fails keeps its
+    records for the next one."""
+
+    def __init__(self, path: str, wall_time: float):
+        self._path = path
+        self._index = 0
+        self._pending = bytearray()
+        self._header = tfrecord.frame(event_pb2.Event(
+            wall_time=wall_time, file_version="brain.Event:2").SerializeToString())
+
+    def write(self, data: bytes) -> None:
+        self._pending += data
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        if self._index == 0 and self._pending.startswith(self._header):
+            data = bytes(self._pending)  # the writer's own first event
+        else:
+            data = self._header + self._pending
+        filesystem.write_bytes(schema.part_name(self._path, self._index), data)
+        self._index += 1
+        self._pending.clear()
+
+    def close(self) -> None:
+        self._pending.clear()
 
 
 def _json_default(value):

@@ -1,0 +1,207 @@
+"""Logdirs on S3, written and read without TensorFlow's file systems.
+
+Against a real S3 server on 127.0.0.1 (moto's server mode, `s3_server`): a
+real fit writes there, `mpprof diagnose s3://...` and the plugin read it, each
+flush is one new object (never a rewrite), TensorBoard's own loader reads the
+parts, and a writer killed between flushes reads back like a local cut-short
+run. Nothing prints or logs the credentials.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import pytest
+from conftest import overflow_data, overflow_model
+from s3_server import BUCKET, SECRET_KEY, s3_endpoint, writes_per_key
+from tensorboard.backend import application
+from tensorboard.plugins import base_plugin
+from werkzeug import test as werkzeug_test
+
+import mpprof
+from mpprof import cli
+from mpprof.records import reader, run_context, schema
+from tensorboard_plugin_mpprof.routes import MpprofPlugin
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+MPPROF = os.path.join(os.path.dirname(sys.executable), "mpprof")
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with s3_endpoint() as endpoint:
+        yield endpoint
+
+
+def _fit(log_dir: str) -> None:
+    keras.utils.set_random_seed(0)
+    model = overflow_model(growth_steps=4)
+    x, y = overflow_data(96)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=[
+        mpprof.MixedPrecisionProfiler(log_dir=log_dir, numerics_every=4, flush_every_steps=5,
+                                      gpu_interval=None)])
+    keras.mixed_precision.set_dtype_policy("float32")
+
+
+@pytest.fixture(scope="module")
+def fitted(s3, tmp_path_factory):
+    """The same fit twice: into a local logdir and into s3://BUCKET/logs."""
+    local = str(tmp_path_factory.mktemp("local_logs"))
+    _fit(local)
+    remote = f"s3://{BUCKET}/logs"
+    _fit(remote)
+    return local, remote
+
+
+def _steps(run: reader.Run) -> dict[str, list[int]]:
+    return {key: [r.step for r in found] for key, found in run.records.items()}
+
+
+def test_a_fit_writes_to_s3_and_reads_back_like_the_local_run(fitted):
+    local, remote = fitted
+    assert reader.list_runs(remote) == reader.list_runs(local) == ["train"]
+    here, there = reader.read_run(local, "train"), reader.read_run(remote, "train")
+    assert there.warnings == []
+    assert _steps(there) == _steps(here)
+    assert there.loss_scale.events.tolist() == here.loss_scale.events.tolist()
+    assert there.fit_ends[-1]["fit_state"] == run_context.FIT_ENDED and there.cut_short is None
+
+
+def test_each_flush_is_one_new_object_never_a_rewrite(fitted):
+    writes = writes_per_key("logs/train/")
+    parts = {key: count for key, count in writes.items() if "tfevents" in key}
+    assert len(parts) >= 5  # the start, a flush every 5 of 24 steps, the end
+    assert set(parts.values()) == {1}
+    assert all(schema.event_file_base(key.rsplit("/", 1)[-1]) for key in parts)
+    # The 1 KiB fit-end file: "running" at the start, "ended" at the end.
+    (fit_end,) = [key for key in writes if schema.FIT_END_PREFIX in key]
+    assert writes[fit_end] == 2
+
+
+def test_mpprof_diagnose_and_report_read_s3_like_the_local_logdir(fitted, tmp_path):
+    local, remote = fitted
+    done = subprocess.run([MPPROF, "report", remote, "-q", "-o", str(tmp_path / "r.html")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode in (cli.EXIT_OK, cli.EXIT_FINDINGS), done.stderr
+    assert SECRET_KEY not in done.stdout + done.stderr
+    assert "MP002" in (tmp_path / "r.html").read_text()
+    found = {}
+    for logdir in (local, remote):
+        done = subprocess.run([MPPROF, "diagnose", logdir, "--format", "json"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode in (cli.EXIT_OK, cli.EXIT_FINDINGS), done.stderr
+        assert SECRET_KEY not in done.stdout + done.stderr
+        found[logdir] = [(row["code"], row["layer"], row["step"], row["fit_state"])
+                         for row in json.loads(done.stdout)]
+    assert found[remote] == found[local] and found[local]
+
+
+def test_the_plugin_serves_an_s3_logdir(fitted):
+    local, remote = fitted
+    answers = {}
+    for logdir in (local, remote):
+        plugin = MpprofPlugin(base_plugin.TBContext(logdir=logdir))
+        client = werkzeug_test.Client(application.TensorBoardWSGI([plugin]))
+        runs = client.get("/data/plugin/mpprof/runs")
+        assert runs.status_code == 200
+        findings = client.get("/data/plugin/mpprof/findings", query_string={"run": "train"})
+        assert findings.status_code == 200
+        listing = json.loads(client.get("/data/plugins_listing").get_data())
+        answers[logdir] = ([r["run"] for r in json.loads(runs.get_data())["runs"]],
+                           [f["code"] for f in json.loads(findings.get_data())["findings"]])
+        if logdir == remote:
+            # No data provider here reads s3:// (TensorBoard's own may not
+            # either): the tab shows from the plugin's own listing.
+            assert listing["mpprof"]["enabled"] is True
+    assert answers[remote] == answers[local] and answers[local][0] == ["train"]
+
+
+def test_tensorboards_own_loader_reads_every_part(fitted, tmp_path):
+    """TensorBoard reads each name holding "tfevents", in name order: the parts
+    are successive complete event files to it, none skipped or repeated."""
+    import s3fs
+    from tensorboard.backend.event_processing import plugin_event_accumulator as accumulator
+
+    _, remote = fitted
+    s3fs.S3FileSystem().get(f"{BUCKET}/logs/train/", str(tmp_path / "train"), recursive=True)
+    loaded = accumulator.EventAccumulator(str(tmp_path / "train"),
+                                          size_guidance={accumulator.TENSORS: 0})
+    loaded.Reload()
+    run = reader.read_run(remote, "train")
+    for key, records in run.records.items():
+        record, _, series = key.partition(schema.SERIES_SEPARATOR)
+        tag = schema.tag_for(record, series or None)
+        assert [e.step for e in loaded.Tensors(tag)] == [r.step for r in records], tag
+    assert loaded.PluginTagToContent(schema.PLUGIN_NAME)
+
+
+def test_a_writer_killed_between_flushes_reads_like_a_local_cut_short_run(s3, tmp_path):
+    """hard_stop_fit.py (every step an overflow, a flush every second), killed
+    with SIGKILL: every step more than a flush interval old is on S3, and the
+    run says it never ended, as the local test_sigkill_... checks on disk."""
+    from hard_stop_fit import FLUSH_EVERY_SECONDS
+
+    progress = tmp_path / "progress.txt"
+    logdir = f"s3://{BUCKET}/killed"
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(TESTS, "hard_stop_fit.py"), logdir, str(progress)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (progress.exists() and len(progress.read_text().splitlines()) >= 30):
+            assert process.poll() is None, process.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the fit did not reach 30 steps"
+            time.sleep(0.1)
+        time.sleep(3 * FLUSH_EVERY_SECONDS)
+        killed_at = time.time()
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=60)
+    must_have = 0
+    for line in progress.read_text().splitlines():
+        done, when = line.split()
+        if float(when) <= killed_at - FLUSH_EVERY_SECONDS - 0.5:
+            must_have = int(done)
+    assert must_have >= 30
+    run = reader.read_run(logdir, "train")
+    assert run.warnings == []
+    assert set(range(must_have)) <= set(run.loss_scale.overflow_steps.astype(int).tolist())
+    assert run.cut_short is not None and run.cut_short["fit_state"] == run_context.FIT_RUNNING
+    done = subprocess.run([MPPROF, "diagnose", logdir, "--format", "json-runs"],
+                          capture_output=True, text=True, timeout=120)
+    (listed,) = json.loads(done.stdout)["runs"]
+    assert listed["fit_state"] == "cut_short" and listed["cut_short"] == run.cut_short
+
+
+def test_a_missing_bucket_is_one_line_without_secrets(s3, capsys, caplog):
+    code = cli.main(["diagnose", "s3://no-such-bucket-mpprof/logs"])
+    out, err = capsys.readouterr()
+    assert code == cli.EXIT_USAGE
+    assert err.count("\n") == 1 and "s3://no-such-bucket-mpprof/logs" in err
+    assert SECRET_KEY not in out + err + caplog.text
+
+
+def test_a_password_in_a_url_is_never_shown(capsys):
+    code = cli.main(["diagnose", "ftp://user:hunter2@127.0.0.1:9/logs"])
+    out, err = capsys.readouterr()
+    assert code == cli.EXIT_USAGE and err.count("\n") == 1
+    assert "hunter2" not in out + err and "user:***@" in err
+
+
+def test_a_scheme_without_its_package_names_the_extra(monkeypatch, capsys):
+    import importlib
+
+    registry = importlib.import_module("fsspec.registry")  # the module, not its mapping
+    monkeypatch.setitem(registry.known_implementations, "gs", {
+        "class": "mpprof_no_such_module.GCSFileSystem", "err": "Install gcsfs to access GCS"})
+    monkeypatch.delitem(registry._registry, "gs", raising=False)
+    code = cli.main(["diagnose", "gs://bucket/logs"])
+    _, err = capsys.readouterr()
+    assert code == cli.EXIT_USAGE and err.count("\n") == 1
+    assert 'pip install "mpprof[gcs]"' in err
