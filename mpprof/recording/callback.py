@@ -68,7 +68,8 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
     raises inside a train step, and `model.save()` works after `fit`.
 
     Args:
-        log_dir: directory to write into (local or any `tf.io.gfile` path);
+        log_dir: directory to write into (local, or any fsspec URL such as
+            `s3://bucket/logs` with `mpprof[s3]` installed);
             the same `log_dir` as `keras.callbacks.TensorBoard` is fine.
         numerics_every: sample per-layer numerics every this many train
             steps; None turns sampling off (forensic samples too).

@@ -97,6 +97,7 @@ def _open_writer(run_dir: str, guard: Guard) -> RecordWriter | DiscardingWriter:
             guard.fail(GuardedWriter.COLLECTOR, e)
             return DiscardingWriter()
         raise OSError(
-            f"mpprof cannot write its records to {run_dir!r}: {filesystem.error_text(e)}. Pass "
+            f"mpprof cannot write its records to {filesystem.shown(run_dir)!r}: "
+            f"{filesystem.error_text(e)}. Pass "
             "MixedPrecisionProfiler(log_dir=...) a directory you can write to."
         ) from e
