@@ -9,7 +9,6 @@ Reading a local logdir imports neither TensorFlow nor Keras.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -17,7 +16,8 @@ from collections.abc import Callable, Iterable
 
 from mpprof import diagnosis
 from mpprof._version import __version__
-from mpprof.records import filesystem, reader, run_context
+from mpprof.display.run_summary import NOTHING_READABLE, cut_short_text, summarize_run
+from mpprof.records import filesystem, reader
 from mpprof.replay import files as replay_files
 from mpprof.replay import text as replay_text
 from mpprof.terminal import printable
@@ -40,75 +40,6 @@ exit status:
 # Above this many bytes of event files, diagnose and summary say on stderr
 # what they are reading (a 10M-step run is ~230 MB and takes seconds).
 PROGRESS_BYTES = 32 * 2**20
-
-
-def summarize_run(run: reader.Run) -> str:
-    """A few lines saying what was recorded in `run`, safe for a terminal."""
-    lines = [f"run {run.name}:"]
-    context = run.context
-    if context:
-        lines.append(
-            f"  policy {context.model_policy} (global {context.global_policy}), "
-            f"optimizer {context.optimizer}, strategy {context.strategy}"
-        )
-    stopped = _cut_short_text(run)
-    if stopped:
-        lines.append(f"  {stopped}")
-    inventory = run.inventory
-    if inventory:
-        layers = [layer for layer in inventory.get("layers", []) if layer.get("is_leaf")]
-        islands = [layer["name"] for layer in layers if layer.get("float32_island")]
-        lines.append(
-            f"  {len(layers)} leaf layers, model output "
-            f"{inventory.get('model', {}).get('output_dtypes')}, "
-            f"{len(inventory.get('casts', []))} casts, float32 islands: "
-            f"{', '.join(islands) or 'none'}"
-        )
-    loss_scale = run.loss_scale
-    if loss_scale is None and run.readable:
-        lines.append("  no dynamic loss scale (not a LossScaleOptimizer)")
-    elif loss_scale is not None:
-        line = (
-            f"  loss scale {loss_scale.initial_scale:g} -> {loss_scale.final_scale:g} over "
-            f"{loss_scale.steps_run - loss_scale.first_step} steps: "
-            f"{loss_scale.skipped_steps} overflows (skipped steps), "
-            f"{len(loss_scale.growths)} growths"
-        )
-        if run.cut_short and run.cut_short["step"] > loss_scale.steps_run:
-            line += (
-                f" (read up to step {loss_scale.steps_run}; later records reach "
-                f"step {run.cut_short['step']})"
-            )
-        lines.append(line)
-    if not run.readable:
-        lines.append(f"  {_NOTHING_READABLE}")
-    lines.extend(f"  warning: {w}" for w in run.warnings)
-    return "\n".join(printable(line) for line in lines)
-
-
-_NOTHING_READABLE = "nothing readable: no record of this run could be read (see its warnings)"
-
-
-def _cut_short_text(run: reader.Run) -> str | None:
-    """The line saying a run's fit stopped without recording its end."""
-    stopped = run.cut_short
-    lost = run.recording_stopped
-    if stopped is None and lost is not None:
-        return (
-            f"the records stop at step {lost['records_until_step']}: writing them failed "
-            f"({lost['reason']}); the fit went on and {lost['fit_state']} at step "
-            f"{lost['fit_step']}"
-        )
-    if stopped is None:
-        return None
-    when = datetime.datetime.fromtimestamp(stopped["wall_time"], datetime.timezone.utc)
-    last = f"last record {when:%Y-%m-%d %H:%M:%S} UTC"
-    if stopped["fit_state"] == "failed":
-        return f"fit failed at step {stopped['step']}: model.fit raised ({last})"
-    return (
-        f"cut short at step {stopped['step']}: the fit never recorded its end "
-        f"(killed, or still training; {last})"
-    )
 
 
 def _say(lines: Iterable[str], stream=None) -> None:
@@ -156,7 +87,7 @@ def _bytes(logdir: str, run: str) -> int:
 def _unreadable_status(runs: dict[str, reader.Run]) -> int | None:
     unreadable = [name for name, run in runs.items() if not run.readable]
     for name in unreadable:
-        _warn(f"run {name}: {_NOTHING_READABLE}")
+        _warn(f"run {name}: {NOTHING_READABLE}")
     return EXIT_UNREADABLE if unreadable or not runs else None
 
 
@@ -181,7 +112,7 @@ def _diagnose(args) -> int:
             _warn(f"run {name}: {warning}")
     if args.format == "json":
         rows = [
-            {"run": name, "fit_state": _fit_state(runs[name]), **finding.to_dict(),
+            {"run": name, "fit_state": runs[name].fit_outcome, **finding.to_dict(),
              **_replay_field(finding, replays[name])}
             for name, result in results.items()
             for finding in result.findings
@@ -204,17 +135,6 @@ def _diagnose(args) -> int:
     return EXIT_FINDINGS if diagnosis.exceeds(findings, args.fail_on) else EXIT_OK
 
 
-def _fit_state(run: reader.Run) -> str:
-    """How the run's (latest) fit stands: "ended", "failed", "cut_short" (it
-    never recorded its end: killed, or still training), or "unknown" (a run
-    recorded before mpprof said, or nothing readable)."""
-    stopped = run.cut_short
-    if stopped is not None:
-        return (run_context.FIT_FAILED if stopped["fit_state"] == run_context.FIT_FAILED
-                else "cut_short")
-    return run_context.FIT_ENDED if run.context.fit_state else "unknown"
-
-
 def _run_json(run: reader.Run, result, replays: list[dict]) -> dict:
     """One run of `diagnose --format json-runs`: every run, readable or not."""
     findings = [] if result is None else [
@@ -223,7 +143,7 @@ def _run_json(run: reader.Run, result, replays: list[dict]) -> dict:
     return {
         "run": run.name,
         "readable": run.readable,
-        "fit_state": _fit_state(run),
+        "fit_state": run.fit_outcome,
         "cut_short": run.cut_short,
         "recording_stopped": run.recording_stopped,
         "warnings": run.warnings,
@@ -253,7 +173,7 @@ def _diagnosis_text(run: reader.Run, result, color: bool, replays: list[dict]) -
     """One run's section of `mpprof diagnose`'s text output."""
     if result is None:
         lines = [f"== run {run.name} ==", *(f"  ! {w}" for w in run.warnings),
-                 f"  {_NOTHING_READABLE}"]
+                 f"  {NOTHING_READABLE}"]
         return "\n".join(printable(line) for line in lines)
     # format_text escapes what it prints from the run itself (and adds ANSI
     # colours of its own, so it is not escaped again here).
@@ -264,7 +184,7 @@ def _diagnosis_text(run: reader.Run, result, color: bool, replays: list[dict]) -
                                             notes=notes).partition("\n")
     if replays and not notes:
         rest += "\n" + "\n".join(replay_text.result_lines(replays[0], indent="  "))
-    stopped = _cut_short_text(run)
+    stopped = cut_short_text(run)
     if stopped:
         header += "\n" + printable(f"  ! {stopped}")
     return f"{header}\n{rest}" if rest else header

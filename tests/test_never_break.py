@@ -22,6 +22,7 @@ from mpprof.backends.tensorflow.numerics_taps import NumericsTaps
 from mpprof.backends.tensorflow.precision_tracer import PrecisionTracer
 from mpprof.backends.tensorflow.run_health import RunHealth
 from mpprof.backends.tensorflow.train_functions import TrainFunctions
+from mpprof.display.run_summary import summarize_run
 from mpprof.recording.collectors.gpu_host import HostRecorder
 from mpprof.recording.collectors.inventory import Inventory
 from mpprof.recording.collectors.numerics_samples import NumericsSamples
@@ -180,7 +181,6 @@ def test_seeded_legacy_random_ops_switch_numerics_samples_off(tmp_path, capsys):
     assert "enable_tf_random_generator" in state["reason"]
     assert run.numerics is None
     assert run.loss_scale.steps_run == 16  # the rest is recorded
-    from mpprof import cli
     capsys.readouterr()
     cli.main(["diagnose", str(tmp_path)])
     assert "no step was sampled: the train step draws seeded random numbers" in (
@@ -413,7 +413,7 @@ def test_a_full_disk_stops_recording_not_training(tmp_path):
     stopped = run.recording_stopped
     assert stopped["fit_state"] == "ended" and "File too large" in stopped["reason"]
     assert stopped["fit_step"] == 192 > stopped["records_until_step"]
-    summary = cli.summarize_run(run)
+    summary = summarize_run(run)
     assert "cut short" not in summary and "the fit went on and ended at step 192" in summary
 
 

@@ -91,6 +91,17 @@ class Run:
         }
 
     @property
+    def fit_outcome(self) -> str:
+        """How the run's (latest) fit stands: "ended", "failed", "cut_short"
+        (it never recorded its end: killed, or still training), or "unknown"
+        (a run recorded before mpprof said, or nothing readable)."""
+        stopped = self.cut_short
+        if stopped is not None:
+            return (run_context.FIT_FAILED if stopped["fit_state"] == run_context.FIT_FAILED
+                    else "cut_short")
+        return run_context.FIT_ENDED if self.context.fit_state else "unknown"
+
+    @property
     def context(self) -> RunContext:
         """The latest run context (`RunContext`, empty when none was read)."""
         return RunContext(self.latest(schema.RUN_CONTEXT))
