@@ -96,7 +96,7 @@ class ProfiledFit:
         self._api = api
         self._across_fits = across_fits
         self._schedule = across_fits.schedule
-        self._role = worker_role(model.distribute_strategy)
+        self._role = worker_role(api.distribute_strategy(model))
         self._distribution_note = (
             announce_keras_3_multi_worker()
             if self._role.multi_worker and not api.fits_across_workers else None
@@ -183,7 +183,7 @@ class ProfiledFit:
             """Whether the step being traced is the instrumented one."""
             return self._numerics.instrumenting
 
-        strategy = model.distribute_strategy
+        strategy = api.distribute_strategy(model)
         capacity = 2 * (profiler.flush_every_steps + api.steps_per_execution(model))
         self._inventory = Inventory(api, model, self._guard)
         self._loss_scales = api.LossScales(
@@ -228,55 +228,59 @@ class ProfiledFit:
 
     # The train function fit calls while this profiler runs.
 
-    def _run_train_function(self, iterator):
+    # `args`: what fit passes: `(iterator,)` on TensorFlow, `(state, iterator)`
+    # on JAX, whose function returns `(logs, state)` (`Backend.logs_of`).
+    def _run_train_function(self, *args):
         fit = self._fit
         if not self._batch_pending or fit is None:
             # Called outside a profiled batch: a later fit or train_on_batch
             # after this fit was stopped by someone else's exception.
             self.finish(schema.FIT_FAILED)
-            return self.model.train_function(iterator)
+            return self.model.train_function(*args)
         self._batch_pending = False
         if self._quiet_calls:
-            return self._run_quiet(iterator, fit)
+            return self._run_quiet(args, fit)
         # A call with something to do: the first, a sample, a flush, after
         # an alarm, or every call where quiet ones are not possible. The
         # schedule counts the quiet calls before it says whether one is due.
         self._guard.run("profiler", self._settle_quiet_calls)
         if self._sample_now(fit):
-            logs = self._run_sampled(iterator, fit)
+            result = self._run_sampled(args, fit)
         else:
             fit.sample_step = None
-            logs = self._functions.run_plain(iterator, on_abort=self._abort)
+            result = self._functions.run_plain(*args, on_abort=self._abort)
+        logs = self._api.logs_of(result)
         alarm = None
         if isinstance(logs, dict):
             alarm = logs.pop(self._api.alarm_logs_key, None)
             fit.replay_outputs = logs.pop(self._api.replay_logs_key, None)
         self._guard.run("profiler", self._after_call, fit, alarm)
-        return logs
+        return result
 
-    def _run_quiet(self, iterator, fit: FitState):
+    def _run_quiet(self, args: tuple, fit: FitState):
         """Runs a call with nothing due (most calls): the plain function, the
         alarm's quick check and a count. Per-call Python runs on caches the
         step has just flushed (tens of us where a tight loop would take a
         few), so a quiet call touches as little as it can; the bookkeeping
         of quiet calls waits for the next call that has something to do."""
         self._quiet_calls -= 1
-        logs = self._functions.run_plain(iterator, on_abort=self._abort)
+        result = self._functions.run_plain(*args, on_abort=self._abort)
+        logs = self._api.logs_of(result)
         alarm = logs.pop(self._api.alarm_logs_key, None) if isinstance(logs, dict) else None
         try:
             if self._alarm.unchanged(alarm) and time.monotonic() < self._quiet_until:
                 # The step stays current: the GPU sampler's thread reads it.
                 fit.step += self._fixed_steps_per_call
                 self._quiet_made += 1
-                return logs
+                return result
         except Exception as e:  # noqa: BLE001 - mpprof's failure must not stop fit
             self._quiet_calls = 0
             self._guard.fail("profiler", e)
-            return logs
+            return result
         # Trouble, or a deadline passed: the whole bookkeeping, for this call.
         self._quiet_calls = 0
         self._guard.run("profiler", self._after_call, fit, alarm)
-        return logs
+        return result
 
     def _settle_quiet_calls(self) -> None:
         """Counts the quiet calls made since the last bookkeeping (before
@@ -316,14 +320,14 @@ class ProfiledFit:
         numerics = self._numerics
         return bool(self._guard.run(numerics.name, numerics.prepare, fit))
 
-    def _run_sampled(self, iterator, fit: FitState):
+    def _run_sampled(self, args: tuple, fit: FitState):
         """Runs the instrumented function, its collectors' taps switched on."""
         fit.forensic = self._schedule.sampled()
         fit.sample_step = self._measured_step()
         for collector in self._sampling_collectors:
             collector.instrument(True)  # sets a flag the traced taps read
         try:
-            return self._functions.run_instrumented(iterator, on_abort=self._abort,
+            return self._functions.run_instrumented(*args, on_abort=self._abort,
                                                     on_failure=self._instrumented_failed)
         finally:
             for collector in self._sampling_collectors:
