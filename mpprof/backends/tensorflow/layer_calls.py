@@ -21,7 +21,7 @@ from typing import Protocol
 
 import tensorflow as tf
 
-from mpprof.backends.layer_records import called_method, walk_layers  # noqa: F401 - re-exported
+from mpprof.backends.layer_records import called_method, walk_layers
 from mpprof.recording.patching import Patches
 
 _PATCH_MARKER = "_mpprof_wrapped"
