@@ -16,6 +16,10 @@ import pytest
 
 import mpprof
 
+# tests/jax runs in its own process with KERAS_BACKEND=jax (`make test`):
+# Keras picks its backend once, at import.
+collect_ignore = [] if keras.backend.backend() == "jax" else ["jax"]
+
 
 @pytest.fixture(autouse=True)
 def _restore_global_policy():
