@@ -7,7 +7,7 @@ import sys
 os.environ.setdefault("KERAS_BACKEND", "jax")
 sys.path.insert(0, os.path.dirname(__file__))  # jax_runs
 
-import keras  # noqa: E402
+import keras
 
 if keras.backend.backend() != "jax":
     raise RuntimeError(
