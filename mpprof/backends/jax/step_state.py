@@ -5,13 +5,11 @@ donated; the LossScaleOptimizer decides inside it (`stateless_apply`, an
 `ops.cond`) whether a step is applied or skipped, and logs nothing. The
 profiled step is Keras' own `train_step` traced in a function of mpprof's
 (`StepState.step_function`) that also takes and returns a small state of
-its own, two arrays donated like Keras' state:
-
-- `ints` (int32): skipped steps, events written, steps with a non-finite
-  loss, the first such step (-1: none), the optimizer's apply calls;
-- `floats` (float32): row 0 the loss scale, its growth counter and the last
-  loss; rows 1.. a ring of loss-scale events [step, scale before, scale
-  after, kind].
+its own, one array donated like Keras' state:
+skipped steps, events written, steps with a non-finite loss, the first such
+step (-1: none); the loss scale, its growth counter, the last loss and the
+optimizer's apply calls; and a ring of loss-scale events [step, scale
+before, scale after, kind] (one float32 table, below).
 
 Each step compares the optimizer variables it was given (`state[2]`) with
 those it returns: a LossScaleOptimizer step that left the apply count alone
@@ -19,7 +17,7 @@ was skipped (an overflow, at step applied + skipped), one whose scale grew
 is a growth. Every number is computed in the step and read by the host only
 at flush points (one device-to-host copy for every collector), so the step
 is dated exactly, also under `steps_per_execution > 1`, without a sync.
-Integers are int32 and ring steps float32: exact up to 2**24 steps.
+Counts are float32: exact up to 2**24 steps.
 """
 
 from __future__ import annotations
@@ -33,10 +31,14 @@ import numpy as np
 from mpprof.recording.collectors.optimizers import applied_steps
 from mpprof.records import schema
 
-# Positions in `ints`.
-SKIPPED, EVENTS, NONFINITE, FIRST_NONFINITE, APPLIED = range(5)
-# Positions in row 0 of `floats`.
-SCALE, COUNTER, LAST_LOSS = range(3)
+# mpprof's state is ONE float32 array [capacity + 3, 4] (each array a jitted
+# function takes and returns costs dispatch time; each op an XLA:CPU thunk):
+# row 0 takes the writes of steps without an event, rows 1-2 the counters,
+# rows 3.. the ring. Counts are exact in float32 up to 2**24.
+SCRATCH_ROW, COUNT_ROW, SCALE_ROW, RING_START = 0, 1, 2, 3
+# Columns of COUNT_ROW and SCALE_ROW.
+SKIPPED, EVENTS, NONFINITE, FIRST_NONFINITE = range(4)
+SCALE, COUNTER, LAST_LOSS, APPLIED = range(4)
 # The key of the call alarm in the step's logs (taken out before Keras sees them).
 ALARM_KEY = "_mpprof_alarm"
 
@@ -70,7 +72,7 @@ class StepState:
         self.start_nonfinite = 0
         self.start_first_nonfinite = -1
         self.arrays: tuple | None = None
-        self._host: tuple[np.ndarray, np.ndarray] | None = None
+        self._host: np.ndarray | None = None
         # The unscaled loss of the step being traced (`capture_loss`), and
         # whether the traced step had one (None: not traced yet).
         self._loss = None
@@ -79,18 +81,14 @@ class StepState:
     def start(self) -> None:
         """The device state at the start of the fit (before the first step:
         the model's variables still hold the values)."""
-        ints = np.zeros(5, np.int32)
-        ints[SKIPPED] = self.start_skipped
-        ints[NONFINITE] = self.start_nonfinite
-        ints[FIRST_NONFINITE] = self.start_first_nonfinite
-        ints[APPLIED] = int(np.asarray(applied_steps(self._optimizer).value))
-        floats = np.zeros((self.capacity + 1, 4), np.float32)
-        floats[0, SCALE] = self.variable_scale()
-        if self.loss_scale:
-            floats[0, COUNTER] = int(np.asarray(self._optimizer.step_counter.value))
-        floats[0, LAST_LOSS] = np.nan
-        self.arrays = (jnp.asarray(ints), jnp.asarray(floats))
-        self._host = (ints, floats)
+        table = np.zeros((RING_START + self.capacity, 4), np.float32)
+        table[COUNT_ROW] = [self.start_skipped, 0, self.start_nonfinite,
+                            self.start_first_nonfinite]
+        counter = int(np.asarray(self._optimizer.step_counter.value)) if self.loss_scale else 0
+        table[SCALE_ROW] = [self.variable_scale(), counter, np.nan,
+                            int(np.asarray(applied_steps(self._optimizer).value))]
+        self.arrays = jnp.asarray(table)
+        self._host = table
 
     def variable_scale(self) -> float:
         if not self.loss_scale:
@@ -106,94 +104,94 @@ class StepState:
         self.arrays = arrays
         self._host = None
 
-    def read(self) -> tuple[np.ndarray, np.ndarray]:
-        """(ints, floats) on the host: one copy per call at most (it waits
-        for the last call to finish)."""
+    def read(self) -> np.ndarray:
+        """The table on the host: one copy per call at most (it waits for
+        the last call to finish)."""
         if self._host is None:
-            self._host = tuple(np.asarray(a) for a in jax.device_get(self.arrays))
+            self._host = np.asarray(jax.device_get(self.arrays))
         return self._host
 
     def step_function(self, train_step: Callable) -> Callable:
-        """`train_step(state, data)` as `step(state, mp_state, data) ->
-        (logs, state, mp_state)`, with this state's updates traced in."""
+        """`train_step(state, data)` as `step(state, table, data) ->
+        (logs, state, table)`, with this state's updates traced in."""
         applied_index, scale_index = self._applied_index, self._scale_index
         counter_index, capacity = self._counter_index, self.capacity
 
-        def step(state, mp_state, data):
+        def step(state, table, data):
             self._loss = None
             logs, new_state = train_step(state, data)
-            ints, floats = mp_state
             before, after = state[2], new_state[2]
-            applied_before = jnp.asarray(before[applied_index]).astype(jnp.int32)
-            applied_after = jnp.asarray(after[applied_index]).astype(jnp.int32)
-            this_step = applied_before + ints[SKIPPED]
-            row0 = floats[0]
+            applied_before = jnp.asarray(before[applied_index], jnp.float32)
+            applied_after = jnp.asarray(after[applied_index], jnp.float32)
+            counts, scales = table[COUNT_ROW], table[SCALE_ROW]
+            skipped = events = jnp.float32(0)
+            this_step = applied_before + counts[SKIPPED]
+            scale_after, counter = scales[SCALE], scales[COUNTER]
             if scale_index is not None:
                 scale_before = jnp.asarray(before[scale_index], jnp.float32)
                 scale_after = jnp.asarray(after[scale_index], jnp.float32)
-                skipped = applied_after == applied_before
-                grew = jnp.logical_and(jnp.logical_not(skipped), scale_after > scale_before)
-                event = jnp.logical_or(skipped, grew)
-                kind = jnp.where(skipped, schema.EVENT_OVERFLOW, schema.EVENT_GROWTH)
-                row = jnp.stack([this_step.astype(jnp.float32), scale_before, scale_after,
-                                 jnp.asarray(kind, jnp.float32)])
-                slot = 1 + ints[EVENTS] % capacity
-                floats = floats.at[slot].set(jnp.where(event, row, floats[slot]))
-                ints = ints.at[EVENTS].add(event.astype(jnp.int32))
-                ints = ints.at[SKIPPED].add(skipped.astype(jnp.int32))
-                row0 = row0.at[SCALE].set(scale_after)
-                row0 = row0.at[COUNTER].set(
-                    jnp.asarray(after[counter_index]).astype(jnp.float32))
+                counter = jnp.asarray(after[counter_index], jnp.float32)
+                # A step that left the apply count alone was skipped.
+                skipped = (applied_after == applied_before).astype(jnp.float32)
+                grew = (scale_after > scale_before).astype(jnp.float32) * (1 - skipped)
+                events = skipped + grew
+                kind = skipped * schema.EVENT_OVERFLOW + grew * schema.EVENT_GROWTH
+                # Steps without an event write to the scratch row.
+                slot = jnp.where(events > 0,
+                                 RING_START + jnp.mod(counts[EVENTS], capacity).astype(jnp.int32),
+                                 SCRATCH_ROW)
+                table = jax.lax.dynamic_update_slice(
+                    table, jnp.stack([this_step, scale_before, scale_after, kind])[None],
+                    (slot, 0))
+            nonfinite, first, last_loss = jnp.float32(0), counts[FIRST_NONFINITE], scales[LAST_LOSS]
             loss, self._loss = self._loss, None
             self.loss_watched = loss is not None
             if loss is not None:
-                loss = jnp.sum(jnp.asarray(loss, jnp.float32))
-                nonfinite = jnp.logical_not(jnp.isfinite(loss))
-                first = ints[FIRST_NONFINITE]
-                ints = ints.at[FIRST_NONFINITE].set(
-                    jnp.where(jnp.logical_and(first < 0, nonfinite), this_step, first))
-                ints = ints.at[NONFINITE].add(nonfinite.astype(jnp.int32))
-                row0 = row0.at[LAST_LOSS].set(loss)
-            ints = ints.at[APPLIED].set(applied_after)
-            floats = floats.at[0].set(row0)
+                last_loss = jnp.sum(jnp.asarray(loss, jnp.float32))
+                nonfinite = jnp.logical_not(jnp.isfinite(last_loss)).astype(jnp.float32)
+                first = jnp.where((first < 0) & (nonfinite > 0), this_step, first)
+            counts = jnp.stack([counts[SKIPPED] + skipped, counts[EVENTS] + events,
+                                counts[NONFINITE] + nonfinite, first])
+            scales = jnp.stack([scale_after, counter, last_loss, applied_after])
+            table = jax.lax.dynamic_update_slice(table, jnp.stack([counts, scales]),
+                                                 (COUNT_ROW, 0))
             if isinstance(logs, dict):
-                # The call alarm: what the host compares, one call late
+                # The call alarm, read by the host when its step is done
                 # (`mpprof.backends.jax.call_alarm`); not donated.
-                logs = {**logs, ALARM_KEY: ints[SKIPPED] + ints[NONFINITE]}
-            return logs, new_state, (ints, floats)
+                logs = {**logs, ALARM_KEY: counts[SKIPPED] + counts[NONFINITE]}
+            return logs, new_state, table
 
         return step
 
-    # Host reads (after `read`).
+    # Host reads (one copy per call, `read`).
 
     def skipped(self) -> int:
-        return int(self.read()[0][SKIPPED])
+        return int(self.read()[COUNT_ROW, SKIPPED])
 
     def applied(self) -> int:
-        return int(self.read()[0][APPLIED])
+        return int(self.read()[SCALE_ROW, APPLIED])
 
     def steps_run(self) -> int:
         """Steps run so far: apply calls plus skipped steps."""
-        ints = self.read()[0]
-        return int(ints[APPLIED]) + int(ints[SKIPPED])
+        return self.applied() + self.skipped()
 
     def scale(self) -> float:
-        return float(self.read()[1][0, SCALE])
+        return float(self.read()[SCALE_ROW, SCALE])
 
     def counter(self) -> int:
-        return int(self.read()[1][0, COUNTER])
+        return int(self.read()[SCALE_ROW, COUNTER])
 
     def last_loss(self) -> float:
-        return float(self.read()[1][0, LAST_LOSS])
+        return float(self.read()[SCALE_ROW, LAST_LOSS])
 
     def nonfinite(self) -> int:
-        return int(self.read()[0][NONFINITE])
+        return int(self.read()[COUNT_ROW, NONFINITE])
 
     def first_nonfinite(self) -> int | None:
-        first = int(self.read()[0][FIRST_NONFINITE])
+        first = int(self.read()[COUNT_ROW, FIRST_NONFINITE])
         return None if first < 0 else first
 
     def events(self) -> tuple[int, np.ndarray]:
         """(events written so far, the ring [capacity, 4])."""
-        ints, floats = self.read()
-        return int(ints[EVENTS]), floats[1:].astype(np.float64)
+        table = self.read()
+        return int(table[COUNT_ROW, EVENTS]), table[RING_START:].astype(np.float64)

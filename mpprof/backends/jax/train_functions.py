@@ -79,21 +79,21 @@ class TrainFunctions:
 
     def run_plain(self, state, iterator, *, on_abort: Callable[[], None]):
         """Runs one call (`steps_per_execution` steps); returns (logs, state)."""
-        step, mp_state = self.plain, self._state.arrays
+        step, table = self.plain, self._state.arrays
         try:
-            logs, state, mp_state = step(state, mp_state, next(iterator))
+            logs, state, table = step(state, table, next(iterator))
             for _ in range(self._model.steps_per_execution - 1):
                 try:
                     data = next(iterator)
                 except StopIteration:
                     break  # the epoch's last, partial call
-                logs, state, mp_state = step(state, mp_state, data)
+                logs, state, table = step(state, table, data)
         except StopIteration:
             raise  # the end of the data: fit ends the epoch
         except BaseException:
             on_abort()
             raise
-        self._state.update(mp_state)
+        self._state.update(table)
         return logs, state
 
     def run_instrumented(self, state, iterator, *, on_abort, on_failure):
