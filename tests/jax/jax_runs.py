@@ -38,22 +38,23 @@ def classes(samples=64, inputs=32):
     return rng.random((samples, inputs), dtype=np.float32), rng.integers(0, 8, samples)
 
 
-def regression(*, initial_scale=2.0**15, learning_rate=0.0, growth_steps=2000,
-               **compile_kwargs) -> keras.Model:
+def regression(kernel=None, head=None, *, initial_scale=2.0**15, learning_rate=0.0,
+               growth_steps=2000, loss="mse", **compile_kwargs) -> keras.Model:
     """Ones in, a fixed target out; `learning_rate=0` keeps the gradients
     constant, so the loss-scale trajectory is deterministic."""
     keras.mixed_precision.set_dtype_policy("mixed_float16")
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.layers.Input((8,)),
-        keras.layers.Dense(16, name="first"),
-        keras.layers.Dense(16, name="second"),
-        keras.layers.Dense(1, dtype="float32", name="head"),
+        keras.layers.Dense(16, kernel_initializer=kernel or "glorot_uniform", name="first"),
+        keras.layers.Dense(16, kernel_initializer=kernel or "glorot_uniform", name="second"),
+        keras.layers.Dense(1, dtype="float32", kernel_initializer=head or "glorot_uniform",
+                           name="head"),
     ])
     optimizer = keras.optimizers.LossScaleOptimizer(
         keras.optimizers.SGD(learning_rate), initial_scale=initial_scale,
         dynamic_growth_steps=growth_steps)
-    model.compile(optimizer=optimizer, loss="mse", **compile_kwargs)
+    model.compile(optimizer=optimizer, loss=loss, **compile_kwargs)
     return model
 
 

@@ -216,19 +216,71 @@ def test_inventory_records_output_dtypes_and_the_cast_into_the_float32_head(tmp_
     assert run.inventory["model"]["outputs"][0]["producer"] == "logits"
 
 
+# --- Per-layer numerics on sampled steps.
+
+
+def test_mp003_first_forward_overflow_and_its_float32_island_look_alike(tmp_path):
+    x, y = jax_runs.ones(8 * 4, 0.0)
+    # Kernels of 300: "first" outputs 2,400, "second" 11.5M > 65504.
+    model = jax_runs.regression(keras.initializers.Constant(300.0))
+    run = jax_runs.fit(tmp_path / "overflow", model, x, y, numerics_every=1)
+    finding = next(f for f in diagnosis.diagnose(run) if f.code == "MP003")
+    assert finding.layer == "second" and finding.step == 1  # the first sampled step
+    assert run.numerics.layers == ["first", "second", "head"]
+    # Look-alike: float16 fits (8,192); the float32 head goes past 65504.
+    model = jax_runs.regression(keras.initializers.Constant(8.0),
+                                head=keras.initializers.Constant(100.0))
+    run = jax_runs.fit(tmp_path / "island", model, x, y, numerics_every=1)
+    assert "MP003" not in codes(run) and status(run, "MP003") == "checked"
+
+
+def _tiny_mse(y_true, y_pred):
+    return 1e-6 * keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+
+
+def test_mp005_gradient_underflow_and_its_look_alike(tmp_path):
+    x, y = jax_runs.ones(8 * 4, 1.0)
+    # The loss times 1e-6 at scale 1: gradients ~1e-7, subnormal in float16.
+    model = jax_runs.regression(head=keras.initializers.Constant(0.5), initial_scale=1.0,
+                                loss=_tiny_mse, growth_steps=10_000)
+    run = jax_runs.fit(tmp_path / "underflow", model, x, y, numerics_every=1)
+    assert "MP005" in codes(run)
+    # Look-alike: the same loss at the default scale 2**15 lifts them back.
+    model = jax_runs.regression(head=keras.initializers.Constant(0.5), loss=_tiny_mse)
+    run = jax_runs.fit(tmp_path / "scaled", model, x, y, numerics_every=1)
+    assert "MP005" not in codes(run) and status(run, "MP005") == "checked"
+
+
+def test_samples_come_every_n_steps_and_plain_steps_stay_plain(tmp_path):
+    x, y = jax_runs.classes()
+    run = jax_runs.fit(tmp_path, jax_runs.classifier("mixed_float16"), x, y, epochs=2,
+                       numerics_every=4)
+    np.testing.assert_array_equal(run.numerics.steps, [4, 8, 12])
+    assert run.context["collectors"]["numerics"]["state"] == "ok"
+    numerics = run.numerics
+    assert numerics.layers == ["hidden", "logits"]
+    # Batches of 8: the hidden layer outputs 8 x 64 values, the logits 8 x 8;
+    # the gradient flowing into each has its output's shape.
+    for table in (numerics.forward, numerics.backward):
+        np.testing.assert_array_equal(table["count"], [[512, 64]] * 3)
+        assert (table["abs_max"] > 0).all() and (table["nonfinite_frac"] == 0).all()
+    assert np.isfinite(numerics.loss).all() and (numerics.loss_scale == 2.0**15).all()
+    assert (numerics.variable_grads["abs_max"] > 0).all()
+    np.testing.assert_allclose(numerics.unscaled_variable_grads["abs_max"],
+                               numerics.variable_grads["abs_max"] / 2.0**15, rtol=1e-3)
+
+
 # --- What the JAX backend does not measure says so.
 
 
-def test_unimplemented_collectors_say_unavailable_and_rules_not_measured(tmp_path):
+def test_unimplemented_collectors_say_unavailable(tmp_path):
     x, y = jax_runs.classes()
     run = jax_runs.fit(tmp_path, jax_runs.classifier("mixed_float16"), x, y,
-                       numerics_every=1, profile_steps=(1, 2))
+                       profile_steps=(1, 2))
     collectors = run.context["collectors"]
-    assert collectors["numerics"]["state"] == "off"
-    assert "not implemented on the JAX backend" in collectors["numerics"]["reason"]
     assert collectors["replay_capture"]["state"] == "unavailable"
+    assert "not implemented on the JAX backend" in collectors["replay_capture"]["reason"]
     assert collectors["kernels"]["state"] == "unavailable"
-    assert status(run, "MP003") == status(run, "MP005") == "not measured"
 
 
 # --- Without TensorFlow.

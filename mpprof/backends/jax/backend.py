@@ -11,8 +11,10 @@ What differs from TensorFlow (`mpprof.backends.tensorflow.backend`):
   the state only at epoch ends (Keras writes it back then), so nothing reads
   them during an epoch;
 - the alarm is read one call late (`call_alarm`);
-- per-layer numerics, float8 records, replay capture and XProf windows are
-  not implemented yet: their collectors say "unavailable" (`unavailable`).
+- per-layer numerics run in a second jitted step that returns the statistics
+  as outputs (`numerics`);
+- float8 records, replay capture and XProf windows are not implemented yet:
+  their collectors say "unavailable" (`unavailable`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from mpprof.backends.jax import call_alarm, context, hardware, unavailable
 from mpprof.backends.jax.layer_calls import LayerCallPatch
 from mpprof.backends.jax.loss_scale import LossScaleCollector
 from mpprof.backends.jax.loss_scales import LossScales
+from mpprof.backends.jax.numerics import NumericsCollector
 from mpprof.backends.jax.precision import PrecisionCollector
 from mpprof.backends.jax.run_health import RunHealth
 from mpprof.backends.jax.step_state import StepState
@@ -44,7 +47,6 @@ class JaxBackend(base.Backend):
     flavor = "keras"
     loss_scale_collector = LossScaleCollector
     loss_health_collector = None
-    numerics_collector = unavailable.NumericsCollector
     LossScales = LossScales
     RunHealth = RunHealth
     Float8State = unavailable.Float8State
@@ -68,6 +70,14 @@ class JaxBackend(base.Backend):
     def __init__(self, model):
         self.step_state: StepState | None = None
         self._model = model
+        # The numerics collector, once the first sample made it.
+        self.numerics: NumericsCollector | None = None
+
+    @property
+    def numerics_collector(self):
+        """Makes the numerics collector (`NumericsSamples` calls it with the
+        model and its strategy): it registers itself with this backend."""
+        return lambda model, strategy: NumericsCollector(model, self)
 
     def make_step_state(self, capacity: int) -> StepState:
         """The fit's step state (made once, by the loss-scale collectors)."""

@@ -9,8 +9,10 @@ is the profiler's dispatcher, which runs mpprof's own jit of the same
 counters, which leave it as a second donated state) the same way, so every
 step runs one compiled function, as in Keras' own fit.
 
-Per-layer numerics are not measured on JAX yet: there is no instrumented
-function, and `instrumented_off` says why (the run context's numerics state).
+On sampled calls the dispatcher runs the instrumented function instead: the
+numerics collector's `instrumented_train_step` (`mpprof.backends.jax.numerics`)
+in the same wrapper, jitted on its first sampled call, for the call's first
+step; the call's other steps (`steps_per_execution > 1`) run plain.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import jax
 
 from mpprof.recording.patching import Patches
 
-NUMERICS_UNAVAILABLE = (
-    "per-layer numerics are not implemented on the JAX backend yet: no step is "
-    "sampled (the loss scale, overflows, the loss check and the inventory are recorded)"
-)
+from mpprof.backends.jax.numerics import SAMPLE_KEY
+from mpprof.recording.guard import describe_error
+
+
+class _Lazy:
+    """The instrumented function before its first sampled call builds it."""
 
 
 class TrainFunctions:
@@ -40,8 +44,10 @@ class TrainFunctions:
         self._model = model
         self._api = keras_api
         self.plain = None
-        self.instrumented = None
-        self.instrumented_off: str | None = NUMERICS_UNAVAILABLE if instrumented else None
+        # Built at the first sampled call, once the numerics collector exists.
+        self.instrumented = _Lazy() if instrumented else None
+        self.instrumented_off: str | None = None
+        self._instrumented_ran = False
         self._state = None
 
     def install(self, dispatcher: Callable, patches: Patches) -> None:
@@ -61,13 +67,15 @@ class TrainFunctions:
                 return update_metrics(metrics_variables, unscaled_loss, *args, **kwargs)
 
             patches.set(model, "_update_metrics_variables", update_metrics_variables)
-        step = self._state.step_function(model.train_step)
-        if model.run_eagerly or not model.jit_compile:
-            self.plain = step
-        else:
-            self.plain = jax.jit(step, donate_argnums=(0, 1),
-                                 out_shardings=self._out_shardings())
+        self.plain = self._compiled(model.train_step)
         patches.set(model, "train_function", dispatcher)
+
+    def _compiled(self, train_step: Callable) -> Callable:
+        """`train_step` with the step state, jitted as Keras jits its own."""
+        step = self._state.step_function(train_step)
+        if self._model.run_eagerly or not self._model.jit_compile:
+            return step
+        return jax.jit(step, donate_argnums=(0, 1), out_shardings=self._out_shardings())
 
     def _out_shardings(self):
         """As Keras' own step: the state keeps the distribution's layout."""
@@ -79,15 +87,25 @@ class TrainFunctions:
 
     def run_plain(self, state, iterator, *, on_abort: Callable[[], None]):
         """Runs one call (`steps_per_execution` steps); returns (logs, state)."""
-        step, table = self.plain, self._state.arrays
+        return self._run(self.plain, state, iterator, None, on_abort)
+
+    def _run(self, first_step: Callable, state, iterator, data, on_abort):
+        """The call's first step with `first_step` (on `data`, or the next
+        batch), the others plain, as Keras' own loop."""
+        table = self._state.arrays
         try:
-            logs, state, table = step(state, table, next(iterator))
+            if data is None:
+                data = next(iterator)
+            logs, state, table = first_step(state, table, data)
             for _ in range(self._model.steps_per_execution - 1):
                 try:
                     data = next(iterator)
                 except StopIteration:
                     break  # the epoch's last, partial call
-                logs, state, table = step(state, table, data)
+                sample = logs.pop(SAMPLE_KEY, None) if isinstance(logs, dict) else None
+                logs, state, table = self.plain(state, table, data)
+                if sample is not None:
+                    logs[SAMPLE_KEY] = sample
         except StopIteration:
             raise  # the end of the data: fit ends the epoch
         except BaseException:
@@ -96,8 +114,30 @@ class TrainFunctions:
         self._state.update(table)
         return logs, state
 
-    def run_instrumented(self, state, iterator, *, on_abort, on_failure):
-        return self.run_plain(state, iterator, on_abort=on_abort)
+    def run_instrumented(self, state, iterator, *, on_abort: Callable[[], None],
+                         on_failure: Callable[[str], None]):
+        """Runs one sampled call and hands its sample to the numerics
+        collector. If the instrumented function fails on its first run (as
+        it is traced, before any state is donated), it is dropped
+        (`on_failure` gets the reason) and the plain one runs instead."""
+        numerics = self._api.numerics
+        try:
+            data = next(iterator)
+        except StopIteration:
+            raise
+        try:
+            if isinstance(self.instrumented, _Lazy):
+                self.instrumented = self._compiled(numerics.instrumented_train_step)
+            logs, state = self._run(self.instrumented, state, iterator, data, on_abort)
+        except Exception as error:
+            if self._instrumented_ran:
+                raise  # (on_abort ran)
+            self.instrumented = None
+            on_failure(f"the instrumented train step failed: {describe_error(error)}")
+            return self._run(self.plain, state, iterator, data, on_abort)
+        self._instrumented_ran = True
+        numerics.receive(logs.pop(SAMPLE_KEY))
+        return logs, state
 
     def release(self) -> None:
         self.plain = self.instrumented = None

@@ -58,13 +58,6 @@ class ReplayCapture(Collector):
                 "reason": f"capturing a failing step for replay is {_NOT_YET}"}
 
 
-class NumericsCollector:
-    """(Never made: the JAX `TrainFunctions` has no instrumented function.)"""
-
-    def __init__(self, model, strategy):
-        raise NotImplementedError(f"per-layer numerics are {_NOT_YET}")
-
-
 class ProfileWindow:
     """An XProf window asked for (`profile_steps`) that the JAX backend does
     not trace yet: it says so in the run context's "kernels"."""
