@@ -21,10 +21,9 @@ from collections.abc import Callable
 
 import jax
 
-from mpprof.recording.patching import Patches
-
 from mpprof.backends.jax.numerics import SAMPLE_KEY
 from mpprof.recording.guard import describe_error
+from mpprof.recording.patching import Patches
 
 
 class _Lazy:
