@@ -35,7 +35,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import mpprof  # noqa: E402
-from mpprof.recording.collectors import gpu  # noqa: E402
+from mpprof.recording.nvml import sampler as gpu  # noqa: E402
 
 
 def time_rounds(gpus, rounds: int = 2000) -> float:

@@ -30,14 +30,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load_sampler_module():
-    """Imports mpprof.recording.collectors.gpu without running mpprof/__init__.py."""
+    """Imports mpprof.recording.nvml.sampler without running mpprof/__init__.py."""
     for name, path in (("mpprof", REPO / "mpprof"),
                        ("mpprof.recording.collectors", REPO / "mpprof" / "collectors")):
         if name not in sys.modules:
             package = types.ModuleType(name)
             package.__path__ = [str(path)]
             sys.modules[name] = package
-    return importlib.import_module("mpprof.recording.collectors.gpu")
+    return importlib.import_module("mpprof.recording.nvml.sampler")
 
 
 class _TorchLoad:

@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8192)
     parser.add_argument("--numerics-every", type=int, default=16,
                         help="sample per-layer numerics every N steps (dense, for the demo)")
+    parser.add_argument("--verbose", type=int, default=2, help="model.fit's verbose")
     args = parser.parse_args()
     x, y = load_mnist(args.samples)
     model = build_model()
@@ -66,7 +67,7 @@ def main() -> None:
             mpprof.MixedPrecisionProfiler(log_dir=args.log_dir,
                                           numerics_every=args.numerics_every),
         ],
-        verbose=2,
+        verbose=args.verbose,
     )
 
 

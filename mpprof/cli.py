@@ -93,6 +93,13 @@ _NOTHING_READABLE = "nothing readable: no record of this run could be read (see 
 def _cut_short_text(run: reader.Run) -> str | None:
     """The line saying a run's fit stopped without recording its end."""
     stopped = run.cut_short
+    lost = run.recording_stopped
+    if stopped is None and lost is not None:
+        return (
+            f"the records stop at step {lost['records_until_step']}: writing them failed "
+            f"({lost['reason']}); the fit went on and {lost['fit_state']} at step "
+            f"{lost['fit_step']}"
+        )
     if stopped is None:
         return None
     when = datetime.datetime.fromtimestamp(stopped["wall_time"], datetime.timezone.utc)
@@ -135,6 +142,8 @@ def _read(logdir: str, run: str | None,
             runs[name] = reader.read_run(logdir, name)
         except OSError as e:
             _warn(f"run {name}: cannot be read ({e.strerror or e}); skipped")
+        except reader.NoMpprofDataError as e:  # removed since it was listed
+            _warn(f"run {name}: {e}; skipped")
     return runs, chatty
 
 
@@ -173,13 +182,18 @@ def _diagnose(args) -> int:
             _warn(f"run {name}: {warning}")
     if args.format == "json":
         rows = [
-            {"run": name, **finding.to_dict(), **_replay_field(finding, replays[name])}
+            {"run": name, "fit_state": _fit_state(runs[name]), **finding.to_dict(),
+             **_replay_field(finding, replays[name])}
             for name, result in results.items()
             for finding in result.findings
         ]
         rows.sort(key=lambda row: diagnosis.SEVERITIES.index(row["severity"]))
         # json.dumps escapes control characters (ensure_ascii).
         print(json.dumps(rows, indent=2))
+    elif args.format == "json-runs":
+        print(json.dumps({"runs": [
+            _run_json(run, results.get(name), replays[name]) for name, run in runs.items()
+        ]}, indent=2))
     else:
         color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
         print("\n\n".join(_diagnosis_text(run, results.get(name), color, replays[name])
@@ -191,10 +205,36 @@ def _diagnose(args) -> int:
     return EXIT_FINDINGS if diagnosis.exceeds(findings, args.fail_on) else EXIT_OK
 
 
+def _fit_state(run: reader.Run) -> str:
+    """How the run's (latest) fit stands: "ended", "failed", "cut_short" (it
+    never recorded its end: killed, or still training), or "unknown" (a run
+    recorded before mpprof said, or nothing readable)."""
+    stopped = run.cut_short
+    if stopped is not None:
+        return "failed" if stopped["fit_state"] == "failed" else "cut_short"
+    return "ended" if run.context.get("fit_state") else "unknown"
+
+
+def _run_json(run: reader.Run, result, replays: list[dict]) -> dict:
+    """One run of `diagnose --format json-runs`: every run, readable or not."""
+    findings = [] if result is None else [
+        {**f.to_dict(), **_replay_field(f, replays)} for f in result.findings]
+    findings.sort(key=lambda row: diagnosis.SEVERITIES.index(row["severity"]))
+    return {
+        "run": run.name,
+        "readable": run.readable,
+        "fit_state": _fit_state(run),
+        "cut_short": run.cut_short,
+        "recording_stopped": run.recording_stopped,
+        "warnings": run.warnings,
+        "findings": findings,
+    }
+
+
 def _replays_of(logdir: str, run: str, replay_missing: bool) -> list[dict]:
     """The run's replay results; with `replay_missing`, captures without one
     are replayed first (imports TensorFlow)."""
-    captures = replay_files.find_captures(logdir, run)
+    captures = replay_files.find_captures(logdir, run, on_skipped=_warn)
     if replay_missing:
         for capture in captures:
             if capture.result() is None:
@@ -248,7 +288,8 @@ def _report(args) -> int:
 def _replay(args) -> int:
     names = reader.select_runs(args.logdir, args.run, on_warning=_warn)
     with_captures = [name for name in names
-                     if replay_files.find_captures(args.logdir, name)]
+                     if replay_files.find_captures(args.logdir, name, on_skipped=_warn)
+                     or _has_step_folder(args.logdir, name, args.step)]
     if not with_captures:
         raise replay_files.NoCaptureError(
             f"no replay capture in {args.logdir} (runs: {', '.join(names)}): mpprof "
@@ -273,11 +314,23 @@ def _replay(args) -> int:
     return EXIT_OK
 
 
+def _has_step_folder(logdir: str, run: str, step: int | None) -> bool:
+    """Whether `run` has a folder for the capture of `step` (readable or not:
+    asking for a damaged one must name its damage, not say it is missing)."""
+    if step is None:
+        return False
+    folder = filesystem.join(replay_files.run_path(logdir, run), replay_files.step_folder(step))
+    try:
+        return filesystem.isdir(folder)
+    except OSError:
+        return False
+
+
 def _bundle(args) -> int:
     from mpprof.replay import bundle
 
     written = bundle.write_bundle(args.logdir, args.output, run=args.run, step=args.step,
-                                  include_batch=args.include_batch)
+                                  include_batch=args.include_batch, on_skipped=_warn)
     held = "with the batch and weights" if args.include_batch else (
         "statistics and shapes only (no batch, no weights: --include-batch adds them)")
     _say([f"mpprof: wrote {written['path']} ({written['bytes'] / 1e3:.0f} kB): run "
@@ -314,7 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
     diagnose = command("diagnose", "list what is wrong in LOGDIR's runs and what to change")
     diagnose.add_argument("logdir")
     diagnose.add_argument("--run", help="only this run (as `mpprof summary` names it)")
-    diagnose.add_argument("--format", choices=("text", "json"), default="text")
+    diagnose.add_argument(
+        "--format", choices=("text", "json", "json-runs"), default="text",
+        help="json: a list of findings, most severe first, each with its run and the "
+             "run's fit_state; json-runs: every run (unreadable ones too) with its fit "
+             "state, warnings and findings")
     diagnose.add_argument(
         "--fail-on", choices=("critical", "warning"), default=None,
         help=f"exit with status {EXIT_FINDINGS} if a finding is at least this severe (for CI)",

@@ -86,17 +86,12 @@ class MpprofPlugin(base_plugin.TBPlugin):
     # JSON routes ------------------------------------------------------------
 
     def _list_runs(self, args) -> dict:
-        summaries = []
-        for name in self._runs.list_runs():
-            try:
-                cached = self._runs.get(name)
-                result = _diagnosis(cached)
-                summaries.append(
-                    cached.derive("summary", lambda r, d=result: payloads.run_summary(r, d))
-                )
-            except errors.NotFoundError:
-                continue  # removed, or unreadable, since it was listed
-        return {"runs": summaries}
+        # Each run's summary is kept while its files are unchanged: a sweep
+        # of many runs is read once, then only what changed.
+        def summarize(cached: CachedRun) -> dict:
+            return payloads.run_summary(cached.run, _diagnosis(cached))
+
+        return {"runs": self._runs.summaries(summarize)}
 
     # Each run route parses its parameters (400 on a bad one) and returns a
     # cache key and the payload's computation; see `_run_route`.

@@ -1,16 +1,25 @@
 """Runs read through `mpprof.records.reader`, cached until their event files change.
 
-Reading a large run takes seconds; a dashboard asks for it on every route. A
-run is read again only when one of its mpprof event files changed size or
-mtime, so reloading while training runs shows new data and costs nothing
-otherwise. Payloads derived from a run (findings, downsampled matrices) are
-cached with it and dropped with it.
+Reading a large run takes seconds; a dashboard asks for it on every route,
+and a sweep holds hundreds of runs. Two tiers, both keyed by each run's
+signature (the path, size and mtime of each of its mpprof event files, all
+from one walk of the logdir, `reader.run_files`):
+
+- the run list's summary of every run (a few hundred bytes each) is kept for
+  as long as the run is unchanged, whatever the number of runs, so `/runs`
+  re-reads only the runs that changed since the last request;
+- a run's full read and the payloads derived from it (findings, downsampled
+  matrices) are kept in a least-recently-used cache bounded by their
+  estimated memory (`MPPROF_CACHE_MB`, 1 GiB by default), not by a count.
+
+The first read of many runs says how far it got in TensorBoard's log.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -25,6 +34,14 @@ logger = logging.getLogger(__name__)
 # Listing runs walks the whole logdir; every route validates its run name
 # against the listing, so it is reused for this long.
 _RUN_LIST_TTL_S = 2.0
+# A read run takes about this many bytes of memory per byte of event files
+# (numpy arrays plus the records' Python objects), payloads included.
+_MEMORY_PER_FILE_BYTE = 3
+_DEFAULT_BUDGET_MB = 1024
+# The first read of at least this many runs logs its progress, at most once
+# per this many seconds.
+_PROGRESS_RUNS = 20
+_PROGRESS_EVERY_S = 5.0
 
 
 class CachedRun:
@@ -36,6 +53,7 @@ class CachedRun:
     def __init__(self, run: reader.Run, signature: tuple):
         self.run = run
         self.signature = signature
+        self.bytes = _MEMORY_PER_FILE_BYTE * sum(size for _, size, _ in signature) + 64_000
         self._derived: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -51,26 +69,42 @@ class CachedRun:
 
 
 class RunCache:
-    """Reads runs of `logdir` on demand; keeps the `max_runs` most recent."""
+    """Reads runs of `logdir` on demand.
 
-    def __init__(self, logdir: str, max_runs: int = 16):
+    Args:
+        logdir: the logdir TensorBoard serves (local or a URL).
+        budget_bytes: the memory the full reads may take together (the most
+            recent run is kept whatever its size); default `MPPROF_CACHE_MB`
+            MiB, else 1 GiB.
+    """
+
+    def __init__(self, logdir: str, budget_bytes: int | None = None):
         self.logdir = logdir
-        self._max_runs = max_runs
+        if budget_bytes is None:
+            budget_bytes = int(os.environ.get("MPPROF_CACHE_MB", _DEFAULT_BUDGET_MB)) * 2**20
+        self._budget = budget_bytes
         self._runs: collections.OrderedDict[str, CachedRun] = collections.OrderedDict()
+        self._bytes = 0
+        self._summaries: dict[str, tuple[tuple, dict]] = {}
         self._run_locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self._lock = threading.Lock()
-        self._listing: tuple[float, list[str]] = (float("-inf"), [])
+        self._listing: tuple[float, dict[str, tuple]] = (float("-inf"), {})
         self._warned: set[str] = set()
 
-    def list_runs(self) -> list[str]:
+    def _files(self, fresh: bool = False) -> dict[str, tuple]:
+        """Every run with its signature, from a walk at most `_RUN_LIST_TTL_S`
+        old (`fresh`: walked now)."""
         listed_at, runs = self._listing
-        if time.monotonic() - listed_at > _RUN_LIST_TTL_S:
+        if fresh or time.monotonic() - listed_at > _RUN_LIST_TTL_S:
             try:
-                runs = reader.list_runs(self.logdir, self._warn_once) if self.logdir else []
+                runs = reader.run_files(self.logdir, self._warn_once) if self.logdir else {}
             except reader.LogdirNotFoundError:
-                runs = []
+                runs = {}
             self._listing = (time.monotonic(), runs)
         return runs
+
+    def list_runs(self) -> list[str]:
+        return list(self._files())
 
     def _warn_once(self, warning: str) -> None:
         """Logs a listing warning (an unreadable directory) once, not at
@@ -79,7 +113,34 @@ class RunCache:
             self._warned.add(warning)
             logger.warning("mpprof: %s", printable(warning))
 
-    def get(self, run: str | None) -> CachedRun:
+    def summaries(self, summarize: Callable[[CachedRun], dict]) -> list[dict]:
+        """`summarize(run)` of every run, computed again only for runs whose
+        files changed; unreadable runs are left out (logged once)."""
+        # Walked now: the run list is what a page load asks first, and it
+        # must not list a run removed (or locked) a moment ago.
+        files = self._files(fresh=True)
+        stale = [name for name, signature in files.items()
+                 if self._summaries.get(name, (None,))[0] != signature]
+        progress = _Progress(len(stale)) if len(stale) >= _PROGRESS_RUNS else None
+        for index, name in enumerate(stale):
+            if progress is not None:
+                progress.step(index)
+            try:
+                cached = self.get(name, files)  # not a walk per run
+            except errors.NotFoundError as e:
+                self._warn_once(f"run {name} left out of the run list: {e}")
+                continue
+            summary = summarize(cached)
+            with self._lock:
+                self._summaries[name] = (cached.signature, summary)
+        if progress is not None:
+            progress.done()
+        with self._lock:
+            for name in set(self._summaries) - set(files):
+                del self._summaries[name]
+            return [self._summaries[name][1] for name in files if name in self._summaries]
+
+    def get(self, run: str | None, listed: dict[str, tuple] | None = None) -> CachedRun:
         """The run named `run`; NotFoundError unless the logdir lists it.
 
         Only names from the listing reach the file system, so a run name
@@ -87,9 +148,12 @@ class RunCache:
         """
         if not run:
             raise errors.InvalidArgumentError("Missing query parameter: run")
-        if run not in self.list_runs():
+        files = listed if listed is not None else self._files()
+        if run not in files:
             raise errors.NotFoundError(f"No mpprof run named {run!r}")
         with self._run_locks[run]:
+            # The run's own files, stat'ed now: a view reloaded while the fit
+            # writes shows the new data at once, not after the listing's reuse.
             signature = self._signature(run)
             with self._lock:
                 cached = self._runs.get(run)
@@ -97,29 +161,62 @@ class RunCache:
                 try:
                     cached = CachedRun(reader.read_run(self.logdir, run), signature)
                 except reader.NoMpprofDataError as e:
-                    raise errors.NotFoundError(str(e)) from e
+                    raise _unreadable(run, e) from e
                 except OSError as e:
                     raise _unreadable(run, e) from e
-            with self._lock:
-                self._runs[run] = cached
-                self._runs.move_to_end(run)
-                while len(self._runs) > self._max_runs:
-                    self._runs.popitem(last=False)
+            self._keep(run, cached)
             return cached
 
     def _signature(self, run: str) -> tuple:
-        """Name, size and mtime of each of the run's mpprof event files."""
+        """Path, size and mtime of each of the run's mpprof event files."""
         try:
             paths = reader.event_files(self.logdir, run)
             return tuple((path, *filesystem.size_and_mtime(path)) for path in paths)
-        except reader.NoMpprofDataError as e:
-            raise errors.NotFoundError(str(e)) from e
-        except OSError as e:
+        except (reader.NoMpprofDataError, OSError) as e:
             raise _unreadable(run, e) from e
 
+    def _keep(self, run: str, cached: CachedRun) -> None:
+        """Puts `cached` first; drops the least recent full reads over budget."""
+        with self._lock:
+            previous = self._runs.pop(run, None)
+            if previous is not None:
+                self._bytes -= previous.bytes
+            self._runs[run] = cached
+            self._bytes += cached.bytes
+            while self._bytes > self._budget and len(self._runs) > 1:
+                _, dropped = self._runs.popitem(last=False)
+                self._bytes -= dropped.bytes
 
-def _unreadable(run: str, error: OSError) -> errors.NotFoundError:
+    @property
+    def cached_bytes(self) -> int:
+        """The estimated memory of the full reads kept now."""
+        return self._bytes
+
+
+class _Progress:
+    """Progress of a first read of many runs, in TensorBoard's log."""
+
+    def __init__(self, total: int):
+        self._total = total
+        self._start = self._last = time.monotonic()
+        logger.warning("mpprof: reading %d runs (the first read; later ones read only "
+                       "what changed)", total)
+
+    def step(self, index: int) -> None:
+        now = time.monotonic()
+        if now - self._last >= _PROGRESS_EVERY_S:
+            self._last = now
+            logger.warning("mpprof: read %d of %d runs (%.0f s)", index, self._total,
+                           now - self._start)
+
+    def done(self) -> None:
+        logger.warning("mpprof: read %d runs in %.1f s", self._total,
+                       time.monotonic() - self._start)
+
+
+def _unreadable(run: str, error: Exception) -> errors.NotFoundError:
     """A run that was listed but cannot be read now (permissions changed, or
     it was removed): a 404 saying why, and a line in TensorBoard's log."""
     logger.warning("mpprof: run %r cannot be read: %s", run, printable(error))
-    return errors.NotFoundError(f"mpprof run {run!r} cannot be read ({error.strerror or error})")
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+    return errors.NotFoundError(f"mpprof run {run!r} cannot be read ({reason})")

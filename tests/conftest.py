@@ -14,6 +14,9 @@ import keras
 import numpy as np
 import pytest
 
+# In CI (CI=true) a skipped test fails, with its skip reason.
+from no_silent_skips import pytest_runtest_makereport  # noqa: F401
+
 import mpprof
 
 # tests/jax runs in its own process with KERAS_BACKEND=jax (`make test`):

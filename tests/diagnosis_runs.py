@@ -45,7 +45,7 @@ def read(name: str) -> reader.Run:
     return reader.read_run(logdir(name), run)
 
 
-def _fit(log_dir, model, x, y, *, batch_size=8, epochs=1, **profiler):
+def _fit(log_dir, model, x, y, *, batch_size=8, epochs=1, probes=(), **profiler):
     profiler.setdefault("gpu_interval", None)  # no sampler thread on CPU
     model.fit(
         x,
@@ -54,7 +54,7 @@ def _fit(log_dir, model, x, y, *, batch_size=8, epochs=1, **profiler):
         epochs=epochs,
         verbose=0,
         shuffle=False,
-        callbacks=[mpprof.MixedPrecisionProfiler(log_dir=log_dir, **profiler)],
+        callbacks=[mpprof.MixedPrecisionProfiler(log_dir=log_dir, **profiler), *probes],
     )
 
 
@@ -480,10 +480,10 @@ def sigmoid_into_binary_ce(log_dir):
     _fit(log_dir, model, x, (y % 2).astype(np.float32)[:, None])
 
 
-# Custom train steps. The records of what the train step called (the run
-# context's "optimizers", the health record's "loss_watched") are written by
-# the callback from mpprof 0.2; these real runs are rewritten with them, in
-# the shape the callback writes, the way a newer callback's logdir arrives.
+# Custom train steps. What the train step did with its optimizers (the run
+# context's "optimizers") and whether a loss passed through one of them (the
+# health record's "loss_watched") are what the profiler recorded while these
+# steps were traced: the rules judge the records of a real run, untouched.
 
 
 class _RawLossStep(keras.Model):
@@ -535,21 +535,25 @@ def _regression_data():
     return rng.random((32, 8), dtype=np.float32), rng.random((32, 1), dtype=np.float32)
 
 
-def _custom_step_run(log_dir, model, optimizers, *, loss_watched):
-    """Trains `model` for real, then writes its records again into `log_dir`
-    with the context's "optimizers" and, when the loss was not watched, the
-    health and numerics "loss" as the callback records them."""
-    source = _ROOT / ("real_" + pathlib.Path(log_dir).name)
-    _fit(str(source), model, *_regression_data(), numerics_every=1)
-    rewrite_run(
-        pathlib.Path(log_dir), reader.read_run(source, "train"),
-        context={"optimizers": optimizers}, loss_watched=loss_watched,
-    )
+# Ground truth of the custom-step runs, by run name: the loss each step
+# returned, as a probe callback saw it in the step's logs during the same fit.
+STEP_LOSSES: dict[str, list[float]] = {}
 
 
-def _optimizer(name, cls, inner, loss_scale, scale_loss_called):
-    return {"name": name, "class": cls, "inner": inner, "loss_scale": loss_scale,
-            "apply_called": True, "scale_loss_called": scale_loss_called}
+class _StepLosses(keras.callbacks.Callback):
+    def __init__(self, losses: list):
+        super().__init__()
+        self.losses = losses
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(float(logs["loss"]))
+
+
+def _custom_step_run(log_dir, model):
+    """Trains `model` on a small regression set, per-layer numerics on
+    every step (so the numerics "loss" is recorded on each)."""
+    losses = STEP_LOSSES.setdefault(pathlib.Path(log_dir).name, [])
+    _fit(log_dir, model, *_regression_data(), numerics_every=1, probes=[_StepLosses(losses)])
 
 
 def raw_loss_step(log_dir):
@@ -559,8 +563,7 @@ def raw_loss_step(log_dir):
     outputs = keras.layers.Dense(1, dtype="float32")(keras.layers.Dense(8)(inputs))
     model = _RawLossStep(inputs, outputs)
     model.compile(optimizer="adam", loss="mse")
-    optimizers = [_optimizer("optimizer", "LossScaleOptimizer", "Adam", True, False)]
-    _custom_step_run(log_dir, model, optimizers, loss_watched=False)
+    _custom_step_run(log_dir, model)
 
 
 def scaled_loss_step(log_dir):
@@ -570,8 +573,7 @@ def scaled_loss_step(log_dir):
     outputs = keras.layers.Dense(1, dtype="float32")(keras.layers.Dense(8)(inputs))
     model = _RawLossStep(inputs, outputs, scale=True)
     model.compile(optimizer="adam", loss="mse")
-    optimizers = [_optimizer("optimizer", "LossScaleOptimizer", "Adam", True, True)]
-    _custom_step_run(log_dir, model, optimizers, loss_watched=True)
+    _custom_step_run(log_dir, model)
 
 
 def gan_plain_optimizers(log_dir):
@@ -579,8 +581,7 @@ def gan_plain_optimizers(log_dir):
     keras.mixed_precision.set_dtype_policy("mixed_float16")
     model = _TwoOptimizerGan(lambda: keras.optimizers.Adam(1e-3))
     model.compile(optimizer="rmsprop", loss="mse", auto_scale_loss=False)
-    optimizers = [_optimizer(n, "Adam", None, False, None) for n in ("d_opt", "g_opt")]
-    _custom_step_run(log_dir, model, optimizers, loss_watched=False)
+    _custom_step_run(log_dir, model)
 
 
 def gan_scaled_optimizers(log_dir):
@@ -591,17 +592,13 @@ def gan_scaled_optimizers(log_dir):
         lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
     )
     model.compile(optimizer="rmsprop", loss="mse", auto_scale_loss=False)
-    optimizers = [
-        _optimizer(n, "LossScaleOptimizer", "Adam", True, True) for n in ("d_opt", "g_opt")
-    ]
-    _custom_step_run(log_dir, model, optimizers, loss_watched=False)
+    _custom_step_run(log_dir, model)
 
 
 def rewrite_run(log_dir: pathlib.Path, source: reader.Run, *, context=None,
-                loss_watched=True, name="train") -> None:
+                name="train") -> None:
     """Writes `source`'s records into `log_dir/name` through the schema writer,
-    the context updated with `context`; `loss_watched=False` writes the health
-    record's loss fields as null and the numerics "loss" as NaN."""
+    the context updated with `context`."""
     writer = RecordWriter(log_dir / name)
     for key, found in source.records.items():
         # Keys of named series (a second optimizer's loss scale) are tags
@@ -611,12 +608,6 @@ def rewrite_run(log_dir: pathlib.Path, source: reader.Run, *, context=None,
             value = copy.deepcopy(item.value)
             if record == schema.RUN_CONTEXT:
                 value.update(context or {})
-            elif record == schema.HEALTH and not loss_watched:
-                value.update(loss_watched=False, first_nonfinite_loss_step=None,
-                             nonfinite_loss_steps=None)
-            elif record == schema.NUMERICS_STEP and not loss_watched:
-                value = np.array(value, dtype=np.float64)
-                value[..., schema.NUMERICS_STEP_COLUMNS.index("loss")] = np.nan
             if isinstance(value, dict):
                 writer.write_json(record, value, item.step)
             else:

@@ -5,7 +5,15 @@ import math
 
 import numpy as np
 import pytest
-from diagnosis_runs import A100, HOSTILE_NAME, P100, gpu_samples, read, write_gpu_run
+from diagnosis_runs import (
+    A100,
+    HOSTILE_NAME,
+    P100,
+    STEP_LOSSES,
+    gpu_samples,
+    read,
+    write_gpu_run,
+)
 
 from mpprof import diagnosis
 from mpprof.records import reader, schema
@@ -209,11 +217,10 @@ def test_rules_without_their_data_say_not_measured():
     run = read("storm")  # numerics_every=None
     result = diagnosis.evaluate(run)
     unmeasured = {c.code: c.reason for c in result.not_measured}
-    # MP018 needs the optimizers' calls, which runs before they were recorded lack.
-    recorded_calls = isinstance(run.context.get("optimizers"), list)
-    assert set(unmeasured) == {"MP003", "MP004", "MP005", "MP019"} | (
-        set() if recorded_calls else {"MP018"}
-    )
+    # The profiler records the optimizers' calls MP018 needs: it is judged.
+    assert [o["name"] for o in run.context["optimizers"]] == ["optimizer"]
+    assert set(unmeasured) == {"MP003", "MP004", "MP005", "MP019"}
+    assert check_status(run, "MP018") == "checked"
     assert "numerics_every" in unmeasured["MP003"]
 
 
@@ -474,6 +481,49 @@ def test_mp003_evidence_of_an_all_nonfinite_output_and_its_step():
 
 
 # --- The optimizers the train step used, and what it did with the loss.
+# Each run's records are the profiler's own: what its train step calls is
+# read off the step's code in diagnosis_runs, and written out here by hand.
+
+
+def _used(name, cls, inner, scale_loss_called):
+    return {"name": name, "class": cls, "inner": inner, "loss_scale": inner is not None,
+            "apply_called": True, "scale_loss_called": scale_loss_called}
+
+
+STEP_CALLS = {
+    # `optimizer.apply` on the raw loss; scale_loss only with scale=True.
+    "raw_loss_step": ([_used("optimizer", "LossScaleOptimizer", "Adam", False)], False),
+    "scaled_loss_step": ([_used("optimizer", "LossScaleOptimizer", "Adam", True)], True),
+    # Plain Adams: the step calls apply on d_opt, then g_opt, and scale_loss on
+    # neither; the compiled RMSprop is never called.
+    "gan_plain_optimizers": (
+        [_used("d_opt", "Adam", None, False), _used("g_opt", "Adam", None, False)], False,
+    ),
+    # LossScaleOptimizers: scale_loss on g_opt, then d_opt, before any apply.
+    "gan_scaled_optimizers": (
+        [_used("g_opt", "LossScaleOptimizer", "Adam", True),
+         _used("d_opt", "LossScaleOptimizer", "Adam", True)], True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STEP_CALLS))
+def test_the_profiler_records_what_the_train_step_called(name):
+    run = read(name)
+    optimizers, loss_watched = STEP_CALLS[name]
+    assert run.context["optimizers"] == optimizers
+    assert run.health["loss_watched"] is loss_watched
+    # numerics_every=1 samples every step but the first (a fit's first call
+    # runs the plain traced function). Each sample's loss is the loss its step
+    # returned when a watched optimizer saw it, else NaN: "not measured",
+    # never a value.
+    step_losses = np.array(STEP_LOSSES[name])
+    steps = run.numerics.steps
+    np.testing.assert_array_equal(steps, np.arange(1, len(step_losses)))
+    if loss_watched:
+        np.testing.assert_allclose(run.numerics.loss, step_losses[steps], rtol=1e-6)
+    else:
+        assert np.isnan(run.numerics.loss).all()
 
 
 def test_mp018_apply_without_scale_loss():
@@ -494,7 +544,7 @@ def test_mp018_quiet_when_the_loss_is_scaled():
 def test_an_unwatched_loss_is_not_measured_never_a_value():
     run = read("raw_loss_step")
     assert run.health["loss_watched"] is False
-    assert np.isnan(run.numerics.loss).all()  # as the callback records it
+    assert np.isnan(run.numerics.loss).all()  # as the profiler recorded it
     # MP012 must not read the NaN "loss" as a non-finite loss.
     assert "MP012" not in codes(run)
     assert check_status(run, "MP012") == "not measured"

@@ -5,6 +5,7 @@ error classes run as they would against libnvidia-ml.so.
 """
 
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -17,11 +18,12 @@ import pynvml
 import pytest
 from conftest import BatchTimes, mnist_like, seed_model
 from fake_nvml import FakeGpu, FakeNvmlLibrary, ampere_gpu, installed
+from real_nvml import nvml_on_this_machine
 
 import mpprof
 from mpprof.backends.tensorflow.hardware import hardware_facts
-from mpprof.recording.collectors import gpu
-from mpprof.recording.collectors.host import HostRecorder
+from mpprof.recording.collectors.gpu_host import HostRecorder
+from mpprof.recording.nvml import sampler as gpu
 from mpprof.records import reader, schema
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,25 +76,64 @@ def fit_with(profiler, steps: int = 4, before=(), after=()):
 # ---------------------------------------------------------------- real path
 
 
-def test_real_path_without_nvml_records_unavailable_and_training_completes(tmp_path):
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError_LibraryNotFound:
-        pass
-    else:
-        pynvml.nvmlShutdown()
-        pytest.skip("this machine has an NVML library: the no-library path cannot run")
-    history = fit_with(mpprof.MixedPrecisionProfiler(str(tmp_path), gpu_interval=0.1))
+def test_the_real_nvml_path_records_what_this_machine_has(tmp_path):
+    """No fake: the profiler opens the machine's own NVML. Without the library
+    (no NVIDIA driver, as on a CPU runner) it records the sampler unavailable
+    and training completes; with it, it samples every GPU NVML lists, in the
+    mode NVML's own GPM query implies. Which of the two ran is in the test's
+    output; neither is ever skipped."""
+    machine = nvml_on_this_machine()
+    print("NVML on this machine:", "no library" if machine is None else machine)
+    steps = 4
+    times = BatchTimes(sleep_s=0.3)  # >= 1.2 s of training: rounds every 0.1 s
+    history = fit_with(
+        mpprof.MixedPrecisionProfiler(str(tmp_path), gpu_interval=0.1), steps, after=[times]
+    )
 
     assert len(history.history["loss"]) == 1
+    assert not sampler_threads()
     run = reader.read_run(tmp_path, schema.TRAIN_RUN)
-    assert run.gpu.mode == gpu.MODE_UNAVAILABLE
-    assert "libnvidia-ml.so.1" in run.gpu.reason
-    assert run.context["collectors"]["gpu"]["state"] == "unavailable"
-    assert len(run.gpu.samples) == 0 and run.gpu.devices == []
     hardware = run.context["hardware"]
-    assert hardware["cpu_only"] is True and hardware["source"] == "none"
-    assert "mixed_float16" in hardware["reason"]
+    if machine is None:
+        assert run.gpu.mode == gpu.MODE_UNAVAILABLE
+        assert "libnvidia-ml.so.1" in run.gpu.reason
+        assert run.context["collectors"]["gpu"]["state"] == "unavailable"
+        assert len(run.gpu.samples) == 0 and run.gpu.devices == []
+        assert hardware["cpu_only"] is True and hardware["source"] == "none"
+        assert "mixed_float16" in hardware["reason"]
+        return
+    # CUDA_VISIBLE_DEVICES may leave some out, never add one.
+    recorded = {d["uuid"]: d for d in run.gpu.devices}
+    assert recorded and set(recorded) <= set(machine)
+    if "CUDA_VISIBLE_DEVICES" not in os.environ:
+        assert set(recorded) == set(machine)
+    every_gpm = all(machine[uuid][1] for uuid in recorded)
+    assert run.gpu.mode == (gpu.MODE_GPM if every_gpm else gpu.MODE_BASIC), run.gpu.reason
+    assert hardware["source"] == "nvml"
+    assert_rows_line_up_with_steps(run, times, steps)
+    for device in recorded.values():
+        total = run.gpu.column("mem_total_bytes", device=device["index"])
+        assert len(total) >= 2 and (total == machine[device["uuid"]][0]).all()
+        assert device["memory_total_bytes"] == machine[device["uuid"]][0]
+
+
+def test_without_the_nvml_library_the_sampler_is_unavailable_on_every_machine(monkeypatch):
+    """The "no library" path also where a driver is installed: pynvml's own
+    loader runs and finds no libnvidia-ml.so.1 (only the dynamic loader's
+    answer is replaced), then its error mapping and mpprof's reason."""
+    def no_library(name, *args, **kwargs):
+        raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+
+    monkeypatch.setattr(pynvml, "nvmlLib", None)
+    monkeypatch.setattr(pynvml, "CDLL", no_library)
+    monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
+    monkeypatch.setattr(pynvml, "_nvmlLib_refcount", 0)
+    sampler = gpu.GpuSampler(600, environ={})
+    sampler.start()
+    sampler.stop()
+    assert sampler.mode == gpu.MODE_UNAVAILABLE and not sampler.running
+    assert "libnvidia-ml.so.1" in sampler.reason and "no NVIDIA driver" in sampler.reason
+    assert pynvml.nvmlLib is None  # the library was looked for, and not found
     assert not sampler_threads()
 
 

@@ -14,14 +14,15 @@ import pytest
 import tensorflow as tf
 
 import mpprof
-from mpprof.backends.tensorflow.loss_scale import LossScaleCollector
+from mpprof import cli
+from mpprof.backends.tensorflow.loss_scale_series import LossScaleSeries
 from mpprof.backends.tensorflow.loss_scales import LossScales
-from mpprof.backends.tensorflow.loss_watch import LossHealthCollector
-from mpprof.backends.tensorflow.numerics import NumericsCollector
-from mpprof.backends.tensorflow.precision import PrecisionCollector
+from mpprof.backends.tensorflow.loss_watch import LossWatch
+from mpprof.backends.tensorflow.numerics_taps import NumericsTaps
+from mpprof.backends.tensorflow.precision_tracer import PrecisionTracer
 from mpprof.backends.tensorflow.run_health import RunHealth
 from mpprof.backends.tensorflow.train_functions import TrainFunctions
-from mpprof.recording.collectors.host import HostRecorder
+from mpprof.recording.collectors.gpu_host import HostRecorder
 from mpprof.recording.collectors.inventory import Inventory
 from mpprof.recording.collectors.numerics_samples import NumericsSamples
 from mpprof.recording.profiled_fit import ProfiledFit
@@ -279,8 +280,9 @@ def test_numpy_scalars_are_accepted_by_every_numeric_argument(tmp_path):
         flush_every_seconds=np.float32(2.5), gpu_interval=np.float32(0.5),
         profile_steps=(np.int64(1), np.int64(2)),
     )
-    assert (profiler.numerics_every, profiler.flush_every_seconds, profiler.gpu_interval,
-            profiler.profile_steps) == (3, 2.5, 0.5, (1, 2))
+    settings = profiler.settings
+    assert (settings.numerics_every, settings.flush_every_seconds, settings.gpu_interval,
+            settings.profile_steps) == (3, 2.5, 0.5, (1, 2))
 
 
 def test_two_profilers_in_one_fit_are_refused(tmp_path):
@@ -342,12 +344,12 @@ INJECTIONS = [
     ("numerics", NumericsSamples, "after_sample"),
     ("loss_health", RunHealth, "record"),
     ("precision", Inventory, "after_call"),
-    ("precision", PrecisionCollector, "inventory"),
+    ("precision", PrecisionTracer, "inventory"),
     ("gpu", HostRecorder, "flush"),
-    ("numerics", NumericsCollector, "on_call"),
-    ("loss_scale", LossScaleCollector, "_append"),
-    ("loss_health", LossHealthCollector, "_watch"),
-    ("precision", PrecisionCollector, "on_call"),
+    ("numerics", NumericsTaps, "on_call"),
+    ("loss_scale", LossScaleSeries, "_append"),
+    ("loss_health", LossWatch, "_watch"),
+    ("precision", PrecisionTracer, "on_call"),
 ]
 
 
@@ -402,11 +404,49 @@ def test_a_full_disk_stops_recording_not_training(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=300, cwd=TESTS)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "stopped recording recording" in result.stdout
+    assert "mpprof: stopped writing its records (OSError" in result.stdout
     assert "File too large" in result.stdout or "No space" in result.stdout
     assert "FIT COMPLETED" in result.stdout
-    # What reached the disk before the failure still reads.
-    assert reader.read_run(str(tmp_path), "train").context is not None
+    # What reached the disk before the failure still reads, and the run says
+    # the fit ended (its reserved fit-end file), not that it was cut short.
+    run = reader.read_run(str(tmp_path), "train")
+    assert run.context is not None and run.cut_short is None
+    stopped = run.recording_stopped
+    assert stopped["fit_state"] == "ended" and "File too large" in stopped["reason"]
+    assert stopped["fit_step"] == 192 > stopped["records_until_step"]
+    summary = cli.summarize_run(run)
+    assert "cut short" not in summary and "the fit went on and ended at step 192" in summary
+
+
+def test_a_disk_full_at_the_start_stops_recording_not_training(tmp_path):
+    """The one rule (mpprof.recording.routing): a full disk, at the start as
+    midway, stops the recording with one warning, never the fit; an
+    unwritable log_dir still fails at the start (test_callback.py:
+    test_unwritable_log_dir_fails_at_train_begin)."""
+    script = textwrap.dedent(f"""
+        import resource, signal, sys, warnings
+        sys.path.insert(0, {TESTS!r})
+        import keras, numpy as np, mpprof
+        from conftest import overflow_model, overflow_data
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        model = overflow_model(growth_steps=4)
+        x, y = overflow_data(64)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
+                mpprof.MixedPrecisionProfiler({str(tmp_path)!r}, numerics_every=2)])
+        mine = [str(w.message) for w in caught if "mpprof" in str(w.message)]
+        assert len(mine) == 1, mine
+        print(mine[0])
+        print("FIT COMPLETED", int(model.optimizer.iterations.numpy()))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300, cwd=TESTS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "mpprof: stopped writing its records (OSError" in result.stdout
+    assert "File too large" in result.stdout
+    assert "FIT COMPLETED" in result.stdout
 
 
 def _raising(message: str):

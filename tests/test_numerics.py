@@ -492,16 +492,16 @@ def test_samples_of_a_model_without_trainable_weights_have_their_own_steps(tmp_p
 
 
 def test_layer_whose_taps_cannot_be_built_is_skipped_with_the_reason(tmp_path, monkeypatch):
-    from mpprof.backends.tensorflow.numerics import NumericsCollector
+    from mpprof.backends.tensorflow.numerics_taps import NumericsTaps
 
-    gradient_tap = NumericsCollector._gradient_tap
+    gradient_tap = NumericsTaps._gradient_tap
 
     def failing_tap(self, tensor, row):
         if self.layer_names[row] == "second":
             raise TypeError("injected: no tap here")
         return gradient_tap(self, tensor, row)
 
-    monkeypatch.setattr(NumericsCollector, "_gradient_tap", failing_tap)
+    monkeypatch.setattr(NumericsTaps, "_gradient_tap", failing_tap)
     keras.mixed_precision.set_dtype_policy("mixed_float16")
     model = keras.Sequential([
         keras.layers.Input((8,)), keras.layers.Dense(8, name="first"),
@@ -523,11 +523,11 @@ def test_optimizers_wrapped_once_each_and_restored():
     never built) and a repeat wrap nothing."""
     import tensorflow as tf
 
-    from mpprof.backends.tensorflow.numerics import NumericsCollector
+    from mpprof.backends.tensorflow.numerics_taps import NumericsTaps
     from mpprof.recording.patching import Patches
 
     model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2, name="dense")])
-    collector = NumericsCollector(model, tf.distribute.get_strategy())
+    collector = NumericsTaps(model, tf.distribute.get_strategy())
     first, second = keras.optimizers.SGD(), keras.optimizers.Adam()
     patches = Patches()
     collector.wrap_optimizer(None, lambda: 1.0, patches)

@@ -17,8 +17,10 @@ import subprocess
 import sys
 
 import diagnosis_runs
+import keras
 import numpy as np
 import plotly as plotly_package
+import pynvml
 import pytest
 import tensorflow as tf
 from broken_logdirs import (
@@ -28,6 +30,7 @@ from broken_logdirs import (
     malformed_logdir,
     without_root_privileges,
 )
+from conftest import BatchTimes, mnist_like, seed_model
 from dashboard_logdirs import (
     BFLOAT16_RUN,
     FIRST_LAYER,
@@ -35,12 +38,15 @@ from dashboard_logdirs import (
     HOSTILE_NAME,
     dashboard_logdir,
 )
+from fake_nvml import FakeGpu, FakeNvmlLibrary, installed
+from real_nvml import nvml_on_this_machine
 from tensorboard.backend import application
 from tensorboard.backend.event_processing import data_provider as data_provider_lib
 from tensorboard.backend.event_processing import plugin_event_multiplexer
 from tensorboard.plugins import base_plugin
 from werkzeug import test as werkzeug_test
 
+import mpprof
 from mpprof import diagnosis
 from mpprof.records import reader, schema
 from mpprof.records.writer import RecordWriter
@@ -136,13 +142,44 @@ def test_runs_lists_the_reader_runs_with_their_summaries(client, runs):
     assert by_name[FLOAT16_RUN]["loss_scale"]["overflows"] > 0
 
 
-def test_context_and_inventory_match_the_reader(client, runs):
-    for name, run in runs.items():
-        assert get_json(client, "context", run=name)["context"] == run.context
+# What dashboard_logdirs trains, by hand: Input((8,)) -> Dense(16) "dense_in"
+# under the run's policy -> Dense(1, dtype="float32") "head"; per run: the
+# policy, its half type, and the optimizer compile ends up with.
+TRAINED = {
+    FLOAT16_RUN: ("mixed_float16", "float16", "LossScaleOptimizer"),
+    BFLOAT16_RUN: ("mixed_bfloat16", "bfloat16", "SGD"),
+}
+
+
+def _layer(entry: dict) -> tuple:
+    return (entry["class"], entry["policy"], entry["compute_dtype"], entry["variable_dtype"],
+            entry["output_dtypes"], entry["params"], entry["float32_island"])
+
+
+def test_context_and_inventory_are_the_reader_and_the_model_trained(client, runs):
+    assert sorted(TRAINED) == sorted(runs)
+    for name, (policy, half, optimizer) in TRAINED.items():
+        context = get_json(client, "context", run=name)["context"]
+        assert context == runs[name].context
+        assert (context["model_policy"], context["global_policy"]) == (policy, policy)
+        assert context["optimizer"] == optimizer
+        assert context["keras_version"] == keras.__version__
+        assert context["tensorflow_version"] == tf.__version__
+
         inventory = get_json(client, "inventory", run=name)
         assert inventory.pop("available") is True
-        assert inventory == run.inventory
-    assert FLOAT16_RUN.startswith(HOSTILE_NAME)
+        assert inventory == runs[name].inventory
+        assert [layer["name"] for layer in inventory["layers"]] == [FIRST_LAYER, "head"]
+        dense_in, head = inventory["layers"]
+        assert _layer(dense_in) == ("Dense", policy, half, "float32", [half], 8 * 16 + 16, False)
+        assert _layer(head) == (
+            "Dense", "float32", "float32", "float32", ["float32"], 16 * 1 + 1, True
+        )
+        # The inputs arrive as float32 and are cast to the half type; the
+        # float32 head casts the half output of dense_in back.
+        assert [(c["layer"], c["from_dtype"], c["to_dtype"]) for c in inventory["casts"]] == [
+            (FIRST_LAYER, "float32", half), ("head", half, "float32"),
+        ]
 
 
 def test_loss_scale_matches_the_reader(client, runs):
@@ -319,14 +356,54 @@ def test_histogram_shares_are_the_recorded_counts_per_sample(client, runs):
     assert payload["lines"]["float16 smallest subnormal"] == -24
 
 
-def test_gpu_payload_follows_the_reader(client, runs):
-    for name, run in runs.items():
+def test_gpu_payload_says_what_this_machines_nvml_has(client, runs):
+    """The dashboard's runs sampled the machine's own NVML: asked directly
+    here, it tells what the payload must say."""
+    machine = nvml_on_this_machine()
+    for name in runs:
         payload = get_json(client, "gpu", run=name)
-        gpu = run.gpu
-        if gpu is None:
-            assert payload["available"] is False
+        if machine is None:
+            assert (payload["available"], payload["mode"]) == (False, "unavailable")
+            assert "libnvidia-ml.so.1" in payload["reason"]
+            assert payload["devices"] == [] and payload["tracks"] == {}
         else:
-            assert payload["mode"] == gpu.mode and payload["reason"] == gpu.reason
+            assert payload["available"] is True and payload["mode"] in ("gpm", "basic")
+            assert {d["uuid"] for d in payload["devices"]} <= set(machine)
+
+
+def test_gpu_payload_tracks_are_what_the_gpu_reported(tmp_path):
+    """A run sampled from a fake NVML C library whose GPU reports constant
+    values: every track's bucket means are those values, in the tracks' units."""
+    fake = FakeGpu()
+    steps = 4
+    with installed(FakeNvmlLibrary([fake])):
+        keras.utils.set_random_seed(0)
+        seed_model(last_dtype="float32").fit(
+            *mnist_like(samples=32 * steps), batch_size=32, verbose=0,
+            callbacks=[mpprof.MixedPrecisionProfiler(str(tmp_path), gpu_interval=0.1),
+                       BatchTimes(sleep_s=0.3)],
+        )
+    keras.mixed_precision.set_dtype_policy("float32")
+    payload = get_json(tensorboard_client(tmp_path), "gpu", run="train", points=3)
+    assert (payload["available"], payload["mode"], payload["tensor_source"]) == (
+        True, "gpm", "GPM"
+    )
+    assert [d["name"] for d in payload["devices"]] == [fake.name]
+    (track,) = payload["tracks"].values()
+    expected = {
+        "tensor_util": fake.gpm_values[pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL],
+        "hmma_tensor_util": fake.gpm_values[pynvml.NVML_GPM_METRIC_HMMA_TENSOR_UTIL],
+        "sm_util": fake.gpm_values[pynvml.NVML_GPM_METRIC_SM_UTIL],
+        "gpu_util": fake.gpu_util,
+        "mem_used_bytes": fake.memory_used,
+        "power_w": fake.power_mw / 1000.0,
+        "temperature_c": fake.temperature_c,
+    }
+    for column, value in expected.items():
+        assert 1 <= len(track[column]) <= 3
+        assert track[column] == [pytest.approx(value)] * len(track[column]), column
+    # The steps the samples were taken during: within the fit's four.
+    assert all(0 <= s <= steps for s in track["step"])
 
 
 @pytest.mark.parametrize(

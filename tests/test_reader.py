@@ -3,6 +3,7 @@
 import os
 import shutil
 
+import keras
 import numpy as np
 import pytest
 from broken_logdirs import (
@@ -16,8 +17,10 @@ from broken_logdirs import (
     write_record,
     zeros_run,
 )
+from conftest import overflow_data, overflow_model
 from diagnosis_runs import logdir
 
+import mpprof
 from mpprof.records import reader, schema
 from mpprof.records import writer as writer_module
 from mpprof.records.writer import RecordWriter
@@ -79,16 +82,41 @@ def test_a_record_cut_in_half_keeps_what_came_before(overflow_logdir, tmp_path):
                                   complete.loss_scale.overflow_steps)
 
 
-def test_loss_scale_series_is_a_step_function(overflow_logdir):
-    loss_scale = reader.read_run(overflow_logdir, "train").loss_scale
-    steps, scales = loss_scale.series()
-    assert steps[0] == loss_scale.first_step - 1 and scales[0] == loss_scale.initial_scale
-    assert np.all(np.diff(steps) > 0)
-    after = loss_scale.scale_after(steps)
-    np.testing.assert_array_equal(after, scales)
-    assert loss_scale.steps_since_last_overflow == (
-        loss_scale.steps_run - 1 - loss_scale.overflow_steps[-1]
-    )
+class _ScaleProbe(keras.callbacks.Callback):
+    """Ground truth of the same fit: the optimizer's scale and iterations
+    after every batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.scales, self.iterations = [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.scales.append(float(self.model.optimizer.dynamic_scale.numpy()))
+        self.iterations.append(int(self.model.optimizer.iterations.numpy()))
+
+
+def test_loss_scale_series_is_the_optimizers_scale_step_by_step(tmp_path):
+    """The series' vertices are where the optimizer's scale changed, as a
+    probe read it after every batch of the same fit; the steps since the last
+    overflow count from the last step whose update was skipped."""
+    model = overflow_model(growth_steps=4)
+    probe = _ScaleProbe()
+    x, y = overflow_data()
+    model.fit(x, y, batch_size=8, epochs=3, verbose=0, shuffle=False,
+              callbacks=[mpprof.MixedPrecisionProfiler(log_dir=str(tmp_path)), probe])
+    scales = np.array(probe.scales)  # the scale after step i
+    changed = np.flatnonzero(scales != np.concatenate([[2.0**30], scales[:-1]]))
+    last = len(scales) - 1
+    vertex_steps = [-1, *changed.tolist(), *([last] if changed[-1] != last else [])]
+    vertex_scales = [2.0**30, *scales[vertex_steps[1:]].tolist()]
+    skipped = np.flatnonzero(np.diff(np.concatenate([[0], probe.iterations])) == 0)
+    assert len(changed) > 5 and len(skipped) > 5 and len(skipped) < len(changed)  # a storm
+
+    loss_scale = reader.read_run(tmp_path, "train").loss_scale
+    steps, series = loss_scale.series()
+    assert steps.tolist() == vertex_steps and series.tolist() == vertex_scales
+    np.testing.assert_array_equal(loss_scale.scale_after(np.arange(len(scales))), scales)
+    assert loss_scale.steps_since_last_overflow == last - skipped[-1]
 
 
 # ---------------------------------------------------------------- bad input

@@ -290,7 +290,7 @@ def test_a_full_disk_during_a_capture_does_not_break_fit(tmp_path):
                             timeout=300, cwd=TESTS)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "FIT COMPLETED" in result.stdout
-    assert "stopped recording recording" in result.stdout
+    assert "mpprof: stopped writing its records" in result.stdout
     assert "File too large" in result.stdout or "No space" in result.stdout
     # The capture never got its manifest: it is not offered for replay.
     assert files.find_captures(str(tmp_path), "train") == []
@@ -367,6 +367,41 @@ def test_cli_replay_errors_say_what_to_do(faulty_logdir, tmp_path, capsys):
     assert "replay_budget" in err
     code, _, err = _cli(capsys, "replay", tmp_path / "missing")
     assert code == cli.EXIT_USAGE
+
+
+def _one_line_error(code: int, out: str, err: str, *names: str) -> None:
+    """An unreadable capture: exit 2, one line naming the file, no traceback."""
+    assert code == cli.EXIT_USAGE, (out, err)
+    lines = [line for line in err.splitlines()
+             if "warning" not in line and "mpprof: replaying" not in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert all(name in lines[0] for name in names), lines[0]
+
+
+def test_a_truncated_weights_file_exits_2_with_one_line_naming_it(
+        faulty_logdir, tmp_path, capsys):
+    logdir = _copy(faulty_logdir, tmp_path)
+    weights = logdir / "train" / files.step_folder(1) / files.WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:100])
+    for command in (["replay", logdir], ["bundle", logdir, "-o", tmp_path / "b.zip"],
+                    ["bundle", logdir, "-o", tmp_path / "b.zip", "--include-batch"],
+                    ["diagnose", logdir, "--replay"]):
+        code, out, err = _cli(capsys, *command)
+        _one_line_error(code, out, err, str(weights), "damaged")
+
+
+def test_a_capture_with_a_garbage_manifest_is_named_not_skipped_silently(
+        faulty_logdir, tmp_path, capsys):
+    logdir = _copy(faulty_logdir, tmp_path)
+    manifest = logdir / "train" / files.step_folder(1) / files.MANIFEST
+    manifest.write_bytes(b"\x00garbage{")
+    code, out, err = _cli(capsys, "replay", logdir, "--step", 1)
+    _one_line_error(code, out, err, str(manifest), "damaged")
+    code, _, err = _cli(capsys, "replay", logdir)
+    assert code == cli.EXIT_USAGE
+    assert f"capture of step 1 skipped: {manifest} cannot be read" in err
+    code, _, err = _cli(capsys, "bundle", logdir, "-o", tmp_path / "b.zip")
+    assert code == cli.EXIT_USAGE and f"{manifest} cannot be read" in err
 
 
 def test_hostile_run_names_are_escaped_where_a_replay_is_printed(

@@ -16,7 +16,7 @@ import pytest
 from tf_keras_env import require_tf_keras
 
 from mpprof import diagnosis
-from mpprof.backends.tensorflow import loss_scale
+from mpprof.backends.tensorflow import loss_scale_series as loss_scale
 from mpprof.records import reader, schema
 
 TESTS = os.path.dirname(__file__)

@@ -22,7 +22,9 @@ SCRIPT = textwrap.dedent("""
         sys.modules[name] = None  # `import name` now raises ImportError
 
     import mpprof
-    from mpprof import cli, diagnosis, reader
+    from mpprof import cli
+    from mpprof import diagnosis
+    from mpprof.records import reader
     from mpprof.records import schema
     from mpprof.records.writer import RecordWriter
     from tensorboard.plugins import base_plugin

@@ -58,7 +58,7 @@ import numpy as np  # noqa: E402
 import tf_keras  # noqa: E402
 
 import mpprof  # noqa: E402
-from mpprof.backends.tf_keras import loss_scale as tf_keras_loss_scale  # noqa: E402
+from mpprof.backends.tf_keras import loss_scale_series as tf_keras_loss_scale  # noqa: E402
 from mpprof.records import reader  # noqa: E402
 
 EPOCHS = 2

@@ -47,9 +47,9 @@ class Backend:
     # The fit's collectors and drivers, built by the core with the arguments
     # each documents: `LossScales`, `RunHealth`, `Float8State`,
     # `Float8Shares`, `ReplayCapture` (Collectors), `TrainFunctions`,
-    # `CallAlarm`, `PrecisionCollector`, `LayerCallPatch`, and the per-series
-    # classes `loss_scale_collector`, `loss_health_collector`,
-    # `numerics_collector`.
+    # `CallAlarm`, `PrecisionTracer`, `LayerCallPatch`, and the per-series
+    # classes `loss_scale_series`, `loss_watch`,
+    # `numerics_taps`.
 
     def distribute_strategy(self, model):
         """The model's distribution strategy, or the backend's stand-in (the

@@ -135,7 +135,7 @@ def hardware(view: RunView) -> list:
             "float32 there (2x to 50x in mpprof's tests, by TensorFlow's CPU "
             "kernels). Train in float32 on this machine, or in bfloat16 if the "
             "CPU has AVX512_BF16/AMX:\n"
-            f"    {view.api.set_policy('mixed_bfloat16')}  # or \"float32\""
+            f"    {view.syntax.set_policy('mixed_bfloat16')}  # or \"float32\""
         )
         title = (
             "mixed_float16 on a CPU only: no float16 Tensor Cores, expect a slow-down"
@@ -156,7 +156,7 @@ def hardware(view: RunView) -> list:
         f"{slow[0].get('name')} (compute capability "
         f"{_capability_text(slow[0])}) has no fast {half} units: mixed precision saves "
         "memory but not time there. Train in float32:\n"
-        f"    {view.api.set_policy('float32')}"
+        f"    {view.syntax.set_policy('float32')}"
     )
     title = f"{half} on a GPU without fast {half} math ({slow[0].get('name')})"
     return [finding("MP011", title, evidence=evidence, fix=fix)]
@@ -202,7 +202,7 @@ def bfloat16_hint(view: RunView) -> list:
     fix = (
         f"{gpus[0].get('name')} supports bfloat16, which has float32's exponent range: "
         f"no overflows at {DTYPE_MAX['float16']:g} and no loss scaling needed, at the same speed:\n"
-        f"    {view.api.set_policy('mixed_bfloat16')}\n"
+        f"    {view.syntax.set_policy('mixed_bfloat16')}\n"
         "(set it before building the model; a LossScaleOptimizer is then unnecessary)"
     )
     title = "Frequent float16 overflows on a GPU with bfloat16: try mixed_bfloat16"

@@ -42,14 +42,14 @@ def _origin_text(view: RunView) -> str:
         return (
             f"The overflow starts in the forward pass: layer {layer!r} (MP003, step "
             f"{int(view.numerics.steps[sample])}). Keep it in float32:\n"
-            f"    {view.api.layer(view.layer_class(layer))}\n"
+            f"    {view.syntax.layer(view.layer_class(layer))}\n"
         )
     origin = gradient_overflow_origin(view)
     if origin is None:
         return (
             "Find the layer that overflows (MP003, MP019; record numerics with "
             "numerics_every=N), then either keep it in float32:\n"
-            f"    {view.api.layer(view.layer_class(view.last_half_layer()))}\n"
+            f"    {view.syntax.layer(view.layer_class(view.last_half_layer()))}\n"
         )
     text = (
         f"The gradient overflow starts at {origin['kind']} {origin['name']!r} "
@@ -62,7 +62,7 @@ def _origin_text(view: RunView) -> str:
         )
     else:
         text += ". Keep it in float32:\n"
-    return text + f"    {view.api.layer(view.layer_class(origin['layer']))}\n"
+    return text + f"    {view.syntax.layer(view.layer_class(origin['layer']))}\n"
 
 
 @rule("MP001", "critical", "loss scale collapsed: gradients overflow even unscaled",
@@ -115,7 +115,7 @@ def loss_scale_collapse(view: RunView) -> list:
         + "or shrink the loss and activations (normalise regression targets and "
         "inputs to unit scale, lower the learning rate), or train in bfloat16, which "
         "has float32's range:\n"
-        f"    {view.api.set_policy('mixed_bfloat16')}"
+        f"    {view.syntax.set_policy('mixed_bfloat16')}"
     )
     title = f"Loss scale collapsed: {what}; gradients overflow float16 even unscaled"
     return [finding("MP001", title, step=step, evidence=evidence, fix=fix)]
@@ -167,7 +167,7 @@ def overflow_share(view: RunView) -> list:
             f"initial value {loss_scale.initial_scale:g} to {settled:g}. Start it "
             "there:\n"
             "    optimizer = "
-            + view.api.loss_scale_optimizer("optimizer", initial_scale=f"2.0**{exponent}")
+            + view.syntax.loss_scale_optimizer("optimizer", initial_scale=f"2.0**{exponent}")
         )
     elif descent >= len(excess) / 2:
         fix = (
@@ -175,7 +175,7 @@ def overflow_share(view: RunView) -> list:
             f"{loss_scale.final_scale:g}, below 1, without settling: no initial scale "
             "helps (see MP001). " + _origin_text(view)
             + "or train in bfloat16, which has float32's range:\n"
-            f"    {view.api.set_policy('mixed_bfloat16')}"
+            f"    {view.syntax.set_policy('mixed_bfloat16')}"
         )
     else:
         fix = (
@@ -183,7 +183,7 @@ def overflow_share(view: RunView) -> list:
             "on. " + _origin_text(view)
             + "or clip or normalise what produces the spikes (outliers in the data, "
             "a learning rate too high), or train in bfloat16, which has float32's "
-            f"range:\n    {view.api.set_policy('mixed_bfloat16')}"
+            f"range:\n    {view.syntax.set_policy('mixed_bfloat16')}"
         )
     if growth_steps is not None and growth_steps < 100 and probes:
         fix += (
@@ -246,7 +246,7 @@ def no_loss_scaling(view: RunView) -> list:
     }
     wrap = "\n".join(
         f"    {o.get('name')} = "
-        + view.api.loss_scale_optimizer(view.api.optimizer(o.get("class") or "Adam"))
+        + view.syntax.loss_scale_optimizer(view.syntax.optimizer(o.get("class") or "Adam"))
         for o in unscaled
     )
     fix = (
@@ -261,7 +261,7 @@ def no_loss_scaling(view: RunView) -> list:
         )
     else:
         fix += ("and in the custom train_step scale the loss before taking gradients: "
-                + view.api.scaled_step)
+                + view.syntax.scaled_step)
     title = f"mixed_float16 training without loss scaling (optimizer {', '.join(names)})"
     return [finding("MP008", title, evidence=evidence, fix=fix)]
 
@@ -299,7 +299,7 @@ def scale_loss_skipped(view: RunView) -> list:
     if view.loss_scale is not None:
         evidence["final_loss_scale"] = view.loss_scale.final_scale
     name = names[0] if names[0] != "optimizer" else "self.optimizer"
-    if view.api.module == "tf_keras":  # tf-keras' LossScaleOptimizer API
+    if view.syntax.module == "tf_keras":  # tf-keras' LossScaleOptimizer API
         scale_call = f"        scaled_loss = {name}.get_scaled_loss(loss)\n"
         apply_call = (
             f"    grads = {name}.get_unscaled_gradients(grads)\n"

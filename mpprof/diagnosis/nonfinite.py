@@ -45,7 +45,7 @@ def nonfinite(view: RunView) -> list:
         if not findings:
             raise NotMeasured(
                 "the loss was not watched (the train step never handed it to "
-                f"{view.api.loss_methods}); the weights were checked and are finite"
+                f"{view.syntax.loss_methods}); the weights were checked and are finite"
             )
         return findings
     loss_step = _nonfinite_loss(view, health, numerics)
@@ -125,7 +125,7 @@ def _fix(view: RunView, *, weights: bool) -> str:
             "Training cannot recover from NaN weights: restart from the last "
             "good checkpoint, and stop on the first NaN next time:"
         )
-        lines.append(f"    callbacks=[{view.api.module}.callbacks.TerminateOnNaN(), ...]")
+        lines.append(f"    callbacks=[{view.syntax.module}.callbacks.TerminateOnNaN(), ...]")
     lines.append(
         "Find where the first inf/NaN came from: MP003 names the first overflowing "
         "layer; check the data for NaN/inf (np.isfinite(x).all()), divide-by-zero or "

@@ -4,6 +4,8 @@ overflow starts (MP019). Each tensor is judged by the dtype it was computed in."
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from mpprof.diagnosis.core import REGISTRY, NotApplicable, NotMeasured, finding, rule
@@ -47,7 +49,7 @@ def _or_bfloat16(view: RunView) -> str:
     """The fix's last resort, for a float16 run only."""
     if view.half_dtype == "bfloat16":
         return "."
-    return f", or train in bfloat16:\n    {view.api.set_policy('mixed_bfloat16')}"
+    return f", or train in bfloat16:\n    {view.syntax.set_policy('mixed_bfloat16')}"
 
 
 def _own_code_of_parent(view: RunView, layer: str) -> str | None:
@@ -67,7 +69,36 @@ def forward_overflow(view: RunView) -> list:
     dtype it was computed in, on a sampled step: names the first such layer
     in call order and the first step (the later layers only inherit it)."""
     view.require_mixed()
-    numerics = view.require_numerics()
+    offender = _first_forward_overflow(view, view.require_numerics())
+    if offender is None:
+        return []
+    evidence = _overflow_evidence(view, offender)
+    title, fix, layer = _overflow_wording(view, offender, evidence)
+    return [finding("MP003", title, layer=layer, step=evidence["step"], evidence=evidence,
+                    fix=fix + _or_bfloat16(view))]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Offender:
+    """Where a forward overflow was first measured.
+
+    Attributes:
+        bad: per sample and layer, whether its output overflowed.
+        rows: the samples (indices) with any overflow that can be trusted.
+        sample: the first of them; `index`: its first layer in call order.
+        poisoned: the step of an unskipped non-finite loss, after which no
+            sample is judged (None: there was none).
+    """
+
+    bad: np.ndarray
+    rows: np.ndarray
+    sample: int
+    index: int
+    poisoned: int | None
+
+
+def _first_forward_overflow(view: RunView, numerics) -> _Offender | None:
+    """The measurement: the first sample and layer whose output overflowed."""
     bad = forward_overflow_mask(view.run, view)
     overflowed = bad.any(axis=1)
     # After an unskipped non-finite loss the weights may be NaN: a sample
@@ -84,14 +115,21 @@ def forward_overflow(view: RunView) -> list:
         overflowed &= trusted
     rows = np.flatnonzero(overflowed)
     if not len(rows):
-        return []
+        return None
     sample = int(rows[0])
-    index = int(np.argmax(bad[sample]))  # first in call order
+    return _Offender(bad=bad, rows=rows, sample=sample,
+                     index=int(np.argmax(bad[sample])),  # first in call order
+                     poisoned=poisoned)
+
+
+def _overflow_evidence(view: RunView, offender: _Offender) -> dict:
+    """The evidence: what was measured of the offending layer and sample."""
+    numerics = view.numerics
+    sample, index = offender.sample, offender.index
     layer = numerics.layers[index]
     dtype = _offender_dtype(view, layer)
     abs_max = numerics.forward["abs_max"]
     nonfinite = float(numerics.forward["nonfinite_frac"][sample, index])
-    step = int(numerics.steps[sample])
     covered = max(int(numerics.steps_covered[sample]), 1) if len(numerics.steps_covered) else 1
     producers = [
         numerics.layers.index(p)
@@ -99,7 +137,7 @@ def forward_overflow(view: RunView) -> list:
         if p in numerics.layers
     ]
     evidence = {
-        "step": step,
+        "step": int(numerics.steps[sample]),
         "steps_in_sample": covered,
         # The finite maximum of an all-non-finite tensor means nothing.
         "abs_max": None if nonfinite >= 1.0 else float(abs_max[sample, index]),
@@ -110,59 +148,71 @@ def forward_overflow(view: RunView) -> list:
         # What the layers feeding it gave it (None: no measured layer did).
         "input_abs_max": (float(max(abs_max[sample, i] for i in producers))
                           if producers else None),
-        "layers_overflowing_at_that_step": int(bad[sample].sum()),
-        "samples_with_overflow": len(rows),
+        "layers_overflowing_at_that_step": int(offender.bad[sample].sum()),
+        "samples_with_overflow": len(offender.rows),
         "samples": len(numerics.steps),
         "forensic_sample": bool(numerics.forensic[sample]),
     }
-    if poisoned is not None:
-        evidence["later_samples_ignored_after_step"] = poisoned
-    later = [numerics.layers[j] for j in np.flatnonzero(bad[sample])[1:MAX_LAYER_FINDINGS]]
+    if offender.poisoned is not None:
+        evidence["later_samples_ignored_after_step"] = offender.poisoned
+    later = [numerics.layers[j]
+             for j in np.flatnonzero(offender.bad[sample])[1:MAX_LAYER_FINDINGS]]
     if later:
         evidence["later_layers_also_overflowing"] = later
     # The step is the first where the evidence was seen; the loss scale may
     # have skipped earlier steps (a forensic sample follows an overflow).
+    if view.loss_scale is not None:
+        last = evidence["step"] + covered - 1
+        before = view.loss_scale.overflow_steps
+        before = before[before <= last]
+        if len(before):
+            evidence["first_overflow_step"] = int(before.min())
+    parent = _own_code_of_parent(view, layer)
+    if parent is not None:
+        evidence["input_made_by"] = parent
+    return evidence
+
+
+def _overflow_wording(view: RunView, offender: _Offender, evidence: dict) -> tuple[str, str, str]:
+    """The words: (title, fix, the layer the finding names)."""
+    layer = view.numerics.layers[offender.index]
+    dtype, step = evidence["dtype"], evidence["step"]
     # Under steps_per_execution a sample covers its call's steps.
-    last = step + covered - 1
+    last = step + evidence["steps_in_sample"] - 1
     kind = "forensic sample" if evidence["forensic_sample"] else "sampled step"
     if last > step:
         kind = "forensic sample" if evidence["forensic_sample"] else "sampled call"
         when = f"on steps {step} to {last} (one {kind})"
     else:
         when = f"on sampled step {step}"
-    if view.loss_scale is not None:
-        before = view.loss_scale.overflow_steps
-        before = before[before <= last]
-        if len(before):
-            evidence["first_overflow_step"] = int(before.min())
-            where = f"step {step}" if last == step else f"steps {step} to {last}"
-            when = (f"on {where} ({kind}; the first overflow was at step "
-                    f"{int(before.min())})")
-    exceeded = f"exceeded {dtype} (max {DTYPE_MAX.get(dtype, numerics.policy_max):g}) {when}"
-    parent = _own_code_of_parent(view, layer)
+    if "first_overflow_step" in evidence:
+        where = f"step {step}" if last == step else f"steps {step} to {last}"
+        first = evidence["first_overflow_step"]
+        when = f"on {where} ({kind}; the first overflow was at step {first})"
+    exceeded = (f"exceeded {dtype} (max {DTYPE_MAX.get(dtype, view.numerics.policy_max):g}) "
+                f"{when}")
+    parent = evidence.get("input_made_by")
     if parent is not None:
-        evidence["input_made_by"] = parent
         title = f"Forward overflow in {parent}'s own ops (the input of {layer}) {exceeded}"
         fix = (
             f"{layer!r}'s input was computed by {parent!r}'s own code (ops in its call, "
             f"outside any sublayer), and already left {dtype}'s range there: {layer!r} "
             f"only passed it on. Keep {parent!r} in float32:\n"
-            f"    {view.api.layer(view.layer_class(parent))}\n"
+            f"    {view.syntax.layer(view.layer_class(parent))}\n"
             "or make its constants fit the dtype (a mask value of -1e9 is -inf in "
             "float16, and 0 * -inf is NaN: use the dtype's own limit, -65504 in float16)"
         )
-    else:
-        title = f"Forward overflow: {layer} output {exceeded}"
-        fix = (
-            f"Layer {layer!r} is the first in call order whose output left "
-            f"{dtype}'s range; the layers after it only inherit the inf/NaN. "
-            "Keep it in float32:\n"
-            f"    {view.api.layer(view.layer_class(layer))}\n"
-            "or bound its input (normalise the inputs, add LayerNormalization before "
-            "it, lower the learning rate if its weights grew)"
-        )
-    return [finding("MP003", title, layer=parent or layer, step=step, evidence=evidence,
-                    fix=fix + _or_bfloat16(view))]
+        return title, fix, parent
+    title = f"Forward overflow: {layer} output {exceeded}"
+    fix = (
+        f"Layer {layer!r} is the first in call order whose output left "
+        f"{dtype}'s range; the layers after it only inherit the inf/NaN. "
+        "Keep it in float32:\n"
+        f"    {view.syntax.layer(view.layer_class(layer))}\n"
+        "or bound its input (normalise the inputs, add LayerNormalization before "
+        "it, lower the learning rate if its weights grew)"
+    )
+    return title, fix, layer
 
 
 @rule("MP004", "warning", "activations close to their dtype's maximum", view="numerics",
@@ -201,9 +251,9 @@ def headroom(view: RunView) -> list:
         f"{layer!r} reached {peak[worst]:g}, only {factor:g}x below the largest "
         f"{dtypes[worst]} ({limit[worst]:g}): a little growth of its weights will "
         "overflow it. Keep it in float32:\n"
-        f"    {view.api.layer(view.layer_class(layer))}\n"
+        f"    {view.syntax.layer(view.layer_class(layer))}\n"
         "or bound its input (normalisation before it, weight decay), or train in "
-        f"bfloat16: {view.api.set_policy('mixed_bfloat16')}"
+        f"bfloat16: {view.syntax.set_policy('mixed_bfloat16')}"
     )
     title = (
         f"Little headroom: {layer} activations reach {peak[worst]:.4g}, within "
@@ -321,14 +371,14 @@ def gradient_overflow_start(view: RunView) -> list:
             f"{layer!r} is the model's {origin['dtype']} output: the loss's gradient "
             f"overflows {origin['dtype']} as it enters it (a half-precision softmax "
             "next to 0 gives -1/p). Give the output layer float32 (MP006):\n"
-            f"    {view.api.layer(cls)}\n"
+            f"    {view.syntax.layer(cls)}\n"
             "or keep the logits and use a loss with from_logits=True."
         )
     else:
         fix = (
             f"The gradient flowing into {origin['name']!r} is the first (from the loss "
             f"backwards) to leave {origin['dtype'] or 'float16'}'s range. Keep that "
-            f"layer in float32:\n    {view.api.layer(cls)}\n"
+            f"layer in float32:\n    {view.syntax.layer(cls)}\n"
             "or bound what feeds the loss (normalise the targets, clip the "
             "gradients of a custom loss)"
             f"{_or_bfloat16(view)}"

@@ -49,9 +49,9 @@ def half_output(view: RunView) -> list:
     fix = (
         f"The loss sees {half[0]} predictions: softmax/logits in {half[0]} lose "
         "precision and can overflow. Give the last layer float32:\n"
-        f"    {view.api.layer(cls)}   # {last}\n"
+        f"    {view.syntax.layer(cls)}   # {last}\n"
         "or append a float32 activation:\n"
-        f"    outputs = {view.api.layer('Activation', _FLOAT32_ACTIVATION % 'linear')}(outputs)"
+        f"    outputs = {view.syntax.layer('Activation', _FLOAT32_ACTIVATION % 'linear')}(outputs)"
     )
     title = f"The model's output is {'/'.join(half)}: the loss sees half precision"
     return [finding("MP006", title, layer=last, evidence=evidence, fix=fix)]
@@ -100,7 +100,7 @@ def tensor_core_shapes(view: RunView) -> list:
         for role, d, argument in zip(roles, dims, arguments, strict=False):
             if d % multiple and argument:
                 rounded = f"{argument}={_round_up(d, multiple)}, ..."
-                lines.append(f"    {view.api.layer(layer['class'], rounded)}")
+                lines.append(f"    {view.syntax.layer(layer['class'], rounded)}")
             elif d % multiple:
                 lines.append(
                     f"    ({role} {d}: pad the features, or the previous layer's "
@@ -166,7 +166,7 @@ def policy_after_build(view: RunView) -> list:
     fix = (
         f"The global policy is {global_policy}, but the model was built before it was "
         "set, so every layer computes in float32 and nothing is gained. Set it first:\n"
-        f"    {view.api.set_policy(global_policy)}\n"
+        f"    {view.syntax.set_policy(global_policy)}\n"
         "    model = build_model()   # after the policy\n"
         "    model.compile(...)"
     )
@@ -218,10 +218,10 @@ def logits_into_probability_loss(view: RunView) -> list:
             "into [1e-7, 1 - 1e-7], so the loss is meaningless and the model does not "
             "learn. Tell the loss it gets logits (the numerically stable path, and no "
             "half-precision softmax):\n"
-            f"    model.compile(loss={view.api.module}.losses."
+            f"    model.compile(loss={view.syntax.module}.losses."
             f"{_loss_class(output['loss'])}(from_logits=True), ...)\n"
             "or end the model in a float32 softmax:\n"
-            f"    outputs = {view.api.layer('Activation', _FLOAT32_ACTIVATION % 'softmax')}"
+            f"    outputs = {view.syntax.layer('Activation', _FLOAT32_ACTIVATION % 'softmax')}"
             "(outputs)"
         )
         title = (

@@ -89,10 +89,10 @@ def gradient_underflow(view: RunView) -> list:
         )
     fix = (
         f"{what}. Raise the loss scale (and let it grow sooner):\n"
-        "    optimizer = " + view.api.loss_scale_optimizer(
+        "    optimizer = " + view.syntax.loss_scale_optimizer(
             "optimizer", initial_scale=f"2.0**{exponent}", dynamic_growth_steps=500
         ) + "\nIf overflows keep the scale down (MP002), keep this layer in float32 "
-        f"instead:\n    {view.api.layer(view.layer_class(worst['layer']))}"
+        f"instead:\n    {view.syntax.layer(view.layer_class(worst['layer']))}"
     )
     if view.loss_scale is None:
         fix = (

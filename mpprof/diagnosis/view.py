@@ -17,6 +17,7 @@ import functools
 import numpy as np
 
 from mpprof.diagnosis.core import NotApplicable, NotMeasured
+from mpprof.diagnosis.fix_syntax import FixSyntax
 from mpprof.dtypes import DTYPE_MAX, HALF_DTYPES
 
 NUMERICS_HINT = (
@@ -47,50 +48,6 @@ def inventory_missing_reason(context: dict) -> str:
     # from one that never did.
     return ("no precision inventory was recorded: no layer call was seen (this run "
             "does not record whether its train step ran)")
-
-
-class KerasApi:
-    """How fix texts spell the model's own Keras ("keras" or "tf_keras").
-
-    Args:
-        flavor: the run context's "keras_flavor".
-    """
-
-    def __init__(self, flavor: str | None):
-        self.module = "tf_keras" if flavor == "tf_keras" else "keras"
-
-    def layer(self, cls: str, args: str = '..., dtype="float32"') -> str:
-        return f"{self.module}.layers.{cls}({args})"
-
-    def set_policy(self, policy: str) -> str:
-        if self.module == "tf_keras":
-            return f'tf_keras.mixed_precision.set_global_policy("{policy}")'
-        return f'keras.mixed_precision.set_dtype_policy("{policy}")'
-
-    def loss_scale_optimizer(self, inner: str, **kwargs) -> str:
-        args = "".join(f", {k}={v}" for k, v in kwargs.items())
-        where = "mixed_precision" if self.module == "tf_keras" else "optimizers"
-        return f"{self.module}.{where}.LossScaleOptimizer({inner}{args})"
-
-    def optimizer(self, name: str) -> str:
-        return f"{self.module}.optimizers.{name}()"
-
-    @property
-    def loss_methods(self) -> str:
-        """Where a train step hands its loss to the optimizer (what mpprof
-        watches it in)."""
-        if self.module == "tf_keras":
-            return "optimizer.minimize or a LossScaleOptimizer's get_scaled_loss"
-        return "optimizer.scale_loss"
-
-    @property
-    def scaled_step(self) -> str:
-        """How a custom train step scales its loss and applies the gradients."""
-        if self.module == "tf_keras":
-            return ("loss = opt.get_scaled_loss(loss) inside the tape; "
-                    "grads = opt.get_unscaled_gradients(grads); "
-                    "opt.apply_gradients(zip(grads, variables)).")
-        return "loss = opt.scale_loss(loss); opt.apply(grads, variables) unscales them."
 
 
 class RunView:
@@ -128,8 +85,8 @@ class RunView:
         return getattr(self.run, "gpu", None)
 
     @functools.cached_property
-    def api(self) -> KerasApi:
-        return KerasApi(self.context.get("keras_flavor"))
+    def syntax(self) -> FixSyntax:
+        return FixSyntax(self.context.get("keras_flavor"))
 
     @functools.cached_property
     def loss_watched(self) -> bool:

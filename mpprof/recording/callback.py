@@ -3,44 +3,17 @@
 from __future__ import annotations
 
 import os
-import posixpath
-from dataclasses import dataclass, field
 
 import keras
 
 from mpprof.backends import check_backend
-from mpprof.recording import arguments, profiled_fit
-from mpprof.recording.collectors import gpu as gpu_collector
+from mpprof.recording import profiled_fit
+from mpprof.recording.across_fits import AcrossFits
 from mpprof.recording.distributed import warn_if_keras_3_multi_worker
+from mpprof.recording.nvml import sampler
 from mpprof.recording.sampling import SampleSchedule
+from mpprof.recording.settings import Settings
 from mpprof.records import schema
-
-# The loss-scale ring holds 2x the steps between two reads: more than this
-# many steps between reads would make it large for nothing.
-MAX_FLUSH_EVERY_STEPS = 100_000
-
-
-@dataclass
-class AcrossFits:
-    """What one profiler carries from each of its fits to the next.
-
-    Attributes:
-        schedule: the numerics sampling schedule (restarted at each fit).
-        profile_window: the XProf window of `profile_steps` (made by the
-            first fit's backend), or None.
-        fit_count: fits begun so far.
-        last_step: the train step the last fit ended at (None before one).
-        loss_scales: the loss-scale collectors of the last fit, by
-            `id(optimizer)`: their counters go on.
-        health: the health watches of the last fit, by `id(optimizer)`.
-    """
-
-    schedule: SampleSchedule
-    profile_window: object | None = None
-    fit_count: int = 0
-    last_step: int | None = None
-    loss_scales: dict[int, object] = field(default_factory=dict)
-    health: dict[int, object] = field(default_factory=dict)
 
 
 class MixedPrecisionProfiler(keras.callbacks.Callback):
@@ -105,7 +78,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             instrumented.
         flush_every_steps: how often, in train steps, the host reads the
             in-graph loss-scale counters and writes the pending records; at
-            most `MAX_FLUSH_EVERY_STEPS`.
+            most 100,000 (`mpprof.recording.settings.MAX_FLUSH_EVERY_STEPS`).
         flush_every_seconds: the same, in seconds (checked after each train
             call); None: by steps only.
         gpu_interval: seconds between NVML samples of every visible GPU
@@ -157,35 +130,22 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         forensic_spacing: int = 50,
         flush_every_steps: int = 500,
         flush_every_seconds: float | None = 30.0,
-        gpu_interval: float | None = gpu_collector.DEFAULT_INTERVAL_S,
+        gpu_interval: float | None = sampler.DEFAULT_INTERVAL_S,
         profile_steps: tuple[int, int] | None = None,
         replay_budget: int = 2,
     ):
         super().__init__()
         check_backend()
-        self.log_dir = arguments.log_dir(log_dir)
-        self.numerics_every = (
-            None if numerics_every is None
-            else arguments.positive_int("numerics_every", numerics_every)
+        self.settings = Settings.checked(
+            log_dir, numerics_every=numerics_every, forensic_budget=forensic_budget,
+            forensic_spacing=forensic_spacing, flush_every_steps=flush_every_steps,
+            flush_every_seconds=flush_every_seconds, gpu_interval=gpu_interval,
+            profile_steps=profile_steps, replay_budget=replay_budget,
         )
-        self.forensic_budget = arguments.non_negative_int("forensic_budget", forensic_budget)
-        self.forensic_spacing = arguments.positive_int("forensic_spacing", forensic_spacing)
-        self.flush_every_steps = arguments.positive_int(
-            "flush_every_steps", flush_every_steps, at_most=MAX_FLUSH_EVERY_STEPS
-        )
-        self.flush_every_seconds = (
-            None if flush_every_seconds is None
-            else arguments.seconds("flush_every_seconds", flush_every_seconds,
-                                   at_least=0.1, what=", or None")
-        )
-        self.gpu_interval = (
-            None if gpu_interval is None else gpu_collector.validate_interval(gpu_interval)
-        )
-        self.profile_steps = arguments.validate_profile_steps(profile_steps)
-        self.replay_budget = arguments.non_negative_int("replay_budget", replay_budget)
         self._across_fits = AcrossFits(
             schedule=SampleSchedule(
-                self.numerics_every, self.forensic_budget, self.forensic_spacing
+                self.settings.numerics_every, self.settings.forensic_budget,
+                self.settings.forensic_spacing,
             ),
         )
         # The fit being profiled (or the last one).
@@ -194,8 +154,12 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         warn_if_keras_3_multi_worker()
 
     @property
+    def log_dir(self) -> str:
+        return self.settings.log_dir
+
+    @property
     def run_dir(self) -> str:
-        return posixpath.join(self.log_dir, schema.TRAIN_RUN)
+        return self.settings.run_dir
 
     # tf-keras's CallbackList asks every callback these (Keras 3 callbacks do
     # not have them), so the one class serves models of either Keras.
@@ -214,7 +178,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
     # Keras hooks.
 
     def on_train_begin(self, logs=None):
-        self._fit = profiled_fit.start(self, self._across_fits)
+        self._fit = profiled_fit.start(self, self.settings, self._across_fits)
 
     # No on_train_batch_end: overriding it makes Keras wait for every step's
     # logs. The work after a step is done in ProfiledFit._run_train_function.

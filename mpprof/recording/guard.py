@@ -40,11 +40,10 @@ class Guard:
             return
         reason = error if isinstance(error, str) else describe_error(error)
         self.failures[collector] = reason
-        warnings.warn(
-            f"mpprof: stopped recording {collector} ({reason}); training goes on.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        what = ("stopped writing its records" if collector == GuardedWriter.COLLECTOR
+                else f"stopped recording {collector}")
+        warnings.warn(f"mpprof: {what} ({reason}); training goes on.", RuntimeWarning,
+                      stacklevel=3)
 
     def context(self, collector: str, state: dict) -> dict:
         """`state`, or the "failed" state when `collector` failed."""
@@ -118,6 +117,17 @@ class GuardedWriter:
             self._writer.close()
         except Exception as e:  # noqa: BLE001 - closing must not raise into fit
             self._guard.fail(self.COLLECTOR, e)
+
+    def mark_fit_end(self, fit_state: str, step: int) -> None:
+        """Says how the fit ended, also after a failed write stopped the
+        records (the writer's reserved fit-end file; see `RecordWriter`)."""
+        mark = getattr(self._writer, "mark_fit_end", None)
+        if mark is None:
+            return
+        try:
+            mark(fit_state, step, self._guard.failures.get(self.COLLECTOR))
+        except Exception:  # noqa: BLE001 - nothing left to write with
+            pass
 
 
 class TracedGuard:

@@ -3,7 +3,7 @@
 The loss-scale events wait in an in-graph ring until the host reads them. A
 process that is killed loses what was not read yet, which is exactly the
 evidence wanted after a crash, so the host reads and writes it at least
-every `flush_every_seconds` (`FlushClock`) and when SIGTERM arrives
+every `flush_every_seconds` (`FlushSchedule`) and when SIGTERM arrives
 (`SigtermFlush`, which then hands the signal on: to the handler that was
 there before, or to the default action, which ends the process).
 """
@@ -18,26 +18,36 @@ import time
 from collections.abc import Callable
 
 
-class FlushClock:
-    """Says when `interval_s` seconds have passed since the last flush.
+class FlushSchedule:
+    """Says when records are due on disk: after `every_steps` train steps
+    or `every_seconds` seconds since the last flush, whichever comes first.
 
     Args:
-        interval_s: seconds between flushes; None never asks for one.
+        every_steps: train steps between flushes.
+        every_seconds: seconds between flushes; None: by steps only.
     """
 
-    def __init__(self, interval_s: float | None):
-        self.interval_s = interval_s
+    def __init__(self, every_steps: int, every_seconds: float | None):
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self.steps = 0  # train steps since the last flush
         self.reset()
 
     def reset(self) -> None:
+        """A flush was made."""
+        self.steps = 0
         self._last = time.monotonic()
 
     def due(self) -> bool:
-        return time.monotonic() >= self.deadline()
+        return self.steps >= self.every_steps or time.monotonic() >= self.deadline()
 
     def deadline(self) -> float:
-        """The `time.monotonic()` at which a flush falls due (inf: never)."""
-        return math.inf if self.interval_s is None else self._last + self.interval_s
+        """The `time.monotonic()` at which a flush falls due by time (inf: never)."""
+        return math.inf if self.every_seconds is None else self._last + self.every_seconds
+
+    def steps_free(self) -> int:
+        """Steps that may still run before the next one makes a flush due."""
+        return self.every_steps - self.steps - 1
 
 
 class SigtermFlush:

@@ -6,10 +6,17 @@ worker (the chief too) its host's own records into `train/worker_<i>`, and
 a non-chief worker's model-level records are dropped (the chief's are the
 same: statistics are all-reduced). Every writer is guarded: a failed write
 stops the recording, never the fit.
+
+The rule for a log_dir that cannot be written: one the user must fix (no
+permission, not a directory, a bad path) fails at the start of fit with a
+message; a full disk (no space, quota, a file-size limit), found at the start
+or midway, stops the recording with one warning and never the fit, since
+freeing space is not a change to the training script.
 """
 
 from __future__ import annotations
 
+import errno
 import posixpath
 
 from mpprof.recording.distributed import DiscardingWriter, WorkerRole
@@ -31,11 +38,11 @@ class RecordRouting:
     """
 
     def __init__(self, run_dir: str, role: WorkerRole, guard: Guard):
-        model_writer = _open_writer(run_dir) if role.is_chief else DiscardingWriter()
+        model_writer = _open_writer(run_dir, guard) if role.is_chief else DiscardingWriter()
         worker_writer = None
         if role.worker_run is not None:
             try:
-                worker_writer = _open_writer(posixpath.join(run_dir, role.worker_run))
+                worker_writer = _open_writer(posixpath.join(run_dir, role.worker_run), guard)
             except BaseException:
                 model_writer.close()
                 raise
@@ -68,16 +75,27 @@ class RecordRouting:
         if self.worker is not None:
             self.worker.flush()
 
-    def close(self) -> None:
-        self.model.close()
-        if self.worker is not None:
-            self.worker.close()
+    def close(self, fit_state: str | None = None, step: int = 0) -> None:
+        """Closes the writers; with `fit_state`, says in each how the fit ended."""
+        for writer in (self.model, self.worker):
+            if writer is None:
+                continue
+            writer.close()
+            if fit_state is not None:
+                writer.mark_fit_end(fit_state, step)
 
 
-def _open_writer(run_dir: str) -> RecordWriter:
+# What a full disk answers: no space, no quota, a file-size limit (RLIMIT_FSIZE).
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def _open_writer(run_dir: str, guard: Guard) -> RecordWriter | DiscardingWriter:
     try:
         return RecordWriter(run_dir)
     except OSError as e:
+        if e.errno in _DISK_FULL:  # see the module docstring: not the fit's end
+            guard.fail(GuardedWriter.COLLECTOR, e)
+            return DiscardingWriter()
         raise OSError(
             f"mpprof cannot write its records to {run_dir!r}: {filesystem.error_text(e)}. Pass "
             "MixedPrecisionProfiler(log_dir=...) a directory you can write to."

@@ -33,6 +33,11 @@ class Entry:
     name: str
     kind: Kind
     is_symlink: bool = False
+    # Where the listing itself says (an object store's listing does; a local
+    # one is stat'ed on demand): the file's size and modification time (or
+    # another token that changes with the content, e.g. from an ETag).
+    size: int | None = None
+    mtime_ns: int | None = None
 
 
 def is_remote(path: str) -> bool:
@@ -190,6 +195,18 @@ def write_bytes(path: str, data: bytes) -> None:
             f.write(data)
         return
     with open(path, "wb") as f:
+        f.write(data)
+
+
+def overwrite_bytes(path: str, data: bytes) -> None:
+    """Writes `data` at the start of the file `path`, in place where the file
+    exists (its blocks reused: no new space needed when `data` is no longer
+    than the file), else as a new file; raises OSError."""
+    if is_remote(path):
+        write_bytes(path, data)
+        return
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+    with os.fdopen(descriptor, "wb") as f:
         f.write(data)
 
 

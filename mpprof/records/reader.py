@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import posixpath
@@ -48,6 +49,7 @@ __all__ = [
     "Record",
     "Run",
     "event_files",
+    "run_files",
     "list_runs",
     "no_runs_error",
     "read_logdir",
@@ -78,6 +80,9 @@ class Run:
     path: str
     records: dict[str, list[Record]]
     warnings: list[str]
+    # How each writer's fit ended, from its fit-end file (see
+    # `schema.fit_end_name`), newest writer last; empty for older logs.
+    fit_ends: list[dict] = dataclasses.field(default_factory=list)
 
     def latest(self, record: str):
         found = self.records.get(record)
@@ -113,8 +118,32 @@ class Run:
         state = self.context.get("fit_state")
         if state in (None, "ended") or self.last_record is None:
             return None
+        # The records stop early when a full disk stopped them: the fit-end
+        # file, reserved at the start, says whether the fit itself ended.
+        end = self.fit_ends[-1] if self.fit_ends else {}
+        if end.get("fit_state") == schema.FIT_ENDED:
+            return None
+        if end.get("fit_state") == schema.FIT_FAILED:
+            state = schema.FIT_FAILED
         step, wall_time = self.last_record
         return {"fit_state": state, "step": step, "wall_time": wall_time}
+
+    @property
+    def recording_stopped(self) -> dict | None:
+        """When a failed write (a full disk) stopped the records while the fit
+        went on: `{"reason", "records_until_step", "fit_state" (how the fit
+        ended), "fit_step" (its last step), "wall_time" (its end)}`, else None.
+        """
+        end = self.fit_ends[-1] if self.fit_ends else {}
+        if not end.get("recording_stopped"):
+            return None
+        return {
+            "reason": str(end["recording_stopped"]),
+            "records_until_step": self.last_record[0] if self.last_record else None,
+            "fit_state": end.get("fit_state"),
+            "fit_step": end.get("step"),
+            "wall_time": end.get("wall_time"),
+        }
 
     @property
     def context(self) -> dict:
@@ -213,9 +242,27 @@ def list_runs(logdir: str | os.PathLike, on_warning: OnWarning | None = None) ->
         logdir: a local path or a remote one (`gs://...`).
         on_warning: receives each warning; by default they are logged.
     """
+    # Two fits that wrote into one directory at once are two runs: the
+    # listing needs each file's state (`run_files`, `split_writers`).
+    return list(run_files(logdir, on_warning))
+
+
+# One event file as listed: (path, size in bytes, modification time in ns).
+FileState = tuple[str, int, int]
+
+
+def run_files(logdir: str | os.PathLike,
+              on_warning: OnWarning | None = None) -> dict[str, tuple[FileState, ...]]:
+    """Every run of `logdir` (as `list_runs` names them) with the state of
+    each of its mpprof event files, sorted, from one walk of the logdir.
+
+    What a cache of many runs compares to know which runs changed: reading
+    a sweep of 1,000 runs again costs this walk, not 1,000 reads. A file that
+    vanished between the listing and its stat is left out.
+    """
     logdir = _existing_logdir(logdir)
     warn = on_warning or _log_warning
-    runs = set()
+    runs: dict[str, tuple[FileState, ...]] = {}
 
     def unlisted(directory: str, error: OSError) -> None:
         warn(f"{directory}: cannot be listed ({filesystem.error_text(error)}); skipped")
@@ -224,9 +271,81 @@ def list_runs(logdir: str | os.PathLike, on_warning: OnWarning | None = None) ->
         files, others = _event_file_entries(entries)
         for name in others:
             warn(f"{filesystem.join(directory, name)}: {filesystem.Kind.OTHER.value}; skipped")
+        states = []
+        for name in sorted(files):
+            path = filesystem.join(directory, name)
+            size, mtime = _listed_state(entries, name, path)
+            if size is not None:
+                states.append((path, size, mtime))
         if files:
-            runs.add(filesystem.relative(directory, logdir))
-    return sorted(runs)
+            run = filesystem.relative(directory, logdir)
+            for suffix, group in split_writers(states).items():
+                runs[run + suffix] = tuple(group)
+    return dict(sorted(runs.items()))
+
+
+# How far apart (seconds) a writer's start (its file name's whole second)
+# and an earlier writer's last write may be and still be one after the other.
+_START_RESOLUTION_S = 1.0
+
+
+def split_writers(states: list[FileState]) -> dict[str, list[FileState]]:
+    """The event files of one run directory, by the fit that wrote them.
+
+    Each event file is one writer's (its name holds its start time, host,
+    pid and a count). Writers one after the other (a later fit into the same
+    log_dir) stay one run, under the suffix "". A writer that started while
+    an earlier one was still writing (two fits into one log_dir at once) is
+    kept apart, never mixed into the same series: its run is named
+    `<run>@<host>-<pid>` (and `.<count>` for two in one process).
+    """
+    groups: dict[str, list[FileState]] = {"": []}
+    main_end = float("-inf")
+    for state in sorted(states, key=lambda s: _start_time(s[0])):
+        start = _start_time(state[0])[0]
+        end = state[2] / 1e9 if state[2] is not None else start
+        if start + _START_RESOLUTION_S >= main_end or not groups[""]:
+            groups[""].append(state)
+            main_end = max(main_end, end)
+            continue
+        suffix = "@" + _writer_name(state[0])
+        if suffix in groups:
+            suffix += "." + _writer_count(state[0])
+        groups.setdefault(suffix, []).append(state)
+    return {suffix: sorted(group) for suffix, group in groups.items() if group}
+
+
+def _writer_fields(path: str) -> list[str]:
+    """[time, host..., pid, count] from `events.out.tfevents.<time>.<host>.<pid>.<n><suffix>`."""
+    name = posixpath.basename(path.replace(os.sep, "/"))
+    name = name.split("tfevents.", 1)[-1]
+    if name.endswith(schema.EVENT_FILE_SUFFIX):
+        name = name[: -len(schema.EVENT_FILE_SUFFIX)]
+    return name.split(".")
+
+
+def _writer_name(path: str) -> str:
+    fields = _writer_fields(path)
+    if len(fields) >= 4:
+        return f"{'.'.join(fields[1:-2])}-{fields[-2]}"
+    return posixpath.basename(path.replace(os.sep, "/"))
+
+
+def _writer_count(path: str) -> str:
+    return _writer_fields(path)[-1]
+
+
+def _listed_state(entries: list[filesystem.Entry], name: str,
+                  path: str) -> tuple[int | None, int | None]:
+    """(size, mtime) of `name`: from the listing where it says (an object
+    store lists sizes), else from a stat; (None, None) if it is gone."""
+    for entry in entries:
+        if entry.name == name and entry.size is not None:
+            return entry.size, entry.mtime_ns
+    try:
+        return filesystem.size_and_mtime(path)
+    except OSError:
+        return None, None
 
 
 def event_files(logdir: str | os.PathLike, run: str) -> list[str]:
@@ -237,16 +356,65 @@ def event_files(logdir: str | os.PathLike, run: str) -> list[str]:
     without mpprof records, and OSError if its directory cannot be listed.
     """
     logdir = _existing_logdir(logdir)
+    directory, _, writer = run.rpartition("@") if "@" in run.rsplit("/", 1)[-1] else (run, "", "")
+    try:
+        return _writer_files(logdir, run, "")
+    except NoMpprofDataError:
+        if not writer:
+            raise
+    # `<run>@<host>-<pid>`: one writer's files of a run written by two fits at once.
+    return _writer_files(logdir, directory, "@" + writer)
+
+
+def _writer_files(logdir: str, run: str, suffix: str) -> list[str]:
     parts = run.split("/")
-    if run.startswith("/") or "\\" in run or ".." in parts or "" in parts:
+    # A backslash is an ordinary character of a POSIX or object-store name
+    # (`list_runs` lists such runs); only where it separates paths (Windows)
+    # could it reach outside the logdir.
+    separators = "\\" in run and not filesystem.is_remote(logdir) and (
+        os.sep == "\\" or os.altsep == "\\")
+    if run.startswith("/") or separators or ".." in parts or "" in parts:
         raise NoMpprofDataError(f"No run {run!r} in {logdir}")
     path = logdir if run == "." else filesystem.join(logdir, run)
     if not filesystem.isdir(path):
         raise NoMpprofDataError(f"No run {run!r} in {logdir}")
-    files, _ = _event_file_entries(filesystem.scan(path))
+    entries = filesystem.scan(path)
+    files, _ = _event_file_entries(entries)
     if not files:
         raise NoMpprofDataError(f"Run {run!r} in {logdir} holds no mpprof records")
-    return [filesystem.join(path, name) for name in sorted(files)]
+    states = []
+    for name in sorted(files):
+        size, mtime = _listed_state(entries, name, filesystem.join(path, name))
+        if size is not None:
+            states.append((filesystem.join(path, name), size, mtime))
+    group = split_writers(states).get(suffix)
+    if not group:
+        raise NoMpprofDataError(f"No run {run + suffix!r} in {logdir}")
+    return [state[0] for state in group]
+
+
+def _fit_ends(paths: list[str]) -> list[dict]:
+    """The fit-end files of the event files `paths` that have one, oldest
+    writer first (by the start time in each event file's name)."""
+    found = []
+    for path in sorted(paths, key=_start_time):
+        end = filesystem.join(filesystem.dirname(path),
+                              schema.fit_end_name(posixpath.basename(path.replace(os.sep, "/"))))
+        try:
+            with filesystem.open_file(end) as f:
+                value = json.loads(f.read(schema.FIT_END_SIZE * 2))
+        except (OSError, ValueError):
+            continue  # older logs, or a writer that could not reserve it
+        if isinstance(value, dict) and isinstance(value.get("fit_state"), str):
+            found.append(value)
+    return found
+
+
+def _start_time(path: str) -> tuple[int, str]:
+    """An event file's start time from its name (`...tfevents.<time>....`)."""
+    name = posixpath.basename(path.replace(os.sep, "/"))
+    parts = name.split("tfevents.", 1)[-1].split(".", 1)
+    return (int(parts[0]) if parts[0].isdigit() else 0, name)
 
 
 def read_run(logdir: str | os.PathLike, run: str) -> Run:
@@ -264,7 +432,8 @@ def read_run(logdir: str | os.PathLike, run: str) -> Run:
     for found in records.values():
         found.sort(key=lambda r: (r.wall_time, r.step))
     return Run(
-        name=run, path=filesystem.dirname(files[0]), records=records, warnings=warnings.lines()
+        name=run, path=filesystem.dirname(files[0]), records=records, warnings=warnings.lines(),
+        fit_ends=_fit_ends(files),
     )
 
 
@@ -284,6 +453,8 @@ def read_logdir(logdir: str | os.PathLike, on_warning: OnWarning | None = None) 
             read[name] = read_run(logdir, name)
         except OSError as e:
             warn(f"run {name}: cannot be read ({filesystem.error_text(e)}); skipped")
+        except NoMpprofDataError as e:  # removed since it was listed
+            warn(f"run {name}: {e}; skipped")
     return read
 
 

@@ -29,6 +29,18 @@ TAG_PREFIX = "mpprof/"
 
 # mpprof's event files end with this, so readers skip everyone else's.
 EVENT_FILE_SUFFIX = ".mpprof.v2"
+# Beside each event file, a small file that says how its writer's fit ended,
+# reserved when the writer starts and rewritten in place at the end, so a disk
+# that fills midway still lets it say "ended" (an in-place rewrite of a
+# reserved block needs no free space). Named without "tfevents": TensorBoard
+# reads every file whose name holds that word.
+FIT_END_PREFIX = "mpprof.fit_end."
+FIT_END_SIZE = 1024
+
+
+def fit_end_name(event_file_name: str) -> str:
+    """The fit-end file of the event file named `event_file_name`."""
+    return FIT_END_PREFIX + event_file_name.replace("events.out.tfevents.", "", 1) + ".json"
 
 # One JSON object: versions, policies, optimizer, devices, collector states.
 RUN_CONTEXT = "run_context"

@@ -62,10 +62,34 @@ class RecordWriter:
         self.run_dir = os.fspath(run_dir)
         filesystem.makedirs(self.run_dir)
         wall_time = time.time()
-        self.path = filesystem.join(self.run_dir, event_file_name(wall_time))
+        name = event_file_name(wall_time)
+        self.path = filesystem.join(self.run_dir, name)
+        self._fit_end_path = filesystem.join(self.run_dir, schema.fit_end_name(name))
         self._file = filesystem.open_append(self.path)
-        self._add(event_pb2.Event(wall_time=wall_time, file_version="brain.Event:2"))
-        self.flush()
+        try:
+            self._add(event_pb2.Event(wall_time=wall_time, file_version="brain.Event:2"))
+            self.flush()
+            self._write_fit_end({"fit_state": schema.FIT_RUNNING})
+        except BaseException:
+            self._file.close()
+            raise
+
+    def mark_fit_end(self, fit_state: str, step: int,
+                     recording_stopped: str | None = None) -> None:
+        """Says how the fit ended in the fit-end file reserved at the start,
+        rewritten in place: it still works when a full disk stopped the
+        records midway (`recording_stopped` says why). Raises OSError."""
+        self._write_fit_end({
+            "fit_state": fit_state, "step": int(step), "wall_time": time.time(),
+            "recording_stopped": recording_stopped,
+        })
+
+    def _write_fit_end(self, value: dict) -> None:
+        text = json.dumps(value, sort_keys=True).encode()
+        if len(text) > schema.FIT_END_SIZE:  # a very long reason: shortened
+            value = {**value, "recording_stopped": str(value["recording_stopped"])[:300]}
+            text = json.dumps(value, sort_keys=True).encode()[: schema.FIT_END_SIZE]
+        filesystem.overwrite_bytes(self._fit_end_path, text.ljust(schema.FIT_END_SIZE))
 
     def write_json(self, record: str, value, step: int) -> None:
         text = json.dumps(value, sort_keys=True, default=_json_default)

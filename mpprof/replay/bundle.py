@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+from collections.abc import Callable
 
 import numpy as np
 
@@ -58,7 +59,8 @@ sys.exit(subprocess.call([sys.executable, "-m", "mpprof.cli", *args]))
 
 def write_bundle(logdir: str | os.PathLike, output: str | os.PathLike, *,
                  run: str | None = None, step: int | None = None,
-                 include_batch: bool = False) -> dict:
+                 include_batch: bool = False,
+                 on_skipped: Callable[[str], None] | None = None) -> dict:
     """Writes the bundle of one capture (see the module docstring).
 
     Args:
@@ -67,6 +69,7 @@ def write_bundle(logdir: str | os.PathLike, output: str | os.PathLike, *,
         run: the run (default: the first run with a capture).
         step: the captured step (default: the run's first).
         include_batch: put the batch and the weights in.
+        on_skipped: told of each capture folder that is not a readable capture.
 
     Returns:
         What was written: {"path", "run", "step", "bytes", "files"}.
@@ -77,7 +80,10 @@ def write_bundle(logdir: str | os.PathLike, output: str | os.PathLike, *,
     """
     logdir = os.fspath(logdir)
     names = reader.select_runs(logdir, run)
-    with_captures = [name for name in names if files.find_captures(logdir, name)]
+    with_captures = [name for name in names
+                     if files.find_captures(logdir, name, on_skipped=on_skipped)
+                     or (step is not None and filesystem.isdir(
+                         filesystem.join(files.run_path(logdir, name), files.step_folder(step))))]
     if not with_captures:
         raise files.NoCaptureError(
             f"no replay capture in {logdir}: nothing to bundle (mpprof captures a step "

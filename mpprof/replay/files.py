@@ -23,10 +23,17 @@ import io
 import json
 import os
 import re
+import zipfile
+from collections.abc import Callable
 
 import numpy as np
 
 from mpprof.records import filesystem
+
+# What a damaged .npz raises while it is opened or read: a truncated or
+# overwritten zip (BadZipFile), a member cut short (EOFError, ValueError), a
+# missing member (KeyError).
+_DAMAGED_NPZ = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
 
 # Bump when a file's layout changes; readers refuse newer captures.
 CAPTURE_VERSION = 1
@@ -106,12 +113,21 @@ class Capture:
     def __init__(self, path: str, run: str):
         self.path = path
         self.run = run
+        manifest = filesystem.join(path, MANIFEST)
         try:
-            self.manifest = json.loads(_read(filesystem.join(path, MANIFEST)))
+            self.manifest = json.loads(_read(manifest))
+            if not isinstance(self.manifest, dict) or not isinstance(
+                    self.manifest.get("step"), int):
+                raise ValueError("not a capture manifest (no integer \"step\")")
+        except FileNotFoundError as e:
+            raise NoCaptureError(
+                f"{path} is not a complete replay capture (no {MANIFEST}): the fit "
+                "stopped writing it (a full disk, or killed); nothing to replay there"
+            ) from e
         except (OSError, ValueError) as e:
             raise NoCaptureError(
-                f"{path} is not a complete replay capture (its {MANIFEST} cannot be "
-                f"read: {e}); the fit may have stopped writing it (a full disk)"
+                f"{manifest} cannot be read ({_reason(e)}): the capture is damaged; "
+                "replay another step (--step) or record the fit again"
             ) from e
         version = self.manifest.get("capture_version")
         if not isinstance(version, int) or version > CAPTURE_VERSION:
@@ -131,14 +147,17 @@ class Capture:
             ReplayError: the capture holds no batch (a bundle made without
                 `--include-batch`), or it cannot be read.
         """
+        path = filesystem.join(self.path, BATCH)
         try:
             return self._batch()
-        except (OSError, ValueError, KeyError) as e:
+        except FileNotFoundError as e:
             raise ReplayError(
-                f"the capture of step {self.step} in {self.path} has no readable batch "
-                f"({e}); a bundle made without --include-batch holds only statistics: "
-                "its replay result is printed by `mpprof replay` without --again"
+                f"the capture of step {self.step} in {self.path} has no batch ({e}); a "
+                "bundle made without --include-batch holds only statistics: its replay "
+                "result is printed by `mpprof replay` without --again"
             ) from e
+        except _DAMAGED_NPZ as e:
+            raise ReplayError(_damaged(path, e)) from e
 
     def _batch(self):
         with np.load(io.BytesIO(_read(filesystem.join(self.path, BATCH)))) as arrays:
@@ -151,13 +170,16 @@ class Capture:
         Raises:
             ReplayError: the capture holds no weights, or they cannot be read.
         """
+        path = filesystem.join(self.path, WEIGHTS)
         try:
             return self._weights()
-        except (OSError, ValueError, KeyError) as e:
+        except FileNotFoundError as e:
             raise ReplayError(
-                f"the capture of step {self.step} in {self.path} has no readable weights "
-                f"({e}); a bundle made without --include-batch holds only statistics"
+                f"the capture of step {self.step} in {self.path} has no weights ({e}); a "
+                "bundle made without --include-batch holds only statistics"
             ) from e
+        except _DAMAGED_NPZ as e:
+            raise ReplayError(_damaged(path, e)) from e
 
     def _weights(self) -> dict[str, np.ndarray]:
         with np.load(io.BytesIO(_read(filesystem.join(self.path, WEIGHTS)))) as arrays:
@@ -168,7 +190,11 @@ class Capture:
         """The model's Keras serialization, or None when it had none."""
         if not self.manifest.get("model_config", {}).get("saved"):
             return None
-        return json.loads(_read(filesystem.join(self.path, MODEL_CONFIG)))
+        path = filesystem.join(self.path, MODEL_CONFIG)
+        try:
+            return json.loads(_read(path))
+        except (OSError, ValueError) as e:
+            raise ReplayError(_damaged(path, e)) from e
 
     def result(self) -> dict | None:
         """The saved replay result, or None before the first replay."""
@@ -183,34 +209,52 @@ def run_path(logdir: str | os.PathLike, run: str) -> str:
     return logdir if run == "." else filesystem.join(logdir, run)
 
 
-def find_captures(logdir: str | os.PathLike, run: str) -> list[Capture]:
-    """Every complete capture of `run`, by step (incomplete ones skipped)."""
+def find_captures(logdir: str | os.PathLike, run: str,
+                  on_skipped: Callable[[str], None] | None = None) -> list[Capture]:
+    """Every complete capture of `run`, by step.
+
+    Args:
+        on_skipped: called with one line for each capture folder that is not
+            offered (no manifest, or a damaged one), so it is never skipped
+            without a word where the caller shows warnings.
+    """
+    return _scan_captures(logdir, run, on_skipped)[0]
+
+
+def _scan_captures(logdir, run, on_skipped=None) -> tuple[list[Capture], dict[int, str]]:
+    """(the complete captures, {step: why it is not one} for the others)."""
     folder = filesystem.join(run_path(logdir, run), REPLAY_FOLDER)
     try:
         entries = filesystem.scan(folder)
     except OSError:
-        return []
+        return [], {}
     steps = sorted(
         int(match.group(1)) for entry in entries
         if entry.kind is filesystem.Kind.DIRECTORY
         and (match := _STEP_FOLDER.match(entry.name))
     )
-    captures = []
+    captures, skipped = [], {}
     for step in steps:
         try:
             captures.append(Capture(filesystem.join(folder, f"{STEP_FOLDER_PREFIX}{step}"), run))
-        except NoCaptureError:
-            continue
-    return captures
+        except NoCaptureError as e:
+            skipped[step] = str(e)
+            if on_skipped is not None:
+                on_skipped(f"run {run}: capture of step {step} skipped: {e}")
+    return captures, skipped
 
 
-def select_capture(logdir: str | os.PathLike, run: str, step: int | None) -> Capture:
+def select_capture(logdir: str | os.PathLike, run: str, step: int | None,
+                   on_skipped: Callable[[str], None] | None = None) -> Capture:
     """The capture of `run` at `step` (None: the first one).
 
     Raises:
         NoCaptureError: none there; the message lists what there is.
+        ReplayError: the capture of `step` is damaged (the message names the file).
     """
-    captures = find_captures(logdir, run)
+    captures, skipped = _scan_captures(logdir, run, None if step is not None else on_skipped)
+    if step is not None and step in skipped:
+        raise ReplayError(skipped[step])
     if not captures:
         raise NoCaptureError(
             f"run {run!r} of {os.fspath(logdir)} holds no replay capture: mpprof "
@@ -242,3 +286,15 @@ def write_result(capture: Capture, result: dict) -> None:
 def _read(path: str) -> bytes:
     with filesystem.open_file(path) as f:
         return f.read()
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, OSError):
+        return filesystem.error_text(error)
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def _damaged(path: str, error: BaseException) -> str:
+    """One line: which file of a capture is damaged, and what to do."""
+    return (f"{path} cannot be read ({_reason(error)}): the capture is damaged (cut "
+            "short or overwritten); replay another step (--step) or record the fit again")

@@ -17,6 +17,7 @@ from mpprof.display import downsample, headroom
 from mpprof.display import float8 as float8_view
 from mpprof.jsonsafe import json_floats
 from mpprof.records import reader, schema
+from mpprof.terminal import printable
 
 _EVENT = schema.LOSS_SCALE_EVENT_COLUMN
 
@@ -212,5 +213,6 @@ def _gpu_data(gpu: reader.Gpu) -> list[dict]:
 
 
 def _label(text) -> str:
-    """`text` for a plotly label: plotly renders labels as markup, so escape it."""
-    return html.escape(str(text), quote=False)
+    """`text` for a plotly label: plotly renders labels as markup, so escape
+    it, and control and bidi-override characters too (see `sections.escape`)."""
+    return html.escape(printable(text), quote=False)

@@ -13,6 +13,7 @@ import json
 from mpprof import diagnosis
 from mpprof.records import reader
 from mpprof.replay import text as replay_text
+from mpprof.terminal import printable
 
 # Findings per run listed in the summary at the top (the rest: a link).
 MAX_SUMMARY_FINDINGS = 3
@@ -22,8 +23,10 @@ MAX_OPEN_TABLE_ROWS = 40
 
 
 def escape(value) -> str:
-    """`value` as HTML text (None as nothing)."""
-    return html.escape("" if value is None else str(value))
+    """`value` as HTML text (None as nothing), control and bidi-override
+    characters written as escapes (as the terminal shows them): U+202E would
+    reverse a run name on the page."""
+    return html.escape("" if value is None else printable(value))
 
 
 def run_section(index: int, run: reader.Run, result: diagnosis.Diagnosis, data: dict,

@@ -22,11 +22,11 @@ from __future__ import annotations
 from mpprof.backends import base
 from mpprof.backends.jax import call_alarm, context, hardware, unavailable
 from mpprof.backends.jax.layer_calls import LayerCallPatch
-from mpprof.backends.jax.loss_scale import LossScaleCollector
+from mpprof.backends.jax.loss_scale_series import LossScaleSeries
 from mpprof.backends.jax.loss_scales import LossScales
-from mpprof.backends.jax.numerics import NumericsCollector
-from mpprof.backends.jax.precision import PrecisionCollector
-from mpprof.backends.jax.run_health import RunHealth
+from mpprof.backends.jax.numerics_taps import NumericsTaps
+from mpprof.backends.jax.precision_tracer import PrecisionTracer
+from mpprof.backends.jax.run_health import LossWatch, RunHealth
 from mpprof.backends.jax.step_state import StepState
 from mpprof.backends.jax.train_functions import TrainFunctions
 
@@ -45,8 +45,8 @@ class JaxBackend(base.Backend):
 
     name = "jax"
     flavor = "keras"
-    loss_scale_collector = LossScaleCollector
-    loss_health_collector = None
+    loss_scale_series = LossScaleSeries
+    loss_watch = LossWatch
     LossScales = LossScales
     RunHealth = RunHealth
     Float8State = unavailable.Float8State
@@ -54,7 +54,7 @@ class JaxBackend(base.Backend):
     ReplayCapture = unavailable.ReplayCapture
     TrainFunctions = TrainFunctions
     CallAlarm = call_alarm.CallAlarm
-    PrecisionCollector = PrecisionCollector
+    PrecisionTracer = PrecisionTracer
     LayerCallPatch = LayerCallPatch
     alarm_logs_key = call_alarm.LOGS_KEY
     replay_logs_key = "_mpprof_replay"
@@ -71,13 +71,13 @@ class JaxBackend(base.Backend):
         self.step_state: StepState | None = None
         self._model = model
         # The numerics collector, once the first sample made it.
-        self.numerics: NumericsCollector | None = None
+        self.numerics: NumericsTaps | None = None
 
     @property
-    def numerics_collector(self):
-        """Makes the numerics collector (`NumericsSamples` calls it with the
-        model and its strategy): it registers itself with this backend."""
-        return lambda model, strategy: NumericsCollector(model, self)
+    def numerics_taps(self):
+        """Makes the numerics taps (`NumericsSamples` calls it with the
+        model and its strategy): they register with this backend."""
+        return lambda model, strategy: NumericsTaps(model, self)
 
     def make_step_state(self, capacity: int) -> StepState:
         """The fit's step state (made once, by the loss-scale collectors)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax
 
-from mpprof.recording.collectors import gpu
+from mpprof.recording.nvml import sampler as gpu
 
 
 def hardware_facts(sampler: gpu.GpuSampler | None = None) -> dict:

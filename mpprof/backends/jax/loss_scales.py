@@ -12,12 +12,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mpprof.recording.collectors import step_origin
+from mpprof.recording import step_origin
 from mpprof.recording.collectors.base import Collector
-from mpprof.recording.collectors.optimizers import OptimizerUsage, applied_steps
-from mpprof.recording.collectors.step_origin import EarlierRecords
 from mpprof.recording.distributed import keras_3_skip_decided_by
+from mpprof.recording.optimizer_usage import OptimizerUsage, applied_steps
 from mpprof.recording.patching import Patches
+from mpprof.recording.step_origin import EarlierRecords
 from mpprof.records import schema
 
 
@@ -44,7 +44,7 @@ class LossScales(Collector):
                 continue
             collector = reuse.get(id(use.optimizer))
             if collector is None:
-                collector = keras_api.loss_scale_collector(use.optimizer, step_state, capacity)
+                collector = keras_api.loss_scale_series(use.optimizer, step_state, capacity)
                 collector.start_from(
                     step_origin.FIRST_STEP if collector.nothing_ran()
                     else step_origin.origin(collector, use.name, earlier())

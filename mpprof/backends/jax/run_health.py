@@ -18,7 +18,7 @@ import numpy as np
 
 from mpprof.backends.layer_records import variable_path
 from mpprof.recording.collectors.base import Collector
-from mpprof.recording.collectors.optimizers import OptimizerUsage
+from mpprof.recording.optimizer_usage import OptimizerUsage
 from mpprof.recording.patching import Patches
 from mpprof.records import schema
 
@@ -72,7 +72,7 @@ class RunHealth(Collector):
         self.watchers = {}
         state = keras_api.step_state
         for use in usage.uses[:1]:  # the compiled optimizer: the one in state[2]
-            watcher = reuse.get(id(use.optimizer)) or LossWatch(use.optimizer)
+            watcher = reuse.get(id(use.optimizer)) or keras_api.loss_watch(use.optimizer)
             watcher.attach(state)
             self.watchers[use.name] = watcher
         self.nonfinite_weights: list[str] = []

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpprof.recording.collectors.optimizers import applied_steps
+from mpprof.recording.optimizer_usage import applied_steps
 from mpprof.records import schema
 
 # mpprof's state is ONE float32 array [capacity + 3, 4] (each array a jitted

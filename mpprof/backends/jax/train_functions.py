@@ -10,7 +10,7 @@ counters, which leave it as a second donated state) the same way, so every
 step runs one compiled function, as in Keras' own fit.
 
 On sampled calls the dispatcher runs the instrumented function instead: the
-numerics collector's `instrumented_train_step` (`mpprof.backends.jax.numerics`)
+numerics collector's `instrumented_train_step` (`mpprof.backends.jax.numerics_taps`)
 in the same wrapper, jitted on its first sampled call, for the call's first
 step; the call's other steps (`steps_per_execution > 1`) run plain.
 """
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import jax
 
-from mpprof.backends.jax.numerics import SAMPLE_KEY
+from mpprof.backends.jax.numerics_taps import SAMPLE_KEY
 from mpprof.recording.guard import describe_error
 from mpprof.recording.patching import Patches
 

@@ -13,11 +13,11 @@ from mpprof.backends.tensorflow import call_alarm, context, hardware, kernels, r
 from mpprof.backends.tensorflow.float8 import Float8State
 from mpprof.backends.tensorflow.float8_shares import Float8Shares
 from mpprof.backends.tensorflow.layer_calls import LayerCallPatch
-from mpprof.backends.tensorflow.loss_scale import LossScaleCollector, is_loss_scale_optimizer
+from mpprof.backends.tensorflow.loss_scale_series import LossScaleSeries, is_loss_scale_optimizer
 from mpprof.backends.tensorflow.loss_scales import LossScales
-from mpprof.backends.tensorflow.loss_watch import LossHealthCollector
-from mpprof.backends.tensorflow.numerics import NumericsCollector
-from mpprof.backends.tensorflow.precision import PrecisionCollector
+from mpprof.backends.tensorflow.loss_watch import LossWatch
+from mpprof.backends.tensorflow.numerics_taps import NumericsTaps
+from mpprof.backends.tensorflow.precision_tracer import PrecisionTracer
 from mpprof.backends.tensorflow.run_health import RunHealth
 from mpprof.backends.tensorflow.train_functions import TrainFunctions
 from mpprof.backends.tf_keras import support as tf_keras_support
@@ -28,9 +28,9 @@ class TensorFlowBackend(base.Backend):
 
     name = "tensorflow"
     flavor = tf_keras_support.KERAS_3
-    loss_scale_collector = LossScaleCollector
-    loss_health_collector = LossHealthCollector
-    numerics_collector = NumericsCollector
+    loss_scale_series = LossScaleSeries
+    loss_watch = LossWatch
+    numerics_taps = NumericsTaps
     # The collectors and drivers of a fit (see `base.Backend`).
     LossScales = LossScales
     RunHealth = RunHealth
@@ -39,7 +39,7 @@ class TensorFlowBackend(base.Backend):
     ReplayCapture = replay_capture.ReplayCapture
     TrainFunctions = TrainFunctions
     CallAlarm = call_alarm.CallAlarm
-    PrecisionCollector = PrecisionCollector
+    PrecisionTracer = PrecisionTracer
     LayerCallPatch = LayerCallPatch
     alarm_logs_key = call_alarm.LOGS_KEY
     replay_logs_key = replay_capture.LOGS_KEY
@@ -82,7 +82,7 @@ class TensorFlowBackend(base.Backend):
         The compiled `model.optimizer` ("optimizer") and every optimizer held
         in an attribute of the model (a GAN's `self.g_opt`, `self.d_opt`):
         which of them a step really uses is only known once it is traced
-        (`mpprof.recording.collectors.optimizers.OptimizerUsage`).
+        (`mpprof.recording.optimizer_usage.OptimizerUsage`).
         """
         found: list[tuple[str, object]] = []
         if self.is_optimizer(model.optimizer):

@@ -11,7 +11,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 from mpprof import dtypes
-from mpprof.recording.collectors import gpu, gpu_devices
+from mpprof.recording.nvml import devices as gpu_devices
+from mpprof.recording.nvml import sampler as gpu
 
 
 def hardware_facts(sampler: gpu.GpuSampler | None = None) -> dict:

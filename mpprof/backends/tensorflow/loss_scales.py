@@ -3,7 +3,7 @@
 A model compiled with a LossScaleOptimizer has one series, written under the
 plain loss-scale tags. A custom `train_step` may use its own optimizers (a
 GAN's `g_opt` and `d_opt`): each LossScaleOptimizer among them gets its own
-`LossScaleCollector`, and once the step was traced only those it really
+`LossScaleSeries`, and once the step was traced only those it really
 used are kept. The primary one (the compiled optimizer when used, else the
 first used) is written under the plain tags, every other one under a series
 named after its attribute (`schema.tag_for(record, series)`).
@@ -15,13 +15,13 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from mpprof.backends.tensorflow.loss_scale import MODE_HOST
-from mpprof.recording.collectors import step_origin
+from mpprof.backends.tensorflow.loss_scale_series import MODE_HOST
+from mpprof.recording import step_origin
 from mpprof.recording.collectors.base import Collector
-from mpprof.recording.collectors.optimizers import OptimizerUsage, applied_steps
-from mpprof.recording.collectors.step_origin import EarlierRecords
 from mpprof.recording.distributed import keras_3_skip_decided_by
+from mpprof.recording.optimizer_usage import OptimizerUsage, applied_steps
 from mpprof.recording.patching import Patches
+from mpprof.recording.step_origin import EarlierRecords
 from mpprof.records import schema
 
 
@@ -55,7 +55,7 @@ class LossScales(Collector):
                 continue
             collector = reuse.get(id(use.optimizer))
             if collector is None:
-                collector = keras_api.loss_scale_collector(use.optimizer, strategy, capacity)
+                collector = keras_api.loss_scale_series(use.optimizer, strategy, capacity)
                 collector.start_from(
                     step_origin.FIRST_STEP if collector.nothing_ran()
                     else step_origin.origin(collector, use.name, earlier())

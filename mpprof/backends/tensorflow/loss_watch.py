@@ -22,7 +22,7 @@ from mpprof.recording.guard import TracedGuard
 from mpprof.recording.patching import Patches
 
 
-class LossHealthCollector:
+class LossWatch:
     """Watches the loss through `optimizer.scale_loss`.
 
     Args:

@@ -1,7 +1,7 @@
 """The HEALTH record: is the loss finite, are the weights finite.
 
 The loss is watched inside the traced step where it passes through an
-optimizer (`LossHealthCollector`, one per optimizer the step may use); the
+optimizer (`LossWatch`, one per optimizer the step may use); the
 weights are checked on the host at epoch ends and when fit ends. A loss that
 never passed through a watched optimizer is "not watched": the record then
 says so and holds no value for it, rather than a number nobody measured.
@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from mpprof.backends.tf_keras import support as tf_keras_support
 from mpprof.recording.collectors.base import Collector
-from mpprof.recording.collectors.optimizers import OptimizerUsage
+from mpprof.recording.optimizer_usage import OptimizerUsage
 from mpprof.recording.patching import Patches
 from mpprof.records import schema
 
@@ -45,7 +45,7 @@ class RunHealth(Collector):
         for use in usage.uses:
             watcher = reuse.get(id(use.optimizer))
             if watcher is None:
-                watcher = keras_api.loss_health_collector(
+                watcher = keras_api.loss_watch(
                     use.optimizer, strategy, step_of(use.name)
                 )
             self.watchers[use.name] = watcher

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from mpprof.backends.tensorflow.backend import TensorFlowBackend
 from mpprof.backends.tf_keras import support
-from mpprof.backends.tf_keras.loss_scale import TfKerasLossScaleCollector
-from mpprof.backends.tf_keras.loss_watch import TfKerasLossHealthCollector
-from mpprof.backends.tf_keras.numerics import TfKerasNumericsCollector
+from mpprof.backends.tf_keras.loss_scale_series import TfKerasLossScaleSeries
+from mpprof.backends.tf_keras.loss_watch import TfKerasLossWatch
+from mpprof.backends.tf_keras.numerics_taps import TfKerasNumericsTaps
 
 
 class TfKerasBackend(TensorFlowBackend):
     """What differs for a tf-keras (Keras 2) model."""
 
     flavor = support.TF_KERAS
-    loss_scale_collector = TfKerasLossScaleCollector
-    loss_health_collector = TfKerasLossHealthCollector
-    numerics_collector = TfKerasNumericsCollector
+    loss_scale_series = TfKerasLossScaleSeries
+    loss_watch = TfKerasLossWatch
+    numerics_taps = TfKerasNumericsTaps
     # Every tf-keras update goes through `apply_gradients` (`minimize` calls
     # it). tf-keras optimizers have no `scale_loss`: its train step hands the
     # loss to `minimize`, a custom step to a LossScaleOptimizer's

@@ -19,15 +19,15 @@ import threading
 
 import tensorflow as tf
 
-from mpprof.backends.tensorflow.loss_watch import LossHealthCollector
+from mpprof.backends.tensorflow.loss_watch import LossWatch
 from mpprof.recording.patching import Patches
 
 # The first non-finite step until there is one: a minimum needs no branch.
 _NEVER = tf.int64.max
 
 
-class TfKerasLossHealthCollector(LossHealthCollector):
-    """`LossHealthCollector` watching tf-keras's `optimizer.minimize` and,
+class TfKerasLossWatch(LossWatch):
+    """`LossWatch` watching tf-keras's `optimizer.minimize` and,
     for a LossScaleOptimizer, `get_scaled_loss`."""
 
     def __init__(self, optimizer, strategy, step):

@@ -11,7 +11,7 @@ The differences mpprof cares about:
   `dtype` is a `tf.DType`, `value` is a method;
 - the global dtype policy lives in `tf_keras.mixed_precision`;
 - the LossScaleOptimizer keeps `loss_scale`/`dynamic_counter` (see
-  `mpprof.backends.tf_keras.loss_scale`), and its `apply_gradients` receives
+  `mpprof.backends.tf_keras.loss_scale_series`), and its `apply_gradients` receives
   gradients already divided by the scale.
 """
 

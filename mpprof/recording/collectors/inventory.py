@@ -24,7 +24,7 @@ class Inventory(Collector):
     name = "precision"
 
     def __init__(self, backend, model, guard):
-        self.precision = backend.PrecisionCollector(model)
+        self.precision = backend.PrecisionTracer(model)
         self._guard = guard
         self.layer_patch = backend.LayerCallPatch(
             model, [GuardedHook(self.name, self.precision, guard)])

@@ -1,4 +1,4 @@
-"""Numerics samples: taken by `NumericsCollector` on the steps the schedule
+"""Numerics samples: taken by `NumericsTaps` on the steps the schedule
 picks, batched here for writing.
 
 The collector is made at the first sample (its statistics tables need the
@@ -25,7 +25,7 @@ class NumericsSamples(Collector):
     """Turns the collector's readings into NUMERICS_* records.
 
     Args:
-        collector_class: the Keras flavour's `NumericsCollector` class.
+        collector_class: the Keras flavour's `NumericsTaps` class.
         inventory: the `Inventory` whose layer wrappers the collector hooks.
         loss_scales: the `LossScales` (the primary scale unscales gradients).
         health: the `RunHealth` (the sampled step's loss).

@@ -20,11 +20,11 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from mpprof.recording.collectors.loss_scale_growth import ScaleState, growth_events
-from mpprof.recording.collectors.optimizers import applied_steps
-from mpprof.recording.collectors.step_origin import Origin
 from mpprof.recording.guard import TracedGuard
+from mpprof.recording.loss_scale_growth import ScaleState, growth_events
+from mpprof.recording.optimizer_usage import applied_steps
 from mpprof.recording.patching import Patches
+from mpprof.recording.step_origin import Origin
 from mpprof.records import schema
 
 _FINITE = "_stateful_handle_finite_grads"
@@ -44,7 +44,7 @@ def is_loss_scale_optimizer(optimizer) -> bool:
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
-class LossScaleCollector:
+class LossScaleSeries:
     """Records the loss scale of a Keras 3 `LossScaleOptimizer`.
 
     The step axis counts every train step, skipped ones included: it equals

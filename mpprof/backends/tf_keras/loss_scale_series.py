@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from mpprof.backends.tensorflow.loss_scale import MODE_GRAPH, MODE_HOST, LossScaleCollector
+from mpprof.backends.tensorflow.loss_scale_series import MODE_GRAPH, MODE_HOST, LossScaleSeries
 from mpprof.recording.patching import Patches
 from mpprof.records import schema
 
@@ -38,10 +38,10 @@ SKIP_DECIDED_BY = (
 )
 
 
-class TfKerasLossScaleCollector(LossScaleCollector):
+class TfKerasLossScaleSeries(LossScaleSeries):
     """Records the loss scale of a tf-keras `LossScaleOptimizer`.
 
-    Same records and reading interface as `LossScaleCollector`.
+    Same records and reading interface as `LossScaleSeries`.
 
     Args:
         optimizer: the model's tf-keras LossScaleOptimizer (V2 or V3).

@@ -2,7 +2,7 @@
 
 The step axis counts every train step: Keras 3's apply count
 (`optimizers.applied_steps`), which leaves out the steps its loss scale
-skipped, plus the skipped steps mpprof counted (`LossScaleCollector`). A
+skipped, plus the skipped steps mpprof counted (`LossScaleSeries`). A
 profiler carries its counts from one fit to the next (`AcrossFits`), but a
 new profiler for a model that trained before has counted none: starting
 from zero would date every later step too early by the earlier skips, and
@@ -116,7 +116,7 @@ def origin(collector, name: str, earlier: EarlierRecords | str) -> Origin:
     """Where the skipped steps of optimizer `name`'s new series start.
 
     Args:
-        collector: its new `LossScaleCollector`, before its first fit.
+        collector: its new `LossScaleSeries`, before its first fit.
         name: the optimizer's name among the step's optimizers.
         earlier: `read_earlier`'s answer for the run directory.
     """

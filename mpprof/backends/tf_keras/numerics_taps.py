@@ -1,6 +1,6 @@
 """Per-layer numerics for tf-keras models.
 
-The layer taps of `NumericsCollector` work unchanged on tf-keras layers; only
+The layer taps of `NumericsTaps` work unchanged on tf-keras layers; only
 the optimizer differs. tf-keras's LossScaleOptimizer scales the loss in
 `get_scaled_loss` and divides the gradients by the scale BEFORE
 `apply_gradients`, so the gradients recorded there are the unscaled ones and
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from mpprof.backends.tensorflow.numerics import NumericsCollector
+from mpprof.backends.tensorflow.numerics_taps import NumericsTaps
 from mpprof.recording.patching import Patches
 
 
-class TfKerasNumericsCollector(NumericsCollector):
-    """`NumericsCollector` with tf-keras's `apply_gradients` wrapped."""
+class TfKerasNumericsTaps(NumericsTaps):
+    """`NumericsTaps` with tf-keras's `apply_gradients` wrapped."""
 
     @tf.autograph.experimental.do_not_convert
     def on_call(self, layer, args, kwargs, outputs):
@@ -29,7 +29,7 @@ class TfKerasNumericsCollector(NumericsCollector):
         """An instance-level wrapper of `apply_gradients`, through `patches`.
 
         May be called for each optimizer the train step uses; None wraps
-        nothing. The step's loss comes from `TfKerasLossHealthCollector`,
+        nothing. The step's loss comes from `TfKerasLossWatch`,
         which watches `minimize` on every step.
         """
         if optimizer is None or any(optimizer is o for o in self._optimizers):

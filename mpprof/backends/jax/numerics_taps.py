@@ -79,7 +79,7 @@ class _Trace:
         self.calls: dict[int, int] = {}
 
 
-class NumericsCollector:
+class NumericsTaps:
     """Per-layer forward/backward and per-variable gradient statistics.
 
     Args:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from mpprof.recording import arguments
-from mpprof.recording.collectors import gpu_devices
+from mpprof.recording.nvml import devices as gpu_devices
 from mpprof.records import schema
 
 MODE_GPM = "gpm"

@@ -42,7 +42,7 @@ from mpprof.recording.patching import Patches
 from mpprof.records import schema
 
 
-class NumericsCollector:
+class NumericsTaps:
     """Per-layer forward/backward and per-variable gradient statistics.
 
     Every leaf layer is measured; a layer with sublayers only when it is the
@@ -106,7 +106,7 @@ class NumericsCollector:
                 len(self._variables), "unscaled_gradients", with_histogram=False
             )
             # Filled by collectors whose optimizer has no `scale_loss` for
-            # LossHealthCollector to watch (tf-keras).
+            # LossWatch to watch (tf-keras).
             self._loss = tf.Variable(0.0, trainable=False, name="mpprof_sampled_loss")
 
     @property
@@ -200,7 +200,7 @@ class NumericsCollector:
 
         May be called for each optimizer the train step uses (a GAN's two);
         None (a model whose own `optimizer` is never built) wraps nothing.
-        The step's loss comes from `LossHealthCollector`, which watches
+        The step's loss comes from `LossWatch`, which watches
         `scale_loss` on every step.
         """
         if optimizer is None or any(optimizer is o for o in self._optimizers):

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpprof.recording.collectors.optimizers import applied_steps
-from mpprof.recording.collectors.step_origin import Origin
+from mpprof.recording.optimizer_usage import applied_steps
+from mpprof.recording.step_origin import Origin
 
 MODE_STEP_STATE = "step_state"
 
 
-class LossScaleCollector:
+class LossScaleSeries:
     """Records one LossScaleOptimizer's scale from the step's own state.
 
     Args:

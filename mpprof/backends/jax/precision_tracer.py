@@ -31,7 +31,7 @@ def _traced(values: list) -> list:
     return [t for t in values if isinstance(t, jax.core.Tracer)]
 
 
-class PrecisionCollector(InventoryBuilder):
+class PrecisionTracer(InventoryBuilder):
     """Builds the precision inventory of `model`; a `LayerCallPatch` hook."""
 
     def __init__(self, model):

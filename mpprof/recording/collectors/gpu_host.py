@@ -1,5 +1,5 @@
 """This host's records: NVML samples of its GPUs and the XProf window's
-Tensor Core kernel share (`mpprof.recording.collectors.gpu`, `.kernels`).
+Tensor Core kernel share (`mpprof.recording.nvml.sampler`, `.kernels`).
 
 The sampler thread only queues rows; the training thread writes them, into
 this host's run (`fit.host_writer`: the worker's own run under
@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 import time
 
-from mpprof.recording.collectors import gpu as gpu_collector
 from mpprof.recording.collectors.base import Collector
+from mpprof.recording.nvml import sampler as gpu_collector
 from mpprof.recording.patching import Patches
 from mpprof.recording.siblings import sibling_callbacks
 from mpprof.records import schema

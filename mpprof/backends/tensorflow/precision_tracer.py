@@ -23,7 +23,7 @@ from mpprof.backends.layer_records import (  # noqa: F401 - re-exported
 )
 
 
-class PrecisionCollector(InventoryBuilder):
+class PrecisionTracer(InventoryBuilder):
     """Builds the precision inventory of `model`; a `LayerCallPatch` hook.
 
     Args:

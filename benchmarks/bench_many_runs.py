@@ -1,0 +1,122 @@
+"""A sweep of many runs: the dashboard's `/runs` and the CLI, time and memory.
+
+Writes (once, into `--cache`) logdirs of 20, 200 and 1,000 small runs (the
+synthetic run of `synthetic_logdir.py`, `--steps` steps, 10 layers, 10
+numerics samples each, every record the callback writes), then for each, in
+a fresh process:
+
+1. `/runs` through TensorBoard's WSGI app with the mpprof plugin: the first
+   request (every run read and diagnosed), then the median of 10 later ones
+   (nothing changed; the listing's 2 s reuse is switched off so each walks
+   the logdir), and the process's peak RSS;
+2. `mpprof diagnose LOGDIR --format json` and `mpprof report LOGDIR`: wall time
+   and peak RSS of the command.
+
+    .venv/bin/python benchmarks/bench_many_runs.py [--sizes 20,200,1000]
+        [--steps 2000] [--source DIR]
+
+`--source DIR` measures another checkout's mpprof and plugin (e.g. the commit
+before this benchmark, for before/after figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+_ROUTES = r"""
+import importlib.util, json, resource, statistics, sys, time
+source = sys.argv[2]
+if source:
+    sys.path.insert(0, source)
+    spec = importlib.util.spec_from_file_location(
+        "tensorboard_plugin_mpprof", source + "/tensorboard_plugin/__init__.py",
+        submodule_search_locations=[source + "/tensorboard_plugin"])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tensorboard_plugin_mpprof"] = module
+    spec.loader.exec_module(module)
+from tensorboard.backend import application
+from tensorboard.plugins import base_plugin
+from werkzeug import test as werkzeug_test
+from tensorboard_plugin_mpprof import routes, run_cache
+run_cache._RUN_LIST_TTL_S = 0.0
+plugin = routes.MpprofPlugin(base_plugin.TBContext(logdir=sys.argv[1]))
+client = werkzeug_test.Client(application.TensorBoardWSGI([plugin]))
+def runs():
+    start = time.perf_counter()
+    response = client.get("/data/plugin/mpprof/runs")
+    assert response.status_code == 200, response.get_data(as_text=True)[:300]
+    return time.perf_counter() - start, len(json.loads(response.get_data())["runs"])
+first, count = runs()
+later = statistics.median(runs()[0] for _ in range(10))
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({"runs": count, "first_s": first, "later_s": later, "peak_rss_mb": rss}))
+"""
+
+
+def make_logdir(root: pathlib.Path, runs: int, steps: int) -> pathlib.Path:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from synthetic_logdir import write_synthetic_run
+
+    logdir = root / f"sweep_{runs}_{steps}"
+    if not (logdir / "done").exists():
+        for i in range(runs):
+            write_synthetic_run(logdir / f"lr_{i:04d}" / "train", steps=steps, layers=10,
+                                samples=10, seed=i)
+        (logdir / "done").write_text("")
+    return logdir
+
+
+def command(args: list[str], env: dict) -> dict:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    start = time.perf_counter()
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=3600)
+    wall = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return {"wall_s": wall, "peak_rss_mb": max(peak, before) / 1024, "rc": done.returncode,
+            "stderr": done.stderr[-300:] if done.returncode not in (0, 1) else ""}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="20,200,1000")
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(),
+                                                        "mpprof-bench-many-runs"))
+    parser.add_argument("--source", default="", help="another checkout to measure")
+    parser.add_argument("--no-cli", action="store_true")
+    args = parser.parse_args()
+    root = pathlib.Path(args.cache)
+    root.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    if args.source:
+        env["PYTHONPATH"] = args.source
+    for size in map(int, args.sizes.split(",")):
+        logdir = make_logdir(root, size, args.steps)
+        # Each measure in its own process: peak RSS is per process.
+        routes = subprocess.run([sys.executable, "-c", _ROUTES, str(logdir), args.source],
+                                capture_output=True, text=True, env=env, timeout=3600)
+        line = {"size": size, "steps": args.steps}
+        if routes.returncode == 0:
+            line["dashboard"] = json.loads(routes.stdout.strip().splitlines()[-1])
+        else:
+            line["dashboard"] = {"error": routes.stderr[-500:]}
+        if not args.no_cli:
+            cli = [sys.executable, "-m", "mpprof.cli"]
+            line["diagnose"] = command(cli + ["diagnose", str(logdir), "--format", "json"], env)
+            out = root / f"report_{size}.html"
+            line["report"] = command(cli + ["report", str(logdir), "-q", "-o", str(out)], env)
+        print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
