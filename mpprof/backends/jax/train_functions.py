@@ -66,6 +66,8 @@ class TrainFunctions:
                 return update_metrics(metrics_variables, unscaled_loss, *args, **kwargs)
 
             patches.set(model, "_update_metrics_variables", update_metrics_variables)
+        # Read now: during an epoch Keras' state lives outside the variables.
+        self._shardings = self._out_shardings()
         self.plain = self._compiled(model.train_step)
         patches.set(model, "train_function", dispatcher)
 
@@ -74,7 +76,7 @@ class TrainFunctions:
         step = self._state.step_function(train_step)
         if self._model.run_eagerly or not self._model.jit_compile:
             return step
-        return jax.jit(step, donate_argnums=(0, 1), out_shardings=self._out_shardings())
+        return jax.jit(step, donate_argnums=(0, 1), out_shardings=self._shardings)
 
     def _out_shardings(self):
         """As Keras' own step: the state keeps the distribution's layout."""
