@@ -378,3 +378,22 @@ def test_data_parallel_over_two_cpu_devices(tmp_path):
     assert len(found["truth"]) > 5 and found["recorded"] == found["truth"]
     assert found["scales"][0] == found["scales"][1]
     assert found["same_weights"] and 4 in found["samples"]
+
+
+def test_gpu_check_script_runs_on_cpu_with_tiny_sizes(tmp_path):
+    """CI's smoke test of benchmarks/gpu_check_jax.py (the device check)."""
+    script = pathlib.Path(__file__).parents[2] / "benchmarks" / "gpu_check_jax.py"
+    out = tmp_path / "figures.json"
+    result = subprocess.run(
+        [sys.executable, str(script), "--tiny", "--out", str(out), "--log-dir",
+         str(tmp_path / "logs")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    figures = json.loads(out.read_text())
+    ran = [run for run in figures["runs"] if "skipped" not in run]
+    assert {(r["model"], r["policy"]) for r in ran} >= {
+        ("seed", "mixed_float16"), ("seed", "mixed_bfloat16"), ("transformer", "mixed_bfloat16")}
+    assert all(r["steps_run"] == figures["sizes"]["steps"] and r["numerics_samples"] >= 1
+               for r in ran)
+    assert figures["diagnosis"]["exit"] == 0
+    assert {f["code"] for f in figures["diagnosis"]["findings"]} >= {"MP011"}
+    assert figures["paired_overhead"]["mpprof defaults"]["us_per_step"] > 0

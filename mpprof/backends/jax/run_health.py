@@ -110,6 +110,10 @@ class RunHealth(Collector):
         return watcher.last_loss() if watcher is not None else math.nan
 
     def check_weights(self, model) -> None:
+        if any(getattr(w, "_value", 0) is None for w in model.weights):
+            # Mid-epoch (a fit that raised inside a step) Keras keeps the
+            # state outside the variables: the last check stands.
+            return
         found = []
         for weight in model.weights:
             if "float" not in str(weight.dtype):  # float16/32/64, bfloat16, float8
