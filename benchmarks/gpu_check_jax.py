@@ -138,7 +138,8 @@ def main() -> int:
     import bench_paired_steps_jax
 
     times = bench_paired_steps_jax.measure("mixed_float16", paired["block"], paired["rounds"],
-                                           samples=paired["samples"])
+                                           samples=paired["samples"],
+                                           past_first_sample=not args.tiny)
     with contextlib.redirect_stdout(io.StringIO()):
         result["paired_overhead"] = bench_paired_steps_jax.report(times, paired["block"])
     result["seconds"] = time.perf_counter() - started
