@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 from mpprof import diagnosis
 from mpprof._version import __version__
-from mpprof.records import filesystem, reader
+from mpprof.records import filesystem, reader, run_context
 from mpprof.replay import files as replay_files
 from mpprof.replay import text as replay_text
 from mpprof.terminal import printable
@@ -48,9 +48,8 @@ def summarize_run(run: reader.Run) -> str:
     context = run.context
     if context:
         lines.append(
-            f"  policy {context.get('model_policy')} (global {context.get('global_policy')}), "
-            f"optimizer {context.get('optimizer')}, strategy "
-            f"{context.get('distribution_strategy')} x{context.get('num_replicas')}"
+            f"  policy {context.model_policy} (global {context.global_policy}), "
+            f"optimizer {context.optimizer}, strategy {context.strategy}"
         )
     stopped = _cut_short_text(run)
     if stopped:
@@ -211,8 +210,9 @@ def _fit_state(run: reader.Run) -> str:
     recorded before mpprof said, or nothing readable)."""
     stopped = run.cut_short
     if stopped is not None:
-        return "failed" if stopped["fit_state"] == "failed" else "cut_short"
-    return "ended" if run.context.get("fit_state") else "unknown"
+        return (run_context.FIT_FAILED if stopped["fit_state"] == run_context.FIT_FAILED
+                else "cut_short")
+    return run_context.FIT_ENDED if run.context.fit_state else "unknown"
 
 
 def _run_json(run: reader.Run, result, replays: list[dict]) -> dict:

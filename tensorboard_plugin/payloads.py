@@ -82,9 +82,9 @@ def run_summary(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
     leaves = [layer for layer in inventory.get("layers", []) if layer.get("is_leaf")]
     return {
         "run": run.name,
-        "model_policy": context.get("model_policy"),
-        "optimizer": context.get("optimizer"),
-        "jit_compile": context.get("jit_compile"),
+        "model_policy": context.model_policy,
+        "optimizer": context.optimizer,
+        "jit_compile": context.jit_compile,
         "leaf_layers": len(leaves),
         "float32_islands": sum(bool(layer.get("float32_island")) for layer in leaves),
         "casts": len(inventory.get("casts", [])),
@@ -104,14 +104,14 @@ def run_summary(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
         "findings": severity_counts(result),
         # "running" | "ended" | "failed" (None in runs older than the key), and
         # for a fit that never recorded its end, where its records stop.
-        "fit_state": context.get("fit_state"),
+        "fit_state": context.fit_state,
         "cut_short": run.cut_short,
         "readable": run.readable,
     }
 
 
 def context_payload(run: reader.Run) -> dict:
-    return {"run": run.name, "context": run.context, "warnings": run.warnings}
+    return {"run": run.name, "context": run.context.record, "warnings": run.warnings}
 
 
 def findings_payload(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
@@ -145,7 +145,7 @@ def inventory_payload(run: reader.Run) -> dict:
 def loss_scale_payload(run: reader.Run, points: int) -> dict:
     loss_scale = run.loss_scale
     if loss_scale is None:
-        optimizer = run.context.get("optimizer")
+        optimizer = run.context.optimizer
         return not_available(
             f"no dynamic loss scale: the optimizer ({optimizer}) is not a LossScaleOptimizer"
         )

@@ -89,6 +89,19 @@ class BatchLogs(keras.callbacks.Callback):
         self.seen.append(dict(logs))
 
 
+class ScaleProbe(keras.callbacks.Callback):
+    """Ground truth of a fit: the optimizer's loss scale and iterations after
+    every batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.scales, self.iterations = [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.scales.append(float(self.model.optimizer.dynamic_scale.numpy()))
+        self.iterations.append(int(self.model.optimizer.iterations.numpy()))
+
+
 class BatchTimes(keras.callbacks.Callback):
     """Times each batch's begin and end, then sleeps `sleep_s` (so that each
     step lasts at least that long)."""

@@ -718,7 +718,7 @@ def write_gpu_run(
 ) -> reader.Run:
     """A real run's records, rewritten as if it had run on `gpus`."""
     run = read(source)
-    context = copy.deepcopy(run.context)
+    context = copy.deepcopy(run.context.record)
     context["hardware"] = {"cpu_only": False, "gpus": gpus, "source": "test"}
     context["gpus_visible_to_tensorflow"] = len(gpus)
     context["collectors"]["gpu"] = {

@@ -25,6 +25,7 @@ from diagnosis_runs import HOSTILE_NAME, HOSTILE_RUN, logdir
 
 from mpprof import cli, diagnosis
 from mpprof.records import reader, schema
+from mpprof.records.run_context import RunContext
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def test_text_has_one_section_per_run_grouped_by_severity(two_runs, capsys):
 
 def test_colour_on_a_terminal_and_control_characters_escaped():
     run = type("FakeRun", (), {})()
-    run.name, run.warnings, run.context, run.loss_scale = "r", [], {}, None
+    run.name, run.warnings, run.context, run.loss_scale = "r", [], RunContext(), None
     finding = diagnosis.Finding("MP003", "critical", "t", "evil\x1b[2Jname", 1, {}, "f")
     text = diagnosis.format_text(run, diagnosis.Diagnosis([finding], []), color=True)
     assert "\033[1;31mMP003\033[0m" in text

@@ -435,8 +435,15 @@ def test_calls_stay_quiet_while_sampling_and_drain_the_buffer_in_time(tmp_path, 
     the sampler's thread reads the step itself, so each row carries the step
     in progress at its time, and calls stop being quiet to drain the buffer
     before it is half full, so no row is lost although the run samples far
-    more rows than the buffer holds."""
-    monkeypatch.setattr(gpu, "DEFAULT_CAPACITY_ROWS", 8)
+    more rows than the buffer holds.
+
+    The first call traces the step and drains nothing until it returns: a
+    fit without the profiler warms TensorFlow up first, and the buffer holds
+    1.2 s of rows, so that only the quiet calls' draining is under test."""
+    x, y = mnist_like(samples=64)
+    seed_model(last_dtype="float32").fit(x, y, batch_size=32, epochs=1, verbose=0)
+    capacity = 12
+    monkeypatch.setattr(gpu, "DEFAULT_CAPACITY_ROWS", capacity)
     after_calls = []
     after_call = HostRecorder.after_call
 
@@ -446,7 +453,7 @@ def test_calls_stay_quiet_while_sampling_and_drain_the_buffer_in_time(tmp_path, 
 
     monkeypatch.setattr(HostRecorder, "after_call", counted_after_call)
     library = FakeNvmlLibrary([FakeGpu()])
-    steps = 60
+    steps = 90
     times = BatchTimes(sleep_s=0.03)
     with installed(library):
         profiler = mpprof.MixedPrecisionProfiler(
@@ -457,8 +464,8 @@ def test_calls_stay_quiet_while_sampling_and_drain_the_buffer_in_time(tmp_path, 
 
     run = reader.read_run(tmp_path, schema.TRAIN_RUN)
     sampler = run.context["collectors"]["gpu"]
-    assert sampler["capacity_rows"] == 8 and sampler["dropped_rows"] == 0
-    assert len(run.gpu.column("step")) > 2 * 8  # the buffer holds 8
+    assert sampler["capacity_rows"] == capacity and sampler["dropped_rows"] == 0
+    assert len(run.gpu.column("step")) > 2 * capacity  # more rows than it holds, twice
     assert len(after_calls) <= steps // 4, after_calls  # most calls were quiet
     assert_rows_line_up_with_steps(run, times, steps)
 

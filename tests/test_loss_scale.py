@@ -3,31 +3,19 @@
 import keras
 import numpy as np
 import pytest
-from conftest import mnist_like, overflow_data, overflow_model, seed_model
+from conftest import ScaleProbe, mnist_like, overflow_data, overflow_model, seed_model
 
 import mpprof
 from mpprof.backends.tensorflow import loss_scale_series as loss_scale
 from mpprof.recording import loss_scale_growth, step_origin
-from mpprof.records import reader, schema
-
-
-class _ScaleProbe(keras.callbacks.Callback):
-    """Ground truth: the optimizer's scale and iterations after every batch."""
-
-    def __init__(self):
-        super().__init__()
-        self.scales, self.iterations = [], []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.scales.append(float(self.model.optimizer.dynamic_scale.numpy()))
-        self.iterations.append(int(self.model.optimizer.iterations.numpy()))
+from mpprof.records import reader, run_context, schema
 
 
 def _reference(epochs=3):
     """Per-step truth from an unprofiled run with steps_per_execution=1."""
     keras.utils.set_random_seed(1)
     model = overflow_model(growth_steps=4)
-    probe = _ScaleProbe()
+    probe = ScaleProbe()
     x, y = overflow_data()
     model.fit(x, y, batch_size=8, epochs=epochs, verbose=0, shuffle=False, callbacks=[probe])
     iterations = np.array(probe.iterations)
@@ -82,7 +70,7 @@ def test_gradient_accumulation_dates_every_train_step(tmp_path):
         model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=[callback])
         return model
 
-    probe = _ScaleProbe()
+    probe = ScaleProbe()
     fit(probe)
     true_scales = np.array(probe.scales)
     halved = np.flatnonzero(np.diff(np.concatenate([[2.0**30], true_scales])) < 0)
@@ -185,7 +173,7 @@ def test_earlier_records_that_cannot_be_read_leave_the_skips_unknown(tmp_path, m
     monkeypatch.undo()
     run = reader.read_run(tmp_path, "train")
     assert "PermissionError: denied" in _unknown_origin(run)
-    assert run.context["fit_state"] == schema.FIT_ENDED
+    assert run.context["fit_state"] == run_context.FIT_ENDED
     assert run.context["collectors"]["loss_scale"]["state"] == "ok"
 
 

@@ -26,7 +26,7 @@ from mpprof.recording.collectors.gpu_host import HostRecorder
 from mpprof.recording.collectors.inventory import Inventory
 from mpprof.recording.collectors.numerics_samples import NumericsSamples
 from mpprof.recording.profiled_fit import ProfiledFit
-from mpprof.records import reader, schema
+from mpprof.records import reader, run_context
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -311,8 +311,8 @@ def test_after_another_callback_raised_the_next_profiled_fit_is_clean(tmp_path):
               callbacks=[mpprof.MixedPrecisionProfiler(str(tmp_path / "fresh"))])
     dead = reader.read_run(str(tmp_path / "dead"), "train")
     fresh = reader.read_run(str(tmp_path / "fresh"), "train")
-    assert dead.context["fit_state"] == schema.FIT_FAILED
-    assert fresh.context["fit_state"] == schema.FIT_ENDED
+    assert dead.context["fit_state"] == run_context.FIT_FAILED
+    assert fresh.context["fit_state"] == run_context.FIT_ENDED
     assert fresh.loss_scale.steps_run == int(model.optimizer.iterations.numpy()) + (
         fresh.loss_scale.skipped_steps + dead.loss_scale.skipped_steps)
     assert not _is_profiler_function(model)
@@ -374,7 +374,7 @@ def test_a_profiler_that_cannot_start_leaves_training_alone(tmp_path, monkeypatc
     profiled = _fit_as_without_the_profiler(tmp_path, "stopped recording profiler")
     context = reader.read_run(str(tmp_path), "train").context
     assert "injected into install" in context["collectors"]["profiler"]["reason"]
-    assert context["fit_state"] == schema.FIT_FAILED
+    assert context["fit_state"] == run_context.FIT_FAILED
     assert not _is_profiler_function(profiled) and "train_step" not in vars(profiled)
 
 
@@ -555,7 +555,7 @@ def test_sigkill_loses_at_most_the_flush_interval(tmp_path):
     overflow_steps = set(run.loss_scale.overflow_steps.astype(int).tolist())
     assert set(range(must_have)) <= overflow_steps
     # The run says it never ended.
-    assert run.context["fit_state"] == schema.FIT_RUNNING
+    assert run.context["fit_state"] == run_context.FIT_RUNNING
 
 
 @pytest.mark.parametrize("own_handler", [False, True], ids=["default", "user_handler"])

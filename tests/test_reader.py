@@ -3,7 +3,6 @@
 import os
 import shutil
 
-import keras
 import numpy as np
 import pytest
 from broken_logdirs import (
@@ -17,7 +16,7 @@ from broken_logdirs import (
     write_record,
     zeros_run,
 )
-from conftest import overflow_data, overflow_model
+from conftest import ScaleProbe, overflow_data, overflow_model
 from diagnosis_runs import logdir
 
 import mpprof
@@ -82,17 +81,6 @@ def test_a_record_cut_in_half_keeps_what_came_before(overflow_logdir, tmp_path):
                                   complete.loss_scale.overflow_steps)
 
 
-class _ScaleProbe(keras.callbacks.Callback):
-    """Ground truth of the same fit: the optimizer's scale and iterations
-    after every batch."""
-
-    def __init__(self):
-        super().__init__()
-        self.scales, self.iterations = [], []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.scales.append(float(self.model.optimizer.dynamic_scale.numpy()))
-        self.iterations.append(int(self.model.optimizer.iterations.numpy()))
 
 
 def test_loss_scale_series_is_the_optimizers_scale_step_by_step(tmp_path):
@@ -100,7 +88,7 @@ def test_loss_scale_series_is_the_optimizers_scale_step_by_step(tmp_path):
     probe read it after every batch of the same fit; the steps since the last
     overflow count from the last step whose update was skipped."""
     model = overflow_model(growth_steps=4)
-    probe = _ScaleProbe()
+    probe = ScaleProbe()
     x, y = overflow_data()
     model.fit(x, y, batch_size=8, epochs=3, verbose=0, shuffle=False,
               callbacks=[mpprof.MixedPrecisionProfiler(log_dir=str(tmp_path)), probe])

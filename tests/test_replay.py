@@ -681,3 +681,36 @@ def test_a_layer_that_cannot_compute_in_float32_alone_is_fixed_by_its_parent(tmp
     assert result["first_op"]["layer"] == "block/inner"
     assert result["verified"], result["verified_detail"]
     assert result["float32_layers"] == ["block"]
+
+
+def test_a_layer_built_with_a_dtype_policy_map_replays_to_a_verified_fix(tmp_path):
+    """A layer whose dtype is a DTypePolicyMap (no entry for it: it computes
+    in the map's default, float16) overflows: the replay finds and verifies
+    the same fix as for a plain policy, and leaves the map as it found it
+    (the passes that put the layer in float32 must take their entry out
+    again, not put the map into itself)."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    policy_map = keras.dtype_policies.DTypePolicyMap(default_policy="mixed_float16")
+    model = keras.Sequential([
+        keras.layers.Input((8,)),
+        keras.layers.Dense(16, kernel_initializer=_constant(0.1), name="d1"),
+        keras.layers.Dense(16, kernel_initializer=_constant(0.1), name="d2"),
+        keras.layers.Dense(16, kernel_initializer=_constant(5000.0), name="d3",
+                           dtype=policy_map),
+        keras.layers.Dense(1, kernel_initializer=_constant(1e-6), dtype="float32",
+                           name="out"),
+    ], name="mapped")
+    model.compile(optimizer=keras.optimizers.SGD(1e-6), loss="mse")
+    _fit(model, tmp_path)
+    capture = files.select_capture(str(tmp_path), "train", None)
+    rebuilt = engine._rebuild(capture)
+    d3 = rebuilt.get_layer("d3")
+    assert isinstance(d3.dtype_policy, keras.dtype_policies.DTypePolicyMap)
+    assert d3.compute_dtype == "float16"
+
+    result = replay(rebuilt, logdir=str(tmp_path), save=False)
+    assert result["first_op"]["layer"] == "d3"
+    assert result["float32_layers"] == ["d3"] and result["verified"] is True
+    # As found: the map has no entry for d3, and d3 computes in float16 again.
+    assert d3.compute_dtype == "float16" and d3.path not in d3.dtype_policy
+    assert replay(str(tmp_path))["verified"] is True

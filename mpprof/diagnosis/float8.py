@@ -52,7 +52,7 @@ def _require_float8(view: RunView):
     float8 = getattr(view.run, "float8", None)
     if float8 is not None and len(float8.steps):
         return float8
-    entry = (view.context.get("collectors") or {}).get("float8") or {}
+    entry = view.context.collector("float8")
     if entry.get("state") == "absent":
         raise NotApplicable(entry.get("reason") or "no float8 layers")
     if float8 is None and not entry:

@@ -128,7 +128,7 @@ def hardware(view: RunView) -> list:
             raise NotApplicable("bfloat16 on CPU: speed depends on AVX512_BF16/AMX")
         evidence = {
             "cpu_only": True,
-            "devices": [d.get("name") for d in view.context.get("devices", [])],
+            "devices": [d.get("name") for d in view.context.devices],
         }
         fix = (
             "CPUs have no float16 Tensor Cores: mixed_float16 is usually slower than "

@@ -155,9 +155,7 @@ def overflow_share(view: RunView) -> list:
     origin = gradient_overflow_origin(view)
     if origin is not None:
         evidence["gradient_overflow_starts_at"] = origin["name"]
-    growth_steps = view.context.get("collectors", {}).get("loss_scale", {}).get(
-        "dynamic_growth_steps"
-    )
+    growth_steps = view.context.collector("loss_scale").get("dynamic_growth_steps")
     if growth_steps is not None:
         evidence["dynamic_growth_steps"] = growth_steps
     if descent >= len(excess) / 2 and settled >= MIN_HEALTHY_LOSS_SCALE:
@@ -228,7 +226,7 @@ def no_loss_scaling(view: RunView) -> list:
         raise NotApplicable("bfloat16 needs no loss scaling")
     optimizers = view.optimizers
     if not optimizers:
-        state = view.context.get("collectors", {}).get("loss_scale", {}).get("state")
+        state = view.context.collector("loss_scale").get("state")
         if state is None:
             raise NotMeasured("no run context was recorded")
         raise NotMeasured("the run context names no optimizer")
@@ -275,7 +273,7 @@ def scale_loss_skipped(view: RunView) -> list:
     tf-keras, `apply_gradients` ran but neither `minimize` nor
     `get_scaled_loss`: the gradients were never scaled."""
     view.require_mixed()
-    used = view.context.get("optimizers")
+    used = view.context.optimizers
     if not isinstance(used, list):
         raise NotMeasured("which optimizer methods the train step called was not recorded")
     scaled = [o for o in view.optimizers if o.get("loss_scale")]

@@ -151,7 +151,7 @@ def _round_up(value: int, multiple: int) -> int:
 def policy_after_build(view: RunView) -> list:
     """The global policy is mixed, but every layer computes in float32: the
     policy was set after the model was built."""
-    global_policy = view.context.get("global_policy")
+    global_policy = view.context.global_policy
     if global_policy is None:
         raise NotMeasured("no run context was recorded")
     if not global_policy.startswith("mixed_"):

@@ -70,8 +70,8 @@ def format_text(run, result: Diagnosis, *, color: bool = False,
 
 
 def _run_line(run) -> str:
-    context = run.context or {}
-    optimizers = context.get("optimizers")
+    context = run.context
+    optimizers = context.optimizers
     if isinstance(optimizers, list) and optimizers:
         used = ", ".join(
             f"{o.get('name')} {o.get('class')}" if o.get("name") != "optimizer"
@@ -79,8 +79,8 @@ def _run_line(run) -> str:
             for o in optimizers if isinstance(o, dict)
         )
     else:
-        used = context.get("optimizer")
-    parts = [context.get("model_policy"), used]
+        used = context.optimizer
+    parts = [context.model_policy, used]
     loss_scale = run.loss_scale
     if loss_scale is not None:
         steps = loss_scale.steps_run - loss_scale.first_step

@@ -19,6 +19,7 @@ import numpy as np
 from mpprof.diagnosis.core import NotApplicable, NotMeasured
 from mpprof.diagnosis.fix_syntax import FixSyntax
 from mpprof.dtypes import DTYPE_MAX, HALF_DTYPES
+from mpprof.records.run_context import RunContext
 
 NUMERICS_HINT = (
     "per-layer numerics were not recorded: pass numerics_every=N to "
@@ -26,13 +27,13 @@ NUMERICS_HINT = (
 )
 
 
-def inventory_missing_reason(context: dict) -> str:
+def inventory_missing_reason(context: RunContext) -> str:
     """Why a run has no precision inventory, from what its run context says.
 
     Args:
-        context: the run's RUN_CONTEXT record.
+        context: the run's run context.
     """
-    state = (context.get("collectors") or {}).get("precision")
+    state = context.collectors.get("precision")
     if not isinstance(state, dict):
         return "no precision inventory was recorded (the run context does not say why)"
     if state.get("state") == "failed":
@@ -61,8 +62,8 @@ class RunView:
         self.run = run
 
     @functools.cached_property
-    def context(self) -> dict:
-        return self.run.context or {}
+    def context(self) -> RunContext:
+        return self.run.context
 
     @functools.cached_property
     def inventory(self) -> dict | None:
@@ -86,7 +87,7 @@ class RunView:
 
     @functools.cached_property
     def syntax(self) -> FixSyntax:
-        return FixSyntax(self.context.get("keras_flavor"))
+        return FixSyntax(self.context.keras_flavor)
 
     @functools.cached_property
     def loss_watched(self) -> bool:
@@ -99,13 +100,13 @@ class RunView:
         """The optimizers the train step used: the context's "optimizers", or
         for older runs the compiled optimizer alone (`{"name", "class",
         "inner", "loss_scale", "apply_called", "scale_loss_called"}`)."""
-        used = self.context.get("optimizers")
+        used = self.context.optimizers
         if isinstance(used, list):
             return [o for o in used if isinstance(o, dict)]
-        name = self.context.get("optimizer")
+        name = self.context.optimizer
         if name is None:
             return []
-        state = self.context.get("collectors", {}).get("loss_scale", {}).get("state")
+        state = self.context.collector("loss_scale").get("state")
         return [{
             "name": "optimizer",
             "class": name,
@@ -118,7 +119,7 @@ class RunView:
     @functools.cached_property
     def policy(self) -> str | None:
         """The model's dtype policy name."""
-        policy = self.context.get("model_policy")
+        policy = self.context.model_policy
         if policy is None and self.inventory:
             policy = self.inventory.get("model", {}).get("policy")
         return policy
@@ -170,7 +171,7 @@ class RunView:
 
     def require_loss_scale(self):
         if self.loss_scale is None:
-            state = self.context.get("collectors", {}).get("loss_scale", {})
+            state = self.context.collector("loss_scale")
             raise NotApplicable(
                 state.get("reason") or "no dynamic loss scale recorded (no LossScaleOptimizer)"
             )
@@ -179,7 +180,7 @@ class RunView:
     def require_numerics(self):
         if self.numerics is not None and len(self.numerics.steps) and len(self.numerics.layers):
             return self.numerics
-        state = self.context.get("collectors", {}).get("numerics", {})
+        state = self.context.collector("numerics")
         if state.get("state") == "ok":
             raise NotMeasured(
                 f"no step was sampled (numerics_every={state.get('every')} is more "
@@ -198,10 +199,10 @@ class RunView:
     @functools.cached_property
     def hardware(self) -> dict | None:
         """{"cpu_only": bool, "gpus": [...]} or None when unknown."""
-        hardware = self.context.get("hardware")
+        hardware = self.context.hardware
         if isinstance(hardware, dict) and "cpu_only" in hardware:
             return hardware
-        if self.context.get("gpus_visible_to_tensorflow") == 0:
+        if self.context.gpus_visible == 0:
             return {"cpu_only": True, "gpus": [], "source": "gpus_visible_to_tensorflow"}
         return None
 

@@ -13,7 +13,7 @@ from mpprof.recording.distributed import warn_if_keras_3_multi_worker
 from mpprof.recording.nvml import sampler
 from mpprof.recording.sampling import SampleSchedule
 from mpprof.recording.settings import Settings
-from mpprof.records import schema
+from mpprof.records import run_context
 
 
 class MixedPrecisionProfiler(keras.callbacks.Callback):
@@ -62,7 +62,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
     the chief writes the model-level records into `log_dir/train` and every
     worker its own host's records into `log_dir/train/worker_<i>`. Read the
     records with `tensorboard --logdir LOG_DIR` (the "mpprof" tab),
-    `mpprof diagnose LOG_DIR`, or `mpprof.records.reader.read_logdir(LOG_DIR)`.
+    `mpprof diagnose LOG_DIR`, or `mpprof.reader.read_logdir(LOG_DIR)`.
 
     The model is left as found: every patch is removed when `fit` ends or
     raises inside a train step, and `model.save()` works after `fit`.
@@ -192,4 +192,4 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         if self._fit is not None:
-            self._fit.finish(schema.FIT_ENDED)
+            self._fit.finish(run_context.FIT_ENDED)

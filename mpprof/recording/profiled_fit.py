@@ -29,7 +29,7 @@ from mpprof.recording.quiet_calls import QuietCalls
 from mpprof.recording.routing import RecordRouting
 from mpprof.recording.settings import Settings
 from mpprof.recording.siblings import sibling_callbacks
-from mpprof.records import schema
+from mpprof.records import run_context
 
 # The fit being profiled on each model, to refuse a second profiler in the
 # same fit and to finish one whose fit was ended by another's exception.
@@ -72,7 +72,7 @@ def _take_over(profiler, model, backend) -> None:
                 "Two mpprof.MixedPrecisionProfiler callbacks in one fit: they would "
                 "patch the same train step. Pass one (it records everything)."
             )
-    other.finish(schema.FIT_FAILED)
+    other.finish(run_context.FIT_FAILED)
 
 
 class ProfiledFit:
@@ -102,7 +102,7 @@ class ProfiledFit:
         self._context = ContextWriter(backend, model, settings, across_fits, self._guard,
                                       role, note)
         self._patches = Patches()
-        self._fit_state = schema.FIT_RUNNING
+        self._fit_state = run_context.FIT_RUNNING
         across_fits.fit_count += 1
         # Set by `begin` once the collectors are installed (None: not yet,
         # or profiling stopped before they were).
@@ -128,7 +128,7 @@ class ProfiledFit:
             self._begin()
         except Exception as e:  # noqa: BLE001 - mpprof's failure must not stop fit
             self._guard.fail("profiler", e)
-            self.finish(schema.FIT_FAILED)
+            self.finish(run_context.FIT_FAILED)
 
     def _begin(self) -> None:
         model, backend, patches = self.model, self._backend, self._patches
@@ -154,6 +154,9 @@ class ProfiledFit:
         self._after_calls_changed()
         self._sigterm.install()
         self._write_context()
+        # On disk at once: a fit stopped before its first step (by another
+        # callback) still says what it was and that its step never traced.
+        self._routing.flush()
 
     def _after_calls_changed(self) -> None:
         """What the first call's tracing, or a forensic sample, changes: the
@@ -187,7 +190,7 @@ class ProfiledFit:
         if not self._batch_pending or fit is None:
             # Called outside a profiled batch: a later fit or train_on_batch
             # after this fit was stopped by someone else's exception.
-            self.finish(schema.FIT_FAILED)
+            self.finish(run_context.FIT_FAILED)
             return self.model.train_function(*args)
         self._batch_pending = False
         if self._quiet.take():
@@ -361,17 +364,17 @@ class ProfiledFit:
 
     def finish(self, fit_state: str) -> None:
         """Ends the profiling of this fit: `fit_state` says how the fit ended
-        (`schema.FIT_ENDED` or `schema.FIT_FAILED`). Once only."""
+        (`run_context.FIT_ENDED` or `run_context.FIT_FAILED`). Once only."""
         self._fit_state = fit_state
         self._finish()
 
     def _abort(self) -> None:
         """`fit` is raising from inside a train step: keep what was recorded."""
-        self.finish(schema.FIT_FAILED)
+        self.finish(run_context.FIT_FAILED)
 
     def _finish_unended(self) -> None:
         """At interpreter exit, for a fit that never reached its end."""
-        self.finish(schema.FIT_FAILED)
+        self.finish(run_context.FIT_FAILED)
 
     def _finish(self) -> None:
         if self._routing is None:

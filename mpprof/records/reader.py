@@ -30,11 +30,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mpprof.records import filesystem, schema
+from mpprof.records import filesystem, run_context, schema
 from mpprof.records import float8 as float8_records
 from mpprof.records import views as record_views
 from mpprof.records.event_file import ReadWarnings, Record, read_event_file, series_key
 from mpprof.records.float8 import Float8
+from mpprof.records.run_context import RunContext
 from mpprof.records.views import Gpu, LossScale, Numerics
 from mpprof.terminal import printable
 
@@ -115,16 +116,16 @@ class Run:
             None, or `{"fit_state": "running"|"failed", "step": the largest
             step of any record, "wall_time": the latest record's time}`.
         """
-        state = self.context.get("fit_state")
-        if state in (None, "ended") or self.last_record is None:
+        state = self.context.fit_state
+        if state in (None, run_context.FIT_ENDED) or self.last_record is None:
             return None
         # The records stop early when a full disk stopped them: the fit-end
         # file, reserved at the start, says whether the fit itself ended.
         end = self.fit_ends[-1] if self.fit_ends else {}
-        if end.get("fit_state") == schema.FIT_ENDED:
+        if end.get("fit_state") == run_context.FIT_ENDED:
             return None
-        if end.get("fit_state") == schema.FIT_FAILED:
-            state = schema.FIT_FAILED
+        if end.get("fit_state") == run_context.FIT_FAILED:
+            state = run_context.FIT_FAILED
         step, wall_time = self.last_record
         return {"fit_state": state, "step": step, "wall_time": wall_time}
 
@@ -146,8 +147,9 @@ class Run:
         }
 
     @property
-    def context(self) -> dict:
-        return self.latest(schema.RUN_CONTEXT) or {}
+    def context(self) -> RunContext:
+        """The latest run context (`RunContext`, empty when none was read)."""
+        return RunContext(self.latest(schema.RUN_CONTEXT))
 
     @property
     def inventory(self) -> dict | None:
@@ -161,14 +163,14 @@ class Run:
         scale, numerics), written by the chief. None for any other run.
         """
         context = self.context
-        if context.get("run_role") != "worker":
+        if context.run_role != "worker":
             return None
-        distributed = context.get("distributed") or {}
+        distributed = context.distributed
         return {
             "index": distributed.get("worker_index"),
             "role": distributed.get("role"),
             "model_run": posixpath.dirname(self.name) or ".",
-            "evidence": context.get("worker_evidence") or {},
+            "evidence": context.worker_evidence,
         }
 
     @functools.cached_property
@@ -185,7 +187,7 @@ class Run:
         `g_opt`, `d_opt`)."""
         found = {}
         if self.loss_scale is not None:
-            loss_scale = (self.context.get("collectors") or {}).get("loss_scale") or {}
+            loss_scale = self.context.collector("loss_scale")
             found[str(loss_scale.get("primary", "optimizer"))] = self.loss_scale
         prefix = schema.LOSS_SCALE_PROGRESS + schema.SERIES_SEPARATOR
         for key in sorted(self.records):
@@ -220,7 +222,7 @@ class Run:
     def gpu(self) -> Gpu | None:
         """GPU samples and kernel share; None if the run recorded no GPU entry."""
         return record_views.gpu(
-            self.context.get("collectors", {}).get("gpu"),
+            self.context.collector("gpu") or None,
             self._stacked(schema.GPU_SAMPLES, len(schema.GPU_SAMPLE_COLUMNS)),
             self.latest(schema.KERNEL_STATS),
         )
@@ -304,6 +306,12 @@ def split_writers(states: list[FileState]) -> dict[str, list[FileState]]:
     for state in sorted(states, key=lambda s: _start_time(s[0])):
         start = _start_time(state[0])[0]
         end = state[2] / 1e9 if state[2] is not None else start
+        # A file whose name names no writer (not `<time>.<host>.<pid>.<n>`:
+        # copied in, or damaged) cannot be told apart: it stays in the run.
+        # Nor does it say when a writer was active.
+        if len(_writer_fields(state[0])) < 4:
+            groups[""].append(state)
+            continue
         if start + _START_RESOLUTION_S >= main_end or not groups[""]:
             groups[""].append(state)
             main_end = max(main_end, end)

@@ -115,13 +115,6 @@ RECORDS = (
 SERIES_RECORDS = (LOSS_SCALE_EVENTS, LOSS_SCALE_PROGRESS)
 SERIES_SEPARATOR = "@"
 
-# The run context's "fit_state": "running" from train begin (re-written at
-# every flush), "ended" when fit returned, "failed" when it raised (or when the
-# profiler could not record it at all: its context says why). A run whose
-# latest context still says "running" was cut short (killed, or still going).
-FIT_RUNNING = "running"
-FIT_ENDED = "ended"
-FIT_FAILED = "failed"
 
 LOSS_SCALE_EVENT_COLUMNS = ("step", "scale_before", "scale_after", "kind")
 LOSS_SCALE_PROGRESS_COLUMNS = ("steps_run", "scale", "skipped_steps")

@@ -18,14 +18,12 @@ from collections.abc import Callable
 import numpy as np
 
 from mpprof.records import schema
+from mpprof.records.run_context import FIT_STATES
 
 # Steps are stored as float64 columns: beyond 2**53 they are no longer exact
 # integers, and no run takes that many steps.
 MAX_STEP = 2**53
 
-# Values of the run context's "fit_state": written at train begin and at
-# each flush ("running"), when fit returned ("ended") or raised ("failed").
-FIT_STATES = ("running", "ended", "failed")
 
 Check = Callable[[object], str | None]
 

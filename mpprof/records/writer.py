@@ -19,7 +19,7 @@ import time
 import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 
-from mpprof.records import filesystem, schema, tfrecord
+from mpprof.records import filesystem, run_context, schema, tfrecord
 
 # Event files of one process are told apart by this count, as TensorBoard's
 # own writer does (two writers may start in the same second).
@@ -69,7 +69,7 @@ class RecordWriter:
         try:
             self._add(event_pb2.Event(wall_time=wall_time, file_version="brain.Event:2"))
             self.flush()
-            self._write_fit_end({"fit_state": schema.FIT_RUNNING})
+            self._write_fit_end({"fit_state": run_context.FIT_RUNNING})
         except BaseException:
             self._file.close()
             raise

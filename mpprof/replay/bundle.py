@@ -93,18 +93,18 @@ def write_bundle(logdir: str | os.PathLike, output: str | os.PathLike, *,
     capture = files.select_capture(logdir, run, step)
     read = reader.read_run(logdir, run)
     findings = [f.to_dict() for f in diagnosis.evaluate(read).findings] if read.readable else []
-    context = read.context or {}
-    hardware = context.get("hardware") or {}
+    context = read.context
+    hardware = context.hardware or {}
     versions = {
         **capture.manifest.get("versions", {}),
-        "keras_flavor": context.get("keras_flavor"),
+        "keras_flavor": context.keras_flavor,
         "cuda_driver_version": hardware.get("cuda_driver_version"),
         "driver_version": hardware.get("driver_version"),
         "gpus": [
             {key: gpu.get(key) for key in ("name", "architecture", "compute_capability")}
             for gpu in hardware.get("gpus", [])
         ],
-        "devices": context.get("devices"),
+        "devices": context.get("devices"),  # None (not []) when not recorded
     }
     statistics = {
         "batch": [_statistics(a) for a in _leaves(capture)],

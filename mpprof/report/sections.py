@@ -83,29 +83,20 @@ def _context_html(run: reader.Run) -> str:
     context = run.context
     if not context:
         return "<h3>Run context</h3><p class=muted>No run context was recorded.</p>"
-    loss_scale = context.get("collectors", {}).get("loss_scale", {})
+    loss_scale = context.collector("loss_scale")
     rows = [
-        ("model policy", context.get("model_policy")),
-        ("global policy", context.get("global_policy")),
-        ("optimizer", context.get("optimizer")),
+        ("model policy", context.model_policy),
+        ("global policy", context.global_policy),
+        ("optimizer", context.optimizer),
         ("loss scale", ", ".join(f"{k}={v}" for k, v in loss_scale.items())),
-        ("jit_compile", context.get("jit_compile")),
-        ("steps_per_execution", context.get("steps_per_execution")),
-        (
-            "strategy",
-            f"{context.get('distribution_strategy')} x{context.get('num_replicas')}",
-        ),
-        ("devices", ", ".join(str(d.get("name")) for d in context.get("devices", []))),
-        ("GPUs visible to TensorFlow", context.get("gpus_visible_to_tensorflow")),
-        ("hardware", context.get("hardware")),
-        (
-            "versions",
-            f"TensorFlow {context.get('tensorflow_version')}, Keras "
-            f"{context.get('keras_version')}, mpprof "
-            f"{context.get('mpprof_version')}, Python "
-            f"{context.get('python_version')}",
-        ),
-        ("host", context.get("host")),
+        ("jit_compile", context.jit_compile),
+        ("steps_per_execution", context.steps_per_execution),
+        ("strategy", context.strategy),
+        ("devices", ", ".join(str(d.get("name")) for d in context.devices)),
+        ("GPUs visible to the framework", context.gpus_visible),
+        ("hardware", context.hardware),
+        ("versions", context.versions),
+        ("host", context.host),
     ]
     loss = run.loss_scale
     if loss is not None:
@@ -160,7 +151,7 @@ def summary_html(diagnosed: list[tuple[reader.Run, diagnosis.Diagnosis]]) -> str
         more = len(result.findings) - MAX_SUMMARY_FINDINGS
         if more > 0:
             worst += f'<li><a href="#run-{index}-findings">{more} more</a></li>'
-        policy = (run.context or {}).get("model_policy")
+        policy = run.context.model_policy
         rows.append(
             f'<tr><td><a href="#run-{index}">{escape(run.name)}</a></td><td>{escape(policy)}</td>'
             f"<td>{counts}</td><td><ul>{worst}</ul></td></tr>"
@@ -233,7 +224,7 @@ _INVENTORY_COLUMNS = (
 )
 
 
-def _inventory_html(inventory: dict | None, context: dict) -> str:
+def _inventory_html(inventory: dict | None, context) -> str:
     if not inventory:
         reason = diagnosis.inventory_missing_reason(context)
         return f"<h3>Precision inventory</h3><p class=muted>{escape(reason)}.</p>"

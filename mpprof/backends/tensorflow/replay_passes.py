@@ -95,6 +95,32 @@ def subtree(tree: dict[str, object], name: str) -> list[str]:
     return [n for n in tree if n == name or n.startswith(name + "/")]
 
 
+def _policy_of(layer) -> tuple:
+    """What setting `layer.dtype_policy` changes, to put back after a pass.
+
+    A layer built with a `DTypePolicyMap` keeps the map: setting its policy
+    adds an entry for its path to the (shared) map, and setting the map back
+    would make the map an entry of itself. So for such a layer the entry is
+    what is kept: (map, whether it had one, the entry)."""
+    policy = layer.dtype_policy
+    path = getattr(layer, "path", None)
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap) and path:
+        return policy, path in policy, policy[path] if path in policy else None
+    return policy, None, None
+
+
+def _restore_policy(layer, saved: tuple) -> None:
+    policy, had_entry, entry = saved
+    path = getattr(layer, "path", None)
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap) and path:
+        if path in policy:
+            del policy[path]
+        if had_entry:
+            policy[path] = entry
+        return
+    layer.dtype_policy = policy
+
+
 def run_pass(model, batch, loss_scale: float, float32_layers: Iterable[str] | None,
              *, all_float32: bool = False) -> PassResult:
     """Runs the step once, eagerly, and watches it.
@@ -111,8 +137,8 @@ def run_pass(model, batch, loss_scale: float, float32_layers: Iterable[str] | No
     chosen = set(tree) if all_float32 else {
         n for name in (float32_layers or ()) for n in subtree(tree, name)
     }
-    policies = {name: tree[name].dtype_policy for name in chosen}
-    model_policy = model.dtype_policy
+    policies = {name: _policy_of(tree[name]) for name in chosen}
+    model_policy = _policy_of(model)
     # What a pass changes besides the weights is put back after it: moving
     # statistics, and the loss trackers `compute_loss` updates (a NaN left
     # there would be read by every later pass; the first pass creates them).
@@ -128,8 +154,8 @@ def run_pass(model, batch, loss_scale: float, float32_layers: Iterable[str] | No
     finally:
         watch.remove()
         for name, policy in policies.items():
-            tree[name].dtype_policy = policy
-        model.dtype_policy = model_policy
+            _restore_policy(tree[name], policy)
+        _restore_policy(model, model_policy)
         for variable, value in state:
             variable.assign(value)
         for metric in model.metrics:
