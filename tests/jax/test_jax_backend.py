@@ -272,13 +272,13 @@ def test_samples_come_every_n_steps_and_plain_steps_stay_plain(tmp_path):
 
 
 def test_an_overflow_arms_a_forensic_sample(tmp_path):
-    """The alarm is read when its step is done (one call late at most): the
-    first overflow (step 0) arms a sample within two calls, long before
+    """The alarm is read once its step is done (the host never waits for it):
+    the first overflow (step 0) arms a sample a few calls later, long before
     numerics_every=100; the spacing (50) allows no second one in 40 steps."""
     x, y = jax_runs.ones(8 * 40, 1000.0)
     run = jax_runs.fit(tmp_path, jax_runs.overflow_model(), x, y, numerics_every=100)
     assert run.loss_scale.overflow_steps[0] == 0
-    assert len(run.numerics.steps) == 1 and 1 <= run.numerics.steps[0] <= 2
+    assert len(run.numerics.steps) == 1 and 1 <= run.numerics.steps[0] < 40
     assert run.numerics.forensic.all()
     # The sampled step overflowed too: its gradients are beyond float16.
     assert (run.numerics.variable_grads["nonfinite_frac"] > 0).any()
