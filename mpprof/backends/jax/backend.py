@@ -64,8 +64,6 @@ class JaxBackend(base.Backend):
     alarm_in_logs = False
     fits_across_workers = False
     traced_train_function_attribute: str | None = None
-    # fit calls `train_function(state, iterator)` and gets `(logs, state)`.
-    train_function_returns_state = True
 
     def __init__(self, model):
         self.step_state: StepState | None = None
@@ -91,6 +89,7 @@ class JaxBackend(base.Backend):
         return SingleProcess()
 
     def logs_of(self, result):
+        """fit calls `train_function(state, iterator)` and gets `(logs, state)`."""
         return result[0] if isinstance(result, tuple) else result
 
     def is_optimizer(self, value) -> bool:

@@ -122,14 +122,14 @@ class TrainFunctions:
         it is traced, before any state is donated), it is dropped
         (`on_failure` gets the reason) and the plain one runs instead."""
         numerics = self._api.numerics
-        try:
-            data = next(iterator)
-        except StopIteration:
-            raise
+        data = next(iterator)  # (StopIteration: the end of the data)
         try:
             if isinstance(self.instrumented, _Lazy):
                 self.instrumented = self._compiled(numerics.instrumented_train_step)
-            logs, state = self._run(self.instrumented, state, iterator, data, on_abort)
+            # Its first run must not end the profiling if it fails: the plain
+            # step then runs this call (and raises the user's own errors).
+            logs, state = self._run(self.instrumented, state, iterator, data,
+                                    on_abort if self._instrumented_ran else (lambda: None))
         except Exception as error:
             if self._instrumented_ran:
                 raise  # (on_abort ran)
