@@ -410,3 +410,23 @@ def test_gpu_check_script_runs_on_cpu_with_tiny_sizes(tmp_path):
     assert figures["diagnosis"]["exit"] == 0
     assert {f["code"] for f in figures["diagnosis"]["findings"]} >= {"MP011"}
     assert figures["paired_overhead"]["mpprof defaults"]["us_per_step"] > 0
+
+
+def test_an_instrumented_step_that_fails_leaves_training_and_the_records(tmp_path, monkeypatch):
+    from mpprof.backends.jax import numerics_taps
+
+    def broken(self, state, data):
+        raise RuntimeError("cannot instrument")
+
+    monkeypatch.setattr(numerics_taps.NumericsTaps, "instrumented_train_step", broken)
+    plain = jax_runs.overflow_model()
+    x, y = jax_runs.ones(64, 1000.0)
+    plain.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+    model = jax_runs.overflow_model()
+    with pytest.warns(RuntimeWarning, match="cannot instrument"):
+        run = jax_runs.fit(tmp_path, model, x, y, numerics_every=2)
+    assert run.loss_scale.steps_run == 8 and run.fit_ends[-1]["fit_state"] == "ended"
+    numerics = run.context["collectors"]["numerics"]
+    assert numerics["state"] != "ok" and "cannot instrument" in numerics["reason"]
+    for a, b in zip(_weights(plain), _weights(model), strict=True):
+        np.testing.assert_array_equal(a, b)
