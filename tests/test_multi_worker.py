@@ -92,8 +92,9 @@ def test_every_worker_writes_its_own_run_and_no_file_is_shared(tf_keras_cluster)
     writers = {}  # run directory -> pids that wrote mpprof event files into it
     for directory, _, files in os.walk(logdir):
         for name in files:
-            pid = re.search(r"tfevents\.\d+\.[^/]+\.(\d+)\.\d+" + re.escape(
-                schema.EVENT_FILE_SUFFIX) + "$", name)
+            # An event file, or the fit-end file its writer keeps beside it.
+            pid = re.search(r"(?:tfevents|fit_end)\.\d+\.[^/]+\.(\d+)\.\d+" + re.escape(
+                schema.EVENT_FILE_SUFFIX) + "(?:\\.json)?$", name)
             assert pid, name
             run = os.path.relpath(directory, logdir)
             writers.setdefault(run, set()).add(int(pid.group(1)))

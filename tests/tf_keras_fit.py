@@ -215,7 +215,7 @@ def describe_run(logdir: str, name: str) -> dict:
     loss_scale = run.loss_scale
     numerics = run.numerics
     described = {
-        "context": run.context,
+        "context": run.context.record,
         "health": run.health,
         "inventory": run.inventory,
         "warnings": run.warnings,
