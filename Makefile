@@ -35,6 +35,7 @@ docs: install
 test: install docs
 	$(VENV)/bin/lint-imports
 	MPPROF_REQUIRE_TF_KERAS=1 $(PY) -m pytest -q
+	KERAS_BACKEND=jax $(PY) -m pytest -q tests/jax
 
 lint: install
 	$(VENV)/bin/ruff check mpprof tensorboard_plugin tests examples benchmarks

@@ -19,6 +19,10 @@ from no_silent_skips import pytest_runtest_makereport  # noqa: F401
 
 import mpprof
 
+# tests/jax runs in its own process with KERAS_BACKEND=jax (`make test`):
+# Keras picks its backend once, at import.
+collect_ignore = [] if keras.backend.backend() == "jax" else ["jax"]
+
 
 @pytest.fixture(autouse=True)
 def _restore_global_policy():

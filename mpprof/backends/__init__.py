@@ -13,7 +13,7 @@ import sys
 from mpprof.backends.base import Backend
 
 # The Keras 3 backends mpprof can profile.
-SUPPORTED = ("tensorflow",)
+SUPPORTED = ("tensorflow", "jax")
 
 
 class UnsupportedBackendError(RuntimeError):
@@ -31,10 +31,10 @@ def check_backend() -> None:
     backend = keras.backend.backend()
     if backend not in SUPPORTED:
         raise UnsupportedBackendError(
-            "mpprof.MixedPrecisionProfiler needs Keras' TensorFlow backend "
+            "mpprof.MixedPrecisionProfiler profiles Keras on TensorFlow or JAX "
             f"(KERAS_BACKEND is {os.environ.get('KERAS_BACKEND', backend)!r}). "
-            "Set KERAS_BACKEND=tensorflow before importing keras, or train without "
-            "the profiler."
+            "Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax before importing keras, "
+            "or train without the profiler."
         )
 
 
@@ -52,6 +52,12 @@ def backend_for(model) -> Backend:
 
         return TfKerasBackend()
     check_backend()
+    import keras
+
+    if keras.backend.backend() == "jax":
+        from mpprof.backends.jax.backend import JaxBackend
+
+        return JaxBackend(model)
     from mpprof.backends.tensorflow.backend import TensorFlowBackend
 
     return TensorFlowBackend()

@@ -51,6 +51,17 @@ class Backend:
     # classes `loss_scale_series`, `loss_watch`,
     # `numerics_taps`.
 
+    def distribute_strategy(self, model):
+        """The model's distribution strategy, or the backend's stand-in (the
+        core asks it `num_replicas_in_sync` and its multi-worker role)."""
+        return model.distribute_strategy
+
+    def logs_of(self, result):
+        """The logs dict of what a train-function call returned: the result
+        itself on TensorFlow; JAX's fit gets `(logs, state)`. The core takes
+        its own keys out of this dict (in place)."""
+        return result
+
     def is_optimizer(self, value) -> bool:
         raise NotImplementedError
 

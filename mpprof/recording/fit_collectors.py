@@ -56,7 +56,7 @@ def build(backend: Backend, model, settings: Settings, across_fits: AcrossFits, 
         """Whether the step being traced is the instrumented one."""
         return numerics[0].instrumenting
 
-    strategy = model.distribute_strategy
+    strategy = backend.distribute_strategy(model)
     capacity = 2 * (settings.flush_every_steps + backend.steps_per_execution(model))
     inventory = Inventory(backend, model, guard)
     loss_scales = backend.LossScales(

@@ -94,7 +94,7 @@ class ProfiledFit:
         self._settings = settings
         self._across_fits = across_fits
         self._schedule = across_fits.schedule
-        self._role = role = worker_role(model.distribute_strategy)
+        self._role = role = worker_role(backend.distribute_strategy(model))
         note = (announce_keras_3_multi_worker()
                 if role.multi_worker and not backend.fits_across_workers else None)
         self._guard = Guard()
@@ -183,48 +183,52 @@ class ProfiledFit:
 
     # The train function fit calls while this profiler runs.
 
-    def _run_train_function(self, iterator):
+    # `args`: what fit passes: `(iterator,)` on TensorFlow, `(state, iterator)`
+    # on JAX, whose function returns `(logs, state)` (`Backend.logs_of`).
+    def _run_train_function(self, *args):
         fit = self._fit
         if not self._batch_pending or fit is None:
             # Called outside a profiled batch: a later fit or train_on_batch
             # after this fit was stopped by someone else's exception.
             self.finish(run_context.FIT_FAILED)
-            return self.model.train_function(iterator)
+            return self.model.train_function(*args)
         self._batch_pending = False
         if self._quiet.take():
-            return self._run_quiet(iterator, fit)
+            return self._run_quiet(args, fit)
         # A call with something to do: the first, a sample, a flush, after
         # an alarm, or every call where quiet ones are not possible. The
         # schedule counts the quiet calls before it says whether one is due.
         self._guard.run("profiler", self._settle_quiet_calls)
         if self._sample_now(fit):
-            logs = self._run_sampled(iterator, fit)
+            result = self._run_sampled(args, fit)
         else:
             fit.sample_step = None
-            logs = self._functions.run_plain(iterator, on_abort=self._abort)
+            result = self._functions.run_plain(*args, on_abort=self._abort)
+        logs = self._backend.logs_of(result)
         alarm = None
         if isinstance(logs, dict):
             alarm = logs.pop(self._backend.alarm_logs_key, None)
             fit.replay_outputs = logs.pop(self._backend.replay_logs_key, None)
         self._guard.run("profiler", self._after_call, fit, alarm)
-        return logs
+        return result
 
-    def _run_quiet(self, iterator, fit: FitState):
+    def _run_quiet(self, args: tuple, fit: FitState):
         """Runs a quiet call (`mpprof.recording.quiet_calls`): the whole
         bookkeeping only if its alarm rang or a deadline passed."""
-        logs = self._functions.run_plain(iterator, on_abort=self._abort)
+        result = self._functions.run_plain(*args, on_abort=self._abort)
+        logs = self._backend.logs_of(result)
         alarm = (logs.pop(self._backend.alarm_logs_key, None)
                  if isinstance(logs, dict) else None)
         try:
             if self._alarm.unchanged(alarm) and self._quiet.went_quietly(fit):
-                return logs
+                return result
         except Exception as e:  # noqa: BLE001 - mpprof's failure must not stop fit
             self._quiet.stop()
             self._guard.fail("profiler", e)
-            return logs
+            return result
         self._quiet.stop()
         self._guard.run("profiler", self._after_call, fit, alarm)
-        return logs
+        return result
 
     def _settle_quiet_calls(self) -> None:
         self._quiet.settle(self._fit, self._flushes, self._schedule)
@@ -237,7 +241,7 @@ class ProfiledFit:
         numerics = self._collectors.numerics
         return bool(self._guard.run(numerics.name, numerics.prepare, fit))
 
-    def _run_sampled(self, iterator, fit: FitState):
+    def _run_sampled(self, args: tuple, fit: FitState):
         """Runs the instrumented function, its collectors' taps switched on."""
         fit.forensic = self._schedule.sampled()
         fit.sample_step = self._measured_step()
@@ -245,7 +249,7 @@ class ProfiledFit:
         for collector in sampling:
             collector.instrument(True)  # sets a flag the traced taps read
         try:
-            return self._functions.run_instrumented(iterator, on_abort=self._abort,
+            return self._functions.run_instrumented(*args, on_abort=self._abort,
                                                     on_failure=self._instrumented_failed)
         finally:
             for collector in sampling:

@@ -119,7 +119,9 @@ class RunContext(Mapping):
     @property
     def gpus_visible(self) -> int | None:
         """How many GPUs the framework saw; None when not recorded."""
-        return self._record.get("gpus_visible_to_tensorflow")
+        # (The JAX backend writes what JAX sees under its own key.)
+        record = self._record
+        return record.get("gpus_visible_to_tensorflow", record.get("gpus_visible_to_jax"))
 
     @property
     def versions(self) -> str:

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import tensorflow as tf
 
+from mpprof.backends.layer_records import called_method, walk_layers
 from mpprof.recording.patching import Patches
 
 _PATCH_MARKER = "_mpprof_wrapped"
@@ -36,36 +37,6 @@ _CALL_GRAPHS: contextvars.ContextVar[tuple] = contextvars.ContextVar(
 class CallHook(Protocol):
     def on_call(self, layer, args: tuple, kwargs: dict, outputs):
         """Sees one call of `layer`; returns `outputs` (possibly replaced)."""
-
-
-def walk_layers(model) -> list[tuple[str, object, str | None]]:
-    """(qualified name, layer, parent's qualified name) of every nested layer.
-
-    Depth first from `model` (not included); a layer reachable from several
-    parents is listed once, under the first.
-    """
-    found: list[tuple[str, object, str | None]] = []
-    seen: set[int] = set()
-
-    def visit(parent, parent_name: str | None) -> None:
-        for child in parent._flatten_layers(include_self=False, recursive=False):
-            if id(child) in seen or type(child).__name__ == "InputLayer":
-                continue
-            seen.add(id(child))
-            name = child.name if parent_name is None else f"{parent_name}/{child.name}"
-            found.append((name, child, parent_name))
-            visit(child, name)
-
-    visit(model, None)
-    return found
-
-
-def called_method(layer) -> str:
-    """The name of the method `Operation.__call__` runs for `layer`:
-    "quantized_call" for a quantized layer, "call" otherwise (tf-keras
-    layers have no `quantization_mode`)."""
-    quantized = getattr(layer, "quantization_mode", None) is not None
-    return "quantized_call" if quantized else "call"
 
 
 class LayerCallPatch:

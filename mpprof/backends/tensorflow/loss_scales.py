@@ -151,6 +151,10 @@ class LossScales(Collector):
             return tf.constant(1.0)
         return primary.scale_tensor()
 
+    def scale_value(self) -> float:
+        """The primary optimizer's loss scale now (a host read; 1 without one)."""
+        return float(self.scale_tensor().numpy())
+
     def step_of(self, use) -> int:
         """Steps optimizer `use` has run (a host read): its apply calls, plus
         its skipped steps under loss scaling (Keras 3 does not count them)."""

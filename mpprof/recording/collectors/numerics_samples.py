@@ -56,7 +56,8 @@ class NumericsSamples(Collector):
         """Makes the collector before the first sampled call."""
         if self.collector is None:
             model = fit.model
-            collector = self._collector_class(model, model.distribute_strategy)
+            # (A JAX model has no distribute_strategy: its collector needs none.)
+            collector = self._collector_class(model, getattr(model, "distribute_strategy", None))
             for use in fit.usage.used():
                 # Each optimizer's gradients are unscaled by its own scale.
                 collector.wrap_optimizer(
@@ -88,7 +89,7 @@ class NumericsSamples(Collector):
             fit.writer.write_json(schema.NUMERICS_LAYOUT, layout, fit.sample_step)
             self._layout_written = layout
         loss = self._health.last_loss() if fit.guard.ok(self._health.name) else math.nan
-        scale = float(self._loss_scales.scale_tensor().numpy())
+        scale = self._loss_scales.scale_value()
         sample[schema.NUMERICS_STEP] = np.array([
             fit.sample_step, loss, scale, float(fit.forensic), fit.step - fit.sample_step,
         ])

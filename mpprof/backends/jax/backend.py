@@ -1,0 +1,135 @@
+"""Keras 3 on JAX: the `Backend` the recording core asks.
+
+What differs from TensorFlow (`mpprof.backends.tensorflow.backend`):
+
+- the train function is `train_function(state, iterator) -> (logs, state)`
+  with the state donated; the profiled one is mpprof's own jit of Keras'
+  `train_step` with a small state of mpprof's beside it
+  (`step_state.StepState`), which records overflows, growths and the loss
+  check inside the step, read only at flush points;
+- the optimizer updates through `stateless_apply`; the model's variables hold
+  the state only at epoch ends (Keras writes it back then), so nothing reads
+  them during an epoch;
+- the alarm is read one call late (`call_alarm`);
+- per-layer numerics run in a second jitted step that returns the statistics
+  as outputs (`numerics`);
+- float8 records, replay capture and XProf windows are not implemented yet:
+  their collectors say "unavailable" (`unavailable`).
+"""
+
+from __future__ import annotations
+
+from mpprof.backends import base
+from mpprof.backends.jax import call_alarm, context, hardware, unavailable
+from mpprof.backends.jax.layer_calls import LayerCallPatch
+from mpprof.backends.jax.loss_scale_series import LossScaleSeries
+from mpprof.backends.jax.loss_scales import LossScales
+from mpprof.backends.jax.numerics_taps import NumericsTaps
+from mpprof.backends.jax.precision_tracer import PrecisionTracer
+from mpprof.backends.jax.run_health import LossWatch, RunHealth
+from mpprof.backends.jax.step_state import StepState
+from mpprof.backends.jax.train_functions import TrainFunctions
+
+
+class SingleProcess:
+    """What the core asks of a distribution strategy, for JAX (which has
+    none: `keras.distribution` shards within one process)."""
+
+    num_replicas_in_sync = 1
+    extended = None
+
+
+class JaxBackend(base.Backend):
+    """What mpprof needs from Keras 3 on JAX. One instance per fit: it holds
+    the fit's `StepState`."""
+
+    name = "jax"
+    flavor = "keras"
+    loss_scale_series = LossScaleSeries
+    loss_watch = LossWatch
+    LossScales = LossScales
+    RunHealth = RunHealth
+    Float8State = unavailable.Float8State
+    Float8Shares = unavailable.Float8Shares
+    ReplayCapture = unavailable.ReplayCapture
+    TrainFunctions = TrainFunctions
+    CallAlarm = call_alarm.CallAlarm
+    PrecisionTracer = PrecisionTracer
+    LayerCallPatch = LayerCallPatch
+    alarm_logs_key = call_alarm.LOGS_KEY
+    replay_logs_key = "_mpprof_replay"
+    apply_method = "stateless_apply"
+    loss_methods: tuple[str, ...] = ("scale_loss",)
+    # The alarm is in the logs, but read one call late (`call_alarm`).
+    alarm_in_logs = False
+    fits_across_workers = False
+    traced_train_function_attribute: str | None = None
+
+    def __init__(self, model):
+        self.step_state: StepState | None = None
+        self._model = model
+        # The numerics collector, once the first sample made it.
+        self.numerics: NumericsTaps | None = None
+
+    @property
+    def numerics_taps(self):
+        """Makes the numerics taps (`NumericsSamples` calls it with the
+        model and its strategy): they register with this backend."""
+        return lambda model, strategy: NumericsTaps(model, self)
+
+    def make_step_state(self, capacity: int) -> StepState:
+        """The fit's step state (made once, by the loss-scale collectors)."""
+        if self.step_state is None:
+            model = self._model
+            self.step_state = StepState(
+                model, capacity, self.is_loss_scale_optimizer(model.optimizer))
+        return self.step_state
+
+    def distribute_strategy(self, model):
+        return SingleProcess()
+
+    def logs_of(self, result):
+        """fit calls `train_function(state, iterator)` and gets `(logs, state)`."""
+        return result[0] if isinstance(result, tuple) else result
+
+    def is_optimizer(self, value) -> bool:
+        import keras
+
+        return isinstance(value, keras.optimizers.Optimizer)
+
+    def is_loss_scale_optimizer(self, optimizer) -> bool:
+        import keras
+
+        return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+    @property
+    def callback_list_class(self) -> type:
+        import keras
+
+        return keras.callbacks.CallbackList
+
+    @property
+    def tensorboard_class(self) -> type:
+        import keras
+
+        return keras.callbacks.TensorBoard
+
+    def candidate_optimizers(self, model) -> list[tuple[str, object]]:
+        """The compiled optimizer only: Keras' JAX train step passes its
+        variables (and no other optimizer's) through the step's state."""
+        return [("optimizer", model.optimizer)] if self.is_optimizer(model.optimizer) else []
+
+    def steps_per_execution(self, model) -> int:
+        return int(getattr(model, "steps_per_execution", 1) or 1)
+
+    def fixed_steps_per_execution(self, model) -> int | None:
+        return self.steps_per_execution(model)
+
+    def run_context(self, model, **facts) -> dict:
+        return context.run_context(model, **facts)
+
+    def hardware_facts(self, sampler) -> dict:
+        return hardware.hardware_facts(sampler)
+
+    def profile_window(self, start: int, stop: int, run_dir: str):
+        return unavailable.ProfileWindow(start, stop, run_dir)

@@ -1,0 +1,112 @@
+"""The loss scale of a Keras 3 LossScaleOptimizer on JAX, exact to the step.
+
+On JAX the optimizer runs `stateless_apply`: a skipped step leaves the apply
+count alone and halves the scale, inside the jitted step, with no Python
+method to wrap. The step itself records each overflow and growth in
+mpprof's ring (`mpprof.backends.jax.step_state`); this collector reads it at
+flush points. The step axis counts every step, skipped ones included: apply
+calls plus skipped steps, as on TensorFlow.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpprof.recording.optimizer_usage import applied_steps
+from mpprof.recording.step_origin import Origin
+
+MODE_STEP_STATE = "step_state"
+
+
+class LossScaleSeries:
+    """Records one LossScaleOptimizer's scale from the step's own state.
+
+    Args:
+        optimizer: the model's (built) LossScaleOptimizer.
+        step_state: the fit's `StepState` (replaced by `attach` each fit).
+        capacity: events the ring holds between two reads.
+    """
+
+    # The growths are recorded by the step, not derived.
+    derives_growth = False
+    mode = MODE_STEP_STATE
+    unknown_origin_means = (
+        "the steps recorded start at the optimizer's apply calls, early by the "
+        "steps skipped before this profiler's first fit (Keras 3 does not count them)"
+    )
+
+    def __init__(self, optimizer, step_state, capacity: int):
+        self.optimizer = optimizer
+        self.capacity = int(capacity)
+        self.dropped_events = 0
+        self.origin: Origin | None = None
+        self._skipped = 0  # host copy, kept across fits
+        self._events_read = 0
+        self._state = None
+        self.attach(step_state)
+
+    def attach(self, step_state) -> None:
+        """Counts on in a new fit's step state (its ring starts empty)."""
+        self._state = step_state
+        self._events_read = 0
+        step_state.start_skipped = self._skipped
+
+    def nothing_ran(self) -> bool:
+        """Whether no train step ran this optimizer yet (read from the
+        variables: called before the fit's first step)."""
+        return not self.optimizer.built or (
+            int(np.asarray(applied_steps(self.optimizer).value)) == 0
+            and self.scale() == float(self.optimizer.initial_scale))
+
+    def start_from(self, origin: Origin) -> None:
+        self.origin = origin
+        self._skipped = origin.skipped or 0
+        self._state.start_skipped = self._skipped
+
+    def settings(self) -> dict:
+        opt = self.optimizer
+        return {
+            "mode": self.mode,
+            "initial_scale": float(opt.initial_scale),
+            "dynamic_growth_steps": int(opt.dynamic_growth_steps),
+            "inner_optimizer": type(opt.inner_optimizer).__name__,
+            "buffer_capacity": self.capacity,
+            "dropped_events": self.dropped_events,
+            "growth_events": "recorded by the step (its scale before and after)",
+        }
+
+    def skipped_steps(self) -> int:
+        if self._state.arrays is None:
+            return self._skipped
+        self._skipped = self._state.skipped()
+        return self._skipped
+
+    def current_step(self) -> int:
+        if self._state.arrays is None:
+            return self.steps_given_skipped(self._skipped)
+        return self._state.steps_run()
+
+    def steps_given_skipped(self, skipped: int) -> int:
+        """Apply calls plus `skipped` (before the fit's state exists: from
+        the variables)."""
+        if self._state.arrays is None:
+            return int(np.asarray(applied_steps(self.optimizer).value)) + skipped
+        return self._state.applied() + skipped
+
+    def scale(self) -> float:
+        if self._state.arrays is None:
+            return float(np.asarray(self.optimizer.dynamic_scale.value))
+        return self._state.scale()
+
+    def read(self) -> tuple[np.ndarray, np.ndarray]:
+        """New events since the last read, and the progress row now."""
+        count, ring = self._state.events()
+        new = count - self._events_read
+        lost = max(0, new - self.capacity)
+        self.dropped_events += lost
+        new -= lost
+        slots = np.arange(count - new, count) % self.capacity
+        self._events_read = count
+        progress = np.array([self.current_step(), self.scale(), self.skipped_steps()],
+                            dtype=np.float64)
+        return ring[slots], progress

@@ -1,0 +1,275 @@
+"""Per-layer activation and gradient statistics on sampled steps, on JAX.
+
+The sampled step is a second jitted function beside the plain one (which
+stays Keras' step plus mpprof's counters): `instrumented_train_step` runs
+Keras' JAX `train_step` recipe (`compute_loss_and_updates` under
+`jax.value_and_grad`, `stateless_apply`, the metrics update) with one more
+differentiated input, a zero table of probes [layers, calls, raw columns].
+While it is traced, the layer wrappers (`on_call`, a `LayerCallPatch` hook)
+take each measured layer's output through an identity with a custom VJP: its
+forward statistics leave through the loss function's aux output, and its
+backward rule returns, as the probe's cotangent, the statistics of the
+gradient flowing into the layer. The gradient of the probe table IS the
+backward statistics: no host callback, no extra pass. Variable gradients
+(scaled, and unscaled by the step's loss scale) come from the same
+`value_and_grad`. Everything leaves the step as one output the host copies
+after the sampled call.
+
+Measured: every leaf layer; a recurrent layer (its cell runs in a
+`lax.scan`) at its boundary; a layer called inside other control flow (its
+values belong to an inner trace) is skipped and listed with the reason. A
+layer called more than `MAX_CALLS` times in one step is measured on its
+first calls only (also listed). A model that overrides `train_step` is not
+sampled: the instrumented step would not be its step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpprof.backends.jax.tensor_statistics import (
+    ESTIMATED_COLUMNS,
+    RAW_COLUMNS,
+    SAMPLE_VALUES,
+    merge_rows,
+    raw_statistics,
+    statistics_of_rows,
+)
+from mpprof.backends.layer_records import variable_path, walk_layers
+from mpprof.records import schema
+
+# Calls of one layer in one step that are measured (a shared layer).
+MAX_CALLS = 4
+SAMPLE_KEY = "_mpprof_sample"
+
+
+def _sublayers(layer) -> list:
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def _is_recurrent(layer) -> bool:
+    return any(cls.__name__ == "RNN" for cls in type(layer).__mro__)
+
+
+@jax.custom_vjp
+def _tap(x, probe):
+    return x
+
+
+def _tap_fwd(x, probe):
+    return x, None
+
+
+def _tap_bwd(_, gradient):
+    # The gradient flows on unchanged; the probe's "gradient" is its statistics.
+    return gradient, raw_statistics(gradient)
+
+
+_tap.defvjp(_tap_fwd, _tap_bwd)
+
+
+class _Trace:
+    """What one trace of the instrumented step gathers."""
+
+    def __init__(self, probes):
+        self.probes = probes
+        self.forward: dict[int, list] = {}
+        self.calls: dict[int, int] = {}
+
+
+class NumericsTaps:
+    """Per-layer forward/backward and per-variable gradient statistics.
+
+    Args:
+        model: the built model.
+        backend: the fit's `JaxBackend` (it hands the collector to the
+            train functions).
+    """
+
+    def __init__(self, model, backend):
+        if type(model).train_step is not _jax_trainer().train_step:
+            raise NotImplementedError(
+                "the model overrides train_step: the instrumented step would not be its step")
+        self.instrumenting = False
+        self._model = model
+        entries = walk_layers(model)
+        self.layer_names = [name for name, _, _ in entries]
+        self._rows = {id(layer): row for row, (_, layer, _) in enumerate(entries)}
+        parents = {name: row for row, (name, _, _) in enumerate(entries)}
+        self._measured_rows: set[int] = set()
+        self._skipped: dict[int, str] = {}
+        self._measured_at: dict[int, int] = {}
+        for row, (_, layer, parent) in enumerate(entries):
+            recurrent = None
+            while parent is not None:
+                if _is_recurrent(entries[parents[parent]][1]):
+                    recurrent = parents[parent]
+                parent = entries[parents[parent]][2]
+            if recurrent is not None:
+                self._skipped[row] = (f"runs inside the recurrent layer "
+                                      f"{entries[recurrent][0]!r} (its lax.scan)")
+                self._measured_at[row] = recurrent
+            elif _is_recurrent(layer) or not _sublayers(layer):
+                self._measured_rows.add(row)
+        self._variables = [v for v in model.trainable_variables
+                           if not getattr(v, "overwrite_with_gradient", False)]
+        self.variable_names = [variable_path(v) for v in self._variables]
+        self._trainable_index = [
+            next(i for i, t in enumerate(model.trainable_variables) if t is v)
+            for v in self._variables
+        ]
+        self._call_order: list[int] = []
+        self._trace: _Trace | None = None
+        self._sample = None
+        backend.numerics = self
+
+    # The traced step.
+
+    def on_call(self, layer, args, kwargs, outputs):
+        trace = self._trace
+        row = self._rows.get(id(layer))
+        if trace is None or row is None or row not in self._measured_rows:
+            return outputs
+        flat, tree = jax.tree_util.tree_flatten(outputs)
+        position = next((i for i, t in enumerate(flat) if isinstance(t, jax.Array)
+                         and jnp.issubdtype(t.dtype, jnp.floating)), None)
+        if position is None:
+            return outputs
+        output = flat[position]
+        if getattr(output, "_trace", None) is not getattr(trace.probes, "_trace", None):
+            # Its values belong to an inner trace (lax.scan, cond, while):
+            # they cannot leave it.
+            self._skipped.setdefault(row, "called inside JAX control flow (lax.scan, "
+                                          "cond or while_loop), whose values cannot leave it")
+            return outputs
+        call = trace.calls.get(row, 0)
+        trace.calls[row] = call + 1
+        if call >= MAX_CALLS:
+            self._skipped.setdefault(row, f"called more than {MAX_CALLS} times in a step: "
+                                          f"its first {MAX_CALLS} calls are measured")
+            return outputs
+        trace.forward.setdefault(row, []).append(raw_statistics(jax.lax.stop_gradient(output)))
+        if row not in self._call_order:
+            self._call_order.append(row)
+        flat[position] = _tap(output, trace.probes[row, call])
+        return jax.tree_util.tree_unflatten(tree, flat)
+
+    def instrumented_train_step(self, state, data):
+        """Keras' JAX `train_step` (keras/src/backend/jax/trainer.py) with
+        the probes differentiated too; the sample leaves in the logs."""
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        model = self._model
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        rows = len(self.layer_names)
+
+        def loss_function(trainable, probes):
+            self._trace = _Trace(probes)
+            try:
+                loss, aux = model.compute_loss_and_updates(
+                    trainable, non_trainable, metrics_variables, x, y, sample_weight,
+                    training=True, optimizer_variables=optimizer_variables)
+                forward = self._trace.forward
+            finally:
+                self._trace = None
+            table = jnp.zeros((rows, RAW_COLUMNS), jnp.float32)
+            for row, found in forward.items():
+                table = table.at[row].set(merge_rows(found))
+            return loss, (aux, table)
+
+        probes = jnp.zeros((rows, MAX_CALLS, RAW_COLUMNS), jnp.float32)
+        (loss, (aux, forward)), (grads, probe_grads) = jax.value_and_grad(
+            loss_function, argnums=(0, 1), has_aux=True)(trainable, probes)
+        unscaled_loss, y_pred, non_trainable, metrics_variables = aux
+        scale = jnp.float32(1.0)
+        optimizer = model.optimizer
+        if hasattr(optimizer, "dynamic_scale"):
+            index = next(i for i, v in enumerate(optimizer.variables)
+                         if v is optimizer.dynamic_scale)
+            scale = jnp.asarray(optimizer_variables[index], jnp.float32)
+        gradients = [grads[i] for i in self._trainable_index]
+        sample = {
+            "forward": forward,
+            "backward": probe_grads,
+            "gradients": jnp.stack([raw_statistics(g) for g in gradients])
+            if gradients else jnp.zeros((0, RAW_COLUMNS)),
+            "unscaled_gradients": jnp.stack(
+                [raw_statistics(g.astype(jnp.float32) / scale) for g in gradients])
+            if gradients else jnp.zeros((0, RAW_COLUMNS)),
+            "loss": jnp.sum(jnp.asarray(unscaled_loss, jnp.float32)),
+        }
+        trainable, optimizer_variables = optimizer.stateless_apply(
+            optimizer_variables, grads, trainable)
+        logs, metrics_variables = model._update_metrics_variables(
+            metrics_variables, unscaled_loss, x, y, y_pred, sample_weight)
+        logs = {**logs, SAMPLE_KEY: sample}
+        return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+    def receive(self, sample) -> None:
+        """The sample the instrumented call returned (device arrays)."""
+        self._sample = sample
+
+    # The core's interface (`mpprof.recording.collectors.numerics_samples`).
+
+    def wrap_optimizer(self, optimizer, loss_scale_getter, patches) -> None:
+        """(The instrumented step reads the gradients itself.)"""
+
+    @property
+    def call_order(self) -> list[int]:
+        seen = [row for row in self._call_order if row not in self._skipped
+                or self._skipped[row].startswith("called more than")]
+        unseen = sorted(self._measured_rows - set(self._call_order) - set(self._skipped))
+        return seen + unseen
+
+    def read(self) -> dict[str, np.ndarray]:
+        sample, self._sample = jax.device_get(self._sample), None
+        backward = np.asarray(sample["backward"])
+        # A layer's calls: counts add up, abs-max is the maximum.
+        merged = backward.sum(axis=1)
+        merged[:, 2] = backward[:, :, 2].max(axis=1)
+        order = self.call_order
+        forward, forward_hist = statistics_of_rows(np.asarray(sample["forward"]))
+        backward, backward_hist = statistics_of_rows(merged)
+        return {
+            schema.NUMERICS_FORWARD: forward[order],
+            schema.NUMERICS_BACKWARD: backward[order],
+            schema.NUMERICS_FORWARD_HIST: forward_hist[order],
+            schema.NUMERICS_BACKWARD_HIST: backward_hist[order],
+            schema.NUMERICS_GRADIENTS: statistics_of_rows(np.asarray(sample["gradients"]))[0],
+            schema.NUMERICS_UNSCALED_GRADIENTS: statistics_of_rows(
+                np.asarray(sample["unscaled_gradients"]))[0],
+            "loss": float(sample["loss"]),
+        }
+
+    def layout(self, policy_max: float) -> dict:
+        return {
+            "layers": [self.layer_names[row] for row in self.call_order],
+            "variables": self.variable_names,
+            "hist_edges": schema.NUMERICS_HIST_EDGES,
+            "policy_max": policy_max,
+            "aggregation": ("per layer, summed over its call sites in the first step of "
+                            "the sampled call (abs_max: maximum)"),
+            "estimated": {
+                "columns": list(ESTIMATED_COLUMNS),
+                "histograms": True,
+                "sample_values": SAMPLE_VALUES,
+                "how": ("a tensor of more than sample_values values is cut into that many "
+                        "equal strata and one value at a fixed jitter in each stands for "
+                        "its stratum; count, nonfinite and abs_max are exact"),
+            },
+            "skipped": [
+                {"layer": self.layer_names[row], "reason": reason,
+                 "measured_at": (self.layer_names[self._measured_at[row]]
+                                 if row in self._measured_at else None)}
+                for row, reason in self._skipped.items()
+            ],
+        }
+
+
+def _jax_trainer():
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    return JAXTrainer

@@ -1,0 +1,140 @@
+"""The HEALTH record on JAX: is the loss finite, are the weights finite.
+
+Keras' JAX train step hands its unscaled loss to the model's
+`_update_metrics_variables` (outside the gradient trace); the profiled step
+takes it there and checks it in the step itself (`StepState`): the count of
+steps with a non-finite loss and the first such step, exact to the step
+(also under `steps_per_execution > 1`), read at flush points. The weights
+are checked on the host at epoch ends and when fit ends, once Keras has
+written the step's state back to the variables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from mpprof.backends.layer_records import variable_path
+from mpprof.recording.collectors.base import Collector
+from mpprof.recording.optimizer_usage import OptimizerUsage
+from mpprof.recording.patching import Patches
+from mpprof.records import schema
+
+
+class LossWatch:
+    """The non-finite losses of the compiled optimizer's steps, across fits."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.available = True
+        self.nonfinite = 0
+        self.first: int | None = None
+        self._state = None
+
+    def attach(self, step_state) -> None:
+        self._state = step_state
+        step_state.start_nonfinite = self.nonfinite
+        step_state.start_first_nonfinite = -1 if self.first is None else self.first
+
+    def watched(self) -> bool:
+        """Whether the traced step handed its loss over (unknown until
+        traced: assumed)."""
+        return self._state is None or self._state.loss_watched is not False
+
+    def read(self) -> dict:
+        if self._state is not None and self._state.arrays is not None:
+            self.nonfinite = self._state.nonfinite()
+            self.first = self._state.first_nonfinite()
+        return {
+            "first_nonfinite_loss_step": self.first,
+            "first_nonfinite_loss_step_last": self.first,
+            "first_nonfinite_loss_count": None if self.first is None else 1,
+            "nonfinite_loss_steps": self.nonfinite,
+        }
+
+    def last_loss(self) -> float:
+        return self._state.last_loss() if self._state is not None else math.nan
+
+
+class RunHealth(Collector):
+    """The loss watch of the compiled optimizer, and the weight check.
+
+    Args: as `mpprof.backends.tensorflow.run_health.RunHealth`.
+    """
+
+    name = "loss_health"
+
+    def __init__(self, keras_api, usage: OptimizerUsage, strategy, step_of, reuse: dict,
+                 instrumenting: Callable[[], bool]):
+        self._usage = usage
+        self.watchers = {}
+        state = keras_api.step_state
+        for use in usage.uses[:1]:  # the compiled optimizer: the one in state[2]
+            watcher = reuse.get(id(use.optimizer)) or keras_api.loss_watch(use.optimizer)
+            watcher.attach(state)
+            self.watchers[use.name] = watcher
+        self.nonfinite_weights: list[str] = []
+
+    def install(self, fit, patches: Patches) -> None:
+        pass
+
+    def flush(self, fit) -> None:
+        fit.writer.write_json(schema.HEALTH, self.record(fit.step), fit.step)
+
+    def end(self, fit) -> None:
+        self.check_weights(fit.model)
+
+    def context(self) -> dict:
+        if self.watched() is not None:
+            return {"state": "ok", "loss_checked": "in the step (exact to the step)"}
+        return {"state": "absent", "reason": (
+            "the train step handed no loss to Keras' metrics update (a custom "
+            "train_step): the loss is not watched on JAX")}
+
+    def nonfinite_counters(self) -> list:
+        return []
+
+    def note_calls(self, first_step: int, last_step: int) -> None:
+        """(The step dates its own first non-finite loss.)"""
+
+    def watched(self):
+        for watcher in self.watchers.values():
+            if watcher.watched():
+                return watcher
+        return None
+
+    def last_loss(self) -> float:
+        watcher = self.watched()
+        return watcher.last_loss() if watcher is not None else math.nan
+
+    def check_weights(self, model) -> None:
+        if any(getattr(w, "_value", 0) is None for w in model.weights):
+            # Mid-epoch (a fit that raised inside a step) Keras keeps the
+            # state outside the variables: the last check stands.
+            return
+        found = []
+        for weight in model.weights:
+            if "float" not in str(weight.dtype):  # float16/32/64, bfloat16, float8
+                continue
+            if not np.isfinite(np.asarray(weight.value, np.float32)).all():
+                found.append(variable_path(weight))
+        self.nonfinite_weights = found
+
+    def record(self, step: int) -> dict:
+        watcher = self.watched()
+        if watcher is not None:
+            loss = {"loss_watched": True, **watcher.read()}
+        else:
+            loss = {
+                "loss_watched": False,
+                "first_nonfinite_loss_step": None,
+                "first_nonfinite_loss_step_last": None,
+                "first_nonfinite_loss_count": None,
+                "nonfinite_loss_steps": None,
+            }
+        return {**loss, "nonfinite_weights": self.nonfinite_weights, "checked_step": step}
+
+    def by_optimizer(self) -> dict[int, object]:
+        return {id(w.optimizer): w for w in self.watchers.values()}

@@ -1,0 +1,144 @@
+"""The train function of a profiled JAX fit, and how each call runs.
+
+Keras' JAX `fit` calls `model.train_function(state, iterator)` and gets
+`(logs, state)`; the function it made before `on_train_begin` jits
+`train_step` with the state donated and, under `steps_per_execution=N`,
+calls it N times from Python. While a fit is profiled, `model.train_function`
+is the profiler's dispatcher, which runs mpprof's own jit of the same
+`train_step` (`StepState.step_function`: the model's step plus mpprof's
+counters, which leave it as a second donated state) the same way, so every
+step runs one compiled function, as in Keras' own fit.
+
+On sampled calls the dispatcher runs the instrumented function instead: the
+numerics collector's `instrumented_train_step` (`mpprof.backends.jax.numerics_taps`)
+in the same wrapper, jitted on its first sampled call, for the call's first
+step; the call's other steps (`steps_per_execution > 1`) run plain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from mpprof.backends.jax.numerics_taps import SAMPLE_KEY
+from mpprof.recording.guard import describe_error
+from mpprof.recording.patching import Patches
+
+
+class _Lazy:
+    """The instrumented function before its first sampled call builds it."""
+
+
+class TrainFunctions:
+    """Makes and runs the profiled train function.
+
+    Args:
+        model: the model, whose `train_function` fit made just before.
+        keras_api: the model's `mpprof.backends.jax.backend.JaxBackend`.
+        instrumented: whether per-layer numerics were asked for.
+    """
+
+    def __init__(self, model, keras_api, instrumented: bool):
+        self._model = model
+        self._api = keras_api
+        self.plain = None
+        # Built at the first sampled call, once the numerics collector exists.
+        self.instrumented = _Lazy() if instrumented else None
+        self.instrumented_off: str | None = None
+        self._instrumented_ran = False
+        self._state = None
+
+    def install(self, dispatcher: Callable, patches: Patches) -> None:
+        """Makes the profiled step and puts `dispatcher` in
+        `model.train_function` (undone by `patches.restore`)."""
+        model = self._model
+        self._state = self._api.step_state
+        self._state.start()
+        update_metrics = getattr(model, "_update_metrics_variables", None)
+        if callable(update_metrics):
+            state = self._state
+
+            def update_metrics_variables(metrics_variables, unscaled_loss, *args, **kwargs):
+                # Keras' train_step hands the step's unscaled loss here,
+                # outside the gradient trace: the loss check reads it.
+                state.capture_loss(unscaled_loss)
+                return update_metrics(metrics_variables, unscaled_loss, *args, **kwargs)
+
+            patches.set(model, "_update_metrics_variables", update_metrics_variables)
+        # Read now: during an epoch Keras' state lives outside the variables.
+        self._shardings = self._out_shardings()
+        self.plain = self._compiled(model.train_step)
+        patches.set(model, "train_function", dispatcher)
+
+    def _compiled(self, train_step: Callable) -> Callable:
+        """`train_step` with the step state, jitted as Keras jits its own."""
+        step = self._state.step_function(train_step)
+        if self._model.run_eagerly or not self._model.jit_compile:
+            return step
+        return jax.jit(step, donate_argnums=(0, 1), out_shardings=self._shardings)
+
+    def _out_shardings(self):
+        """As Keras' own step: the state keeps the distribution's layout."""
+        import keras
+
+        if keras.distribution.distribution() is None:
+            return None
+        return (None, self._model._get_state_sharding_spec(), None)
+
+    def run_plain(self, state, iterator, *, on_abort: Callable[[], None]):
+        """Runs one call (`steps_per_execution` steps); returns (logs, state)."""
+        return self._run(self.plain, state, iterator, None, on_abort)
+
+    def _run(self, first_step: Callable, state, iterator, data, on_abort):
+        """The call's first step with `first_step` (on `data`, or the next
+        batch), the others plain, as Keras' own loop."""
+        table = self._state.arrays
+        try:
+            if data is None:
+                data = next(iterator)
+            logs, state, table = first_step(state, table, data)
+            for _ in range(self._model.steps_per_execution - 1):
+                try:
+                    data = next(iterator)
+                except StopIteration:
+                    break  # the epoch's last, partial call
+                sample = logs.pop(SAMPLE_KEY, None) if isinstance(logs, dict) else None
+                logs, state, table = self.plain(state, table, data)
+                if sample is not None:
+                    logs[SAMPLE_KEY] = sample
+        except StopIteration:
+            raise  # the end of the data: fit ends the epoch
+        except BaseException:
+            on_abort()
+            raise
+        self._state.update(table)
+        return logs, state
+
+    def run_instrumented(self, state, iterator, *, on_abort: Callable[[], None],
+                         on_failure: Callable[[str], None]):
+        """Runs one sampled call and hands its sample to the numerics
+        collector. If the instrumented function fails on its first run (as
+        it is traced, before any state is donated), it is dropped
+        (`on_failure` gets the reason) and the plain one runs instead."""
+        numerics = self._api.numerics
+        data = next(iterator)  # (StopIteration: the end of the data)
+        try:
+            if isinstance(self.instrumented, _Lazy):
+                self.instrumented = self._compiled(numerics.instrumented_train_step)
+            # Its first run must not end the profiling if it fails: the plain
+            # step then runs this call (and raises the user's own errors).
+            logs, state = self._run(self.instrumented, state, iterator, data,
+                                    on_abort if self._instrumented_ran else (lambda: None))
+        except Exception as error:
+            if self._instrumented_ran:
+                raise  # (on_abort ran)
+            self.instrumented = None
+            on_failure(f"the instrumented train step failed: {describe_error(error)}")
+            return self._run(self.plain, state, iterator, data, on_abort)
+        self._instrumented_ran = True
+        numerics.receive(logs.pop(SAMPLE_KEY))
+        return logs, state
+
+    def release(self) -> None:
+        self.plain = self.instrumented = None
