@@ -58,9 +58,10 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
 
     The same class profiles Keras 3 models on TensorFlow or JAX and tf-keras
     (Keras 2) models, under any `tf.distribute` strategy (or, on JAX,
-    `keras.distribution.DataParallel`) their `fit` supports. Under a multi-worker `MultiWorkerMirroredStrategy` (tf-keras)
-    the chief writes the model-level records into `log_dir/train` and every
-    worker its own host's records into `log_dir/train/worker_<i>`. Read the
+    `keras.distribution.DataParallel`) their `fit` supports. Under a
+    multi-worker `MultiWorkerMirroredStrategy` (tf-keras) the chief writes
+    the model-level records into `log_dir/train` and every worker its own
+    host's records into `log_dir/train/worker_<i>`. Read the
     records with `tensorboard --logdir LOG_DIR` (the "mpprof" tab),
     `mpprof diagnose LOG_DIR`, or `mpprof.reader.read_logdir(LOG_DIR)`.
 
