@@ -7,9 +7,10 @@ builds one from an index), the wheel's files are compared with the source
 tree's, and the wheel is installed into a new virtual environment that sees
 the test environment's dependencies (TensorFlow is not installed twice) but
 neither the source tree nor the editable install. From a directory outside
-the tree, that installation trains a few steps with the callback, runs the
-CLI on what was recorded and serves the TensorBoard tab through its entry
-point.
+the tree, that installation trains a few steps with the callback (a layer
+that overflows float16, so a step is captured), runs every CLI command on
+what was recorded (`--version`, `summary`, `diagnose`, `replay`, `bundle`,
+`report`) and serves the TensorBoard tab through its entry point.
 """
 
 from __future__ import annotations
@@ -144,13 +145,16 @@ TRAIN = textwrap.dedent("""
     import keras, numpy as np
     import mpprof
     keras.mixed_precision.set_dtype_policy("mixed_float16")
-    model = keras.Sequential([keras.layers.Input((16,)), keras.layers.Dense(32, activation="relu"),
-                              keras.layers.Dense(4, dtype="float32")])
-    model.compile(optimizer="adam",
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    rng = np.random.default_rng(0)
-    model.fit(rng.random((64, 16), dtype=np.float32), rng.integers(0, 4, 64), batch_size=16,
-              epochs=1, verbose=0,
+    constant = keras.initializers.Constant
+    # Ones through Dense(0.1) reach "big" at 1.6: its float16 MatMul with a
+    # kernel of 5000 overflows (a capture for `mpprof replay` to re-run).
+    model = keras.Sequential([
+        keras.layers.Input((16,)), keras.layers.Dense(16, kernel_initializer=constant(0.1)),
+        keras.layers.Dense(16, kernel_initializer=constant(5000.0), name="big"),
+        keras.layers.Dense(1, kernel_initializer=constant(1e-6), dtype="float32")])
+    model.compile(optimizer=keras.optimizers.SGD(1e-6), loss="mse")
+    model.fit(np.ones((64, 16), np.float32), np.ones((64, 1), np.float32), batch_size=16,
+              epochs=1, verbose=0, shuffle=False,
               callbacks=[mpprof.MixedPrecisionProfiler(sys.argv[1], numerics_every=2)])
     print(json.dumps({"mpprof": mpprof.__file__,
                       "steps": int(model.optimizer.iterations.numpy())}))
@@ -187,12 +191,21 @@ def test_installed_wheel_records_a_fit_and_serves_it(installed, tmp_path):
     trained = _run(installed, outside, str(installed / "bin" / "python"), "-c", TRAIN, "logs")
     assert trained.returncode == 0, trained.stderr[-4000:]
     facts = json.loads(trained.stdout.splitlines()[-1])
-    assert facts["mpprof"].startswith(site_packages) and facts["steps"] == 4
+    # Every step overflowed and was skipped: iterations never moved.
+    assert facts["mpprof"].startswith(site_packages) and facts["steps"] == 0
 
+    summary = _run(installed, outside, "mpprof", "summary", "logs")
+    assert summary.returncode == 0 and "4 overflows" in summary.stdout, summary.stderr
     diagnosed = _run(installed, outside, "mpprof", "diagnose", "logs", "--format", "json")
     assert diagnosed.returncode == 0, diagnosed.stderr
-    codes = {f["code"] for f in json.loads(diagnosed.stdout)}
-    assert "MP011" in codes  # trained on a CPU only: the one sure finding here
+    found = {(f["code"], f["layer"]) for f in json.loads(diagnosed.stdout)}
+    assert ("MP003", "big") in found and ("MP011", None) in found
+    replayed = _run(installed, outside, "mpprof", "replay", "logs", "--format", "json")
+    assert replayed.returncode == 0, replayed.stderr[-4000:]
+    result = json.loads(replayed.stdout)
+    assert result["first_op"]["layer"] == "big" and result["verified"] is True
+    bundled = _run(installed, outside, "mpprof", "bundle", "logs", "-o", "repro.zip")
+    assert bundled.returncode == 0 and zipfile.is_zipfile(outside / "repro.zip"), bundled.stderr
 
     report = _run(installed, outside, "mpprof", "report", "logs", "-o", "report.html", "-q")
     assert report.returncode == 0, report.stderr
