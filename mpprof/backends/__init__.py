@@ -8,9 +8,9 @@ the backend Keras runs on. Callers never branch on the backend or flavour.
 from __future__ import annotations
 
 import os
-import sys
 
 from mpprof.backends.base import Backend
+from mpprof.backends.flavor import is_tf_keras
 
 # The Keras 3 backends mpprof can profile.
 SUPPORTED = ("tensorflow", "jax")
@@ -36,13 +36,6 @@ def check_backend() -> None:
             "Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax before importing keras, "
             "or train without the profiler."
         )
-
-
-def is_tf_keras(model) -> bool:
-    """Whether `model` is a tf-keras (Keras 2) model. tf-keras is looked up,
-    never imported: such a model exists only once its user imported it."""
-    tf_keras = sys.modules.get("tf_keras")
-    return tf_keras is not None and isinstance(model, tf_keras.Model)
 
 
 def backend_for(model) -> Backend:

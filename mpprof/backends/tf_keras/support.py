@@ -21,7 +21,7 @@ import sys
 
 import tensorflow as tf
 
-from mpprof.backends import is_tf_keras
+from mpprof.backends.flavor import is_tf_keras
 
 KERAS_3 = "keras"
 TF_KERAS = "tf_keras"
