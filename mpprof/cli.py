@@ -259,10 +259,11 @@ def _bundle(args) -> int:
 
 
 def _run_replay(logdir: str, run: str, step: int) -> dict:
-    """Replays one capture (TensorFlow and Keras are imported only here)."""
-    from mpprof.backends.tensorflow import replay_engine as engine
+    """Replays one capture (Keras and the backend that trained it are
+    imported only here)."""
+    from mpprof.backends import replay_engines
 
-    return engine.replay(logdir, run, step)
+    return replay_engines.replay(logdir, run, step)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,14 +13,16 @@ What differs from TensorFlow (`mpprof.backends.tensorflow.backend`):
 - the alarm is read one call late (`call_alarm`);
 - per-layer numerics run in a second jitted step that returns the statistics
   as outputs (`numerics`);
-- float8 records, replay capture and XProf windows are not implemented yet:
+- replay captures copy what the donated step received before it runs
+  (`replay_capture`);
+- float8 records and XProf windows are not implemented yet:
   their collectors say "unavailable" (`unavailable`).
 """
 
 from __future__ import annotations
 
 from mpprof.backends import base
-from mpprof.backends.jax import call_alarm, context, hardware, unavailable
+from mpprof.backends.jax import call_alarm, context, hardware, replay_capture, unavailable
 from mpprof.backends.jax.layer_calls import LayerCallPatch
 from mpprof.backends.jax.loss_scale_series import LossScaleSeries
 from mpprof.backends.jax.loss_scales import LossScales
@@ -51,7 +53,7 @@ class JaxBackend(base.Backend):
     RunHealth = RunHealth
     Float8State = unavailable.Float8State
     Float8Shares = unavailable.Float8Shares
-    ReplayCapture = unavailable.ReplayCapture
+    ReplayCapture = replay_capture.ReplayCapture
     TrainFunctions = TrainFunctions
     CallAlarm = call_alarm.CallAlarm
     PrecisionTracer = PrecisionTracer
@@ -70,6 +72,8 @@ class JaxBackend(base.Backend):
         self._model = model
         # The numerics collector, once the first sample made it.
         self.numerics: NumericsTaps | None = None
+        # The replay capture, while one is on (it registers itself).
+        self.replay: replay_capture.ReplayCapture | None = None
 
     @property
     def numerics_taps(self):

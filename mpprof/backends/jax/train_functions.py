@@ -123,6 +123,9 @@ class TrainFunctions:
         (`on_failure` gets the reason) and the plain one runs instead."""
         numerics = self._api.numerics
         data = next(iterator)  # (StopIteration: the end of the data)
+        replay = self._api.replay  # the replay capture, when one is on
+        if replay is not None:
+            replay.before_sampled(state, self._state.arrays, data)
         try:
             if isinstance(self.instrumented, _Lazy):
                 self.instrumented = self._compiled(numerics.instrumented_train_step)
@@ -138,6 +141,8 @@ class TrainFunctions:
             return self._run(self.plain, state, iterator, data, on_abort)
         self._instrumented_ran = True
         numerics.receive(logs.pop(SAMPLE_KEY))
+        if replay is not None:
+            replay.after_sampled(state)
         return logs, state
 
     def release(self) -> None:

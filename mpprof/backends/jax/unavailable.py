@@ -40,24 +40,6 @@ class Float8Shares(Float8State):
         """(Nothing is tapped on JAX.)"""
 
 
-class ReplayCapture(Collector):
-    """The capture of a failing step for `mpprof replay`."""
-
-    name = "replay_capture"
-
-    def __init__(self, budget: int, keras_api, loss_scales, health, instrumenting):
-        self.budget = budget
-
-    def wrap_train_step(self, fit, patches) -> None:
-        """(No capture on JAX.)"""
-
-    def context(self) -> dict:
-        if self.budget == 0:
-            return {"state": "off", "reason": "replay_budget=0", "budget": 0}
-        return {"state": "unavailable", "budget": self.budget,
-                "reason": f"capturing a failing step for replay is {_NOT_YET}"}
-
-
 class ProfileWindow:
     """An XProf window asked for (`profile_steps`) that the JAX backend does
     not trace yet: it says so in the run context's "kernels"."""

@@ -15,22 +15,17 @@ per layer, and the smallest per-layer float32 fix, verified.
 
 from __future__ import annotations
 
-import math
 import os
 
 import keras
 import numpy as np
 
-from mpprof import dtypes
 from mpprof.backends.tensorflow.layer_calls import called_method, walk_layers
-from mpprof.backends.tensorflow.replay_passes import LOSS, PassResult, layer_tree, run_pass, subtree
+from mpprof.backends.tensorflow.replay_passes import layer_tree, run_pass
 from mpprof.jsonsafe import json_safe
 from mpprof.records import schema
-from mpprof.replay import files
+from mpprof.replay import files, search
 from mpprof.replay.files import ReplayError
-
-# Replays a fix search may run at most (each is one forward and backward).
-MAX_FIX_REPLAYS = 24
 
 
 def replay(logdir_or_model, run: str | None = None, step: int | None = None, *,
@@ -128,9 +123,10 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
         ) from e
     reference = run_pass(model, batch, scale, None, all_float32=True)
     tree = layer_tree(model)
-    divergence = _divergence(run_policy, reference, tree)
-    fix = _find_fix(model, batch, scale, run_policy, reference, divergence, tree,
-                    capture.manifest.get("layer_paths", {}))
+    divergence = search.divergence(run_policy, reference, tree)
+    fix = search.find_fix(
+        lambda float32_layers: run_pass(model, batch, 1.0, float32_layers), scale,
+        run_policy, reference, divergence, tree, capture.manifest.get("layer_paths", {}))
     offender = run_policy.offender
     return {
         "run": capture.run,
@@ -188,179 +184,6 @@ def _reset_nonfinite_moving_statistics(model) -> None:
 
 def _path(variable) -> str:
     return getattr(variable, "path", None) or variable.name
-
-
-def _divergence(run_policy: PassResult, reference: PassResult, tree: dict) -> list[dict]:
-    """Per layer computing in a half dtype: how far its output and incoming
-    gradient are from float32's, largest first."""
-    rows = []
-    for name, layer in tree.items():
-        if layer.dtype_policy.compute_dtype not in dtypes.HALF_DTYPES:
-            continue
-        forward = _layer_error(run_policy.forward, reference.forward, name)
-        backward = _layer_error(run_policy.backward, reference.backward, name)
-        if forward is None and backward is None:
-            continue
-        rows.append({"layer": name, "compute_dtype": layer.dtype_policy.compute_dtype,
-                     "forward_rel_error": forward, "backward_rel_error": backward})
-    rows.sort(key=_rank_key, reverse=True)
-    return rows
-
-
-def _rank_key(row: dict) -> tuple[float, float]:
-    """The larger of the two errors; between equals (non-finite gradients
-    reach every layer below an overflow) the forward error, which marks
-    where it began."""
-    forward = row["forward_rel_error"] or 0.0
-    errors = [e for e in (row["forward_rel_error"], row["backward_rel_error"]) if e is not None]
-    return max(errors, default=0.0), forward
-
-
-def _layer_error(run_values: dict, reference_values: dict, name: str) -> float | None:
-    """The largest relative error over the layer's calls (inf where the run
-    is non-finite and float32 is not; None where float32 is non-finite too)."""
-    errors = []
-    for key, expected in reference_values.items():
-        if key[0] != name or key not in run_values:
-            continue
-        got = run_values[key]
-        if got.shape != expected.shape or not np.all(np.isfinite(expected)):
-            continue
-        if not np.all(np.isfinite(got)):
-            errors.append(math.inf)
-            continue
-        norm = float(np.linalg.norm(expected))
-        difference = float(np.linalg.norm(got - expected))
-        errors.append(difference / norm if norm else (0.0 if difference == 0 else math.inf))
-    return max(errors) if errors else None
-
-
-def _find_fix(model, batch, scale: float, run_policy: PassResult, reference: PassResult,
-              divergence: list[dict], tree: dict, paths: dict[str, str]) -> dict:
-    """The greedy float32 set, verified by a replay with it.
-
-    The fix is judged without loss scaling: gradients that overflow only once
-    multiplied by the step's loss scale are what the dynamic loss scale
-    handles itself (it halves), not a per-layer precision problem.
-    """
-    if not reference.forward_clean:
-        where = reference.offender
-        return _fix_result([], tree, paths, False, (
-            "not verified: the step overflows in float32 too "
-            f"({where.op} in {where.layer}: {where.output}); no per-layer float32 "
-            "policy fixes it: lower the learning rate, clip, or normalise the inputs"), None)
-    unscaled = run_policy if scale == 1.0 else run_pass(model, batch, 1.0, None)
-    if _healthy(unscaled):
-        return _fix_result([], tree, paths, False, (
-            "not verified: with the run's policy the forward pass, the loss and the "
-            "unscaled gradients are finite; only the gradients scaled by the loss scale "
-            f"{scale:g} overflow, which the dynamic loss scale handles by halving (no "
-            "per-layer change needed)" if scale != 1.0 else
-            "not verified: this replay of the step has no overflow (the capture's weights "
-            "may differ from the step's, see weights_are_the_steps)"), None)
-    candidates = _candidates(run_policy, divergence, tree)
-    chosen: list[str] = []
-    replays = 0
-    last = unscaled
-    for candidate in candidates:
-        if replays >= MAX_FIX_REPLAYS:
-            break
-        while (candidate is not None and candidate not in chosen
-               and replays < MAX_FIX_REPLAYS):
-            outcome = _try_pass(model, batch, [*chosen, candidate])
-            replays += 1
-            if outcome is not None:
-                # A parent tried whole covers the sublayers chosen before it.
-                chosen = [*(c for c in chosen if not c.startswith(f"{candidate}/")), candidate]
-                last = outcome
-                break
-            # The layer cannot compute in float32 alone (its parent mixes
-            # its output with half-precision values): try the parent whole.
-            candidate = _parent(candidate, tree)
-        if _healthy(last):
-            break
-    if not _healthy(last):
-        return _fix_result(chosen, tree, paths, False, (
-            f"not verified: with {len(chosen)} layers in float32 the replay still "
-            f"overflows ({_describe(last)})"), None)
-    # The layers added before the last one may no longer be needed: drop
-    # them, latest first (the first offender's layer is tried last).
-    for candidate in reversed(chosen[:-1]):
-        if replays >= MAX_FIX_REPLAYS:
-            break
-        trial = [c for c in chosen if c != candidate]
-        outcome = _try_pass(model, batch, trial)
-        replays += 1
-        if outcome is not None and _healthy(outcome):
-            chosen, last = trial, outcome
-    error = _max_forward_error(last, reference)
-    return _fix_result(chosen, tree, paths, True, (
-        f"verified: no overflow and max relative error {error:.3g} with this map "
-        "(forward pass, loss and unscaled gradients finite)"), error)
-
-
-def _try_pass(model, batch, float32_layers: list[str]) -> PassResult | None:
-    """The step replayed unscaled with `float32_layers` in float32, or None
-    when the model cannot run so (a layer in float32 whose output meets a
-    half-precision tensor inside its parent: a dtype error)."""
-    try:
-        return run_pass(model, batch, 1.0, float32_layers)
-    except Exception:  # noqa: BLE001 - that map is not a fix; others are tried
-        return None
-
-
-def _parent(name: str, tree: dict) -> str | None:
-    """The qualified name of the layer enclosing `name`, if any."""
-    parent = name.rpartition("/")[0]
-    return parent if parent in tree else None
-
-
-def _candidates(run_policy: PassResult, divergence: list[dict], tree: dict) -> list[str]:
-    """Layers to try in float32: the first offender's, then by divergence."""
-    order = []
-    offender = run_policy.offender
-    if offender is not None and offender.layer != LOSS:
-        order.append(offender.layer)
-    order += [row["layer"] for row in divergence]
-    order += [name for name, layer in tree.items()
-              if layer.dtype_policy.compute_dtype in dtypes.HALF_DTYPES]
-    return list(dict.fromkeys(order))
-
-
-def _healthy(result: PassResult) -> bool:
-    return (result.forward_clean and math.isfinite(result.loss)
-            and result.gradients_finite)
-
-
-def _describe(result: PassResult) -> str:
-    if result.offender is not None:
-        o = result.offender
-        return f"{o.phase} {o.op} in {o.layer}: {o.output}"
-    return "non-finite loss" if not math.isfinite(result.loss) else "non-finite gradients"
-
-
-def _max_forward_error(result: PassResult, reference: PassResult) -> float:
-    names = {key[0] for key in reference.forward}
-    errors = [_layer_error(result.forward, reference.forward, n) for n in names]
-    return max((e for e in errors if e is not None), default=0.0)
-
-
-def _fix_result(chosen: list[str], tree: dict, paths: dict[str, str], verified: bool,
-                detail: str, error: float | None) -> dict:
-    """The fix as a DTypePolicyMap (layer path in the trained model -> policy,
-    each chosen layer with its sublayers) and as `dtype="float32"` lines."""
-    policy_map = {}
-    for name in chosen:
-        for inner in subtree(tree, name):
-            path = paths.get(inner) or getattr(tree[inner], "path", None) or inner
-            policy_map[path] = "float32"
-    lines = [
-        f'{name}: {type(tree[name]).__name__}(..., name="{tree[name].name}", dtype="float32")'
-        for name in chosen
-    ]
-    return {"float32_layers": chosen, "policy_map": policy_map, "dtype_lines": lines,
-            "verified": verified, "verified_detail": detail,
-            "max_rel_error_with_fix": error}
 
 
 def policy_map_object(result: dict, default_policy: str):

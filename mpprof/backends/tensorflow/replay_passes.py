@@ -15,7 +15,6 @@ changed are restored.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
 import keras
@@ -27,72 +26,24 @@ from mpprof.backends.tensorflow.layer_calls import walk_layers
 from mpprof.dtypes import DTYPE_MAX
 from mpprof.recording.patching import Patches
 
-# Where ops outside any layer run: the loss and its gradient, and inside the
-# model but between its layers. A layer's input cast runs in its `__call__`,
-# just before its `call`: an offending Cast right before a layer's call is
-# that layer's.
-LOSS = "(loss)"
-BETWEEN_LAYERS = "(between layers)"
+# A layer's input cast runs in its `__call__`, just before its `call`: an
+# offending Cast right before a layer's call is that layer's.
+from mpprof.replay.search import (
+    BETWEEN_LAYERS,
+    LOSS,
+    Offender,
+    PassResult,
+    subtree,
+)
 
 # Ops mpprof's own taps run: never the offender.
 _OWN_OPS = {"Identity", "IdentityN"}
 _OWN_OPS_BYTES = {op.encode() for op in _OWN_OPS}
 
 
-@dataclasses.dataclass
-class Offender:
-    """The first op whose output is non-finite or beyond its dtype's max.
-
-    Attributes:
-        layer: the innermost layer running it (qualified name), or `LOSS`.
-        op: the TensorFlow op type (`MatMul`, `Exp`, ...).
-        phase: "forward" or "backward".
-        input_abs_max: each floating input's largest magnitude (None when
-            that input holds no finite value).
-        output: what is wrong with its output, in words.
-        dtype: the output's dtype.
-    """
-
-    layer: str
-    op: str
-    phase: str
-    input_abs_max: list
-    output: str
-    dtype: str
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class PassResult:
-    """What one pass saw.
-
-    Attributes:
-        forward: (layer, call index) -> its first floating output, float64.
-        backward: (layer, call index) -> the gradient flowing into that output.
-        offender: the first offending forward op, else the first backward one.
-        forward_clean: whether no forward op (loss included) offended.
-        loss: the (unscaled) loss.
-        gradients_finite: whether every variable's gradient is finite.
-    """
-
-    forward: dict
-    backward: dict
-    offender: Offender | None
-    forward_clean: bool
-    loss: float
-    gradients_finite: bool
-
-
 def layer_tree(model) -> dict[str, object]:
     """Qualified name -> layer, for every nested layer (see `walk_layers`)."""
     return {name: layer for name, layer, _ in walk_layers(model)}
-
-
-def subtree(tree: dict[str, object], name: str) -> list[str]:
-    """`name` and every layer nested in it."""
-    return [n for n in tree if n == name or n.startswith(name + "/")]
 
 
 def _policy_of(layer) -> tuple:

@@ -1,0 +1,227 @@
+"""Replay captures on JAX: the batch and weights of a sampled step that went wrong.
+
+The files are TensorFlow's (`mpprof.replay.files`; the manifest says
+`"backend": "jax"`, which `mpprof replay` reads to pick the JAX engine). How
+they are gathered differs: Keras' JAX step donates its state, so nothing the
+step received survives it on the device. On a sampled call, before the
+instrumented step runs, the train functions hand this collector
+(`before_sampled`) the call's batch (not donated), a device copy of mpprof's
+small step table (the counters as the step found them) and device copies of
+the non-trainable variables (moving statistics change in the forward pass,
+also on a skipped step); after it (`after_sampled`), the state the step
+returned, which stays valid until fit passes it to the next call. The host
+reads the step table once the call is done (the sampled call waits for its
+numerics anyway): the step was skipped when its skipped count moved. Only
+then does anything reach the host: the batch, the trainable weights the step
+returned (a skipped step leaves them unchanged: the ones it ran with) and
+the non-trainable ones as the step found them.
+
+Not captured, as on TensorFlow: the loss scale's initial descent (every step
+so far skipped, the loss finite). With `steps_per_execution > 1` the state a
+call returns is that after its last step while the instrumented step is its
+first: captures are off.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+
+from mpprof._version import __version__
+from mpprof.backends.jax.step_state import APPLIED, COUNT_ROW, SCALE, SCALE_ROW, SKIPPED
+from mpprof.backends.layer_records import variable_path, walk_layers
+from mpprof.recording.collectors.base import Collector
+from mpprof.replay import files
+
+
+class ReplayCapture(Collector):
+    """Saves up to `budget` steps per fit that overflowed or lost the loss.
+
+    Args:
+        budget: captures this fit may write (0: off).
+        keras_api: the fit's `JaxBackend` (the train functions find this
+            collector there).
+        loss_scales: the `LossScales`.
+        health: the `RunHealth` (the sampled step's loss).
+        instrumenting: (unused on JAX: the instrumented step is its own function).
+    """
+
+    name = "replay_capture"
+
+    def __init__(self, budget: int, keras_api, loss_scales, health, instrumenting):
+        self.budget = budget
+        self._api = keras_api
+        self._health = health
+        self._unavailable: str | None = None
+        self._before = None
+        self._after = None
+        self._config: tuple = (None, "")
+        self.captured: list[dict] = []
+        self.initial_descent_skipped = 0
+
+    def wrap_train_step(self, fit, patches) -> None:
+        """Registers with the backend, whose train functions call
+        `before_sampled` and `after_sampled` around each sampled step."""
+        self._unavailable = self._why_unavailable(fit.model, fit.schedule.every)
+        if self._unavailable is None:
+            self._api.replay = self
+            # Now: during an epoch Keras' JAX fit keeps the state outside the
+            # variables, and serializing reads some of them.
+            self._config = _model_config(fit.model)
+
+    def _why_unavailable(self, model, sample_every: int | None) -> str | None:
+        if self.budget == 0:
+            return "replay_budget=0"
+        if sample_every is None:
+            return "numerics_every=None: only sampled (instrumented) steps are captured"
+        spe = int(getattr(model, "steps_per_execution", 1) or 1)
+        if spe > 1:
+            return (f"steps_per_execution={spe}: on JAX the sampled step is a call's first "
+                    "and the state the call returns is its last step's")
+        return None
+
+    # Around the sampled step (called by `TrainFunctions.run_instrumented`).
+
+    def before_sampled(self, state, table, data) -> None:
+        self._after = None
+        if len(self.captured) >= self.budget or self._api.step_state is None:
+            self._before = None
+            return
+        # Device copies, made before the step donates what they copy.
+        self._before = (jnp.array(table, copy=True),
+                        [jnp.array(v, copy=True) for v in state[1]], data)
+
+    def after_sampled(self, state) -> None:
+        if self._before is not None:
+            self._after = state
+
+    # The core's hook.
+
+    def after_sample(self, fit) -> None:
+        """Writes a capture when the sampled step just run went wrong."""
+        before, after, self._before, self._after = self._before, self._after, None, None
+        if before is None or after is None or len(self.captured) >= self.budget:
+            return
+        table_before, non_trainable_before, data = before
+        table_before = np.asarray(jax.device_get(table_before))
+        table_after = self._api.step_state.read()
+        skipped = int(table_after[COUNT_ROW, SKIPPED] - table_before[COUNT_ROW, SKIPPED])
+        watched = self._health.watched() is not None if fit.guard.ok(self._health.name) \
+            else False
+        loss = self._health.last_loss() if watched else math.nan
+        loss_finite = math.isfinite(loss) if watched else None
+        if skipped == 0 and loss_finite is not False:
+            return
+        applied_before = int(table_before[SCALE_ROW, APPLIED])
+        step = applied_before + int(table_before[COUNT_ROW, SKIPPED])
+        if loss_finite and skipped and applied_before == 0:
+            self.initial_descent_skipped += 1
+            return
+        reasons = []
+        if skipped:
+            reasons.append("overflow: the loss scale skipped the step")
+        if loss_finite is False:
+            reasons.append("non-finite loss")
+        scale = float(table_before[SCALE_ROW, SCALE]) if self._api.step_state.loss_scale \
+            else 1.0
+        self._write(fit, step, data, after, non_trainable_before, reasons, skipped > 0,
+                    loss, scale)
+
+    def _write(self, fit, step: int, data, state, non_trainable_before, reasons: list[str],
+               skipped: bool, loss: float, scale: float) -> None:
+        model = fit.model
+        leaves: list = []
+        structure = files.encode_structure(data, leaves)
+        batch = [np.asarray(a) for a in jax.device_get(leaves)]
+        values = {id(v): a for v, a in zip(model.trainable_variables, state[0], strict=False)}
+        values.update({id(v): a for v, a in zip(model.non_trainable_variables,
+                                                non_trainable_before, strict=False)})
+        weights = [np.asarray(a) for a in jax.device_get(
+            [values[id(v)] if id(v) in values else v.value for v in model.weights])]
+        config, config_note = self._config
+        manifest = {
+            "capture_version": files.CAPTURE_VERSION,
+            "backend": "jax",
+            "run": "train",
+            "step": step,
+            "reasons": reasons,
+            "loss": loss if math.isfinite(loss) else str(loss),
+            "loss_scale": scale,
+            "batch_structure": structure,
+            "batch_shapes": [list(a.shape) for a in batch],
+            "batch_dtypes": [str(a.dtype) for a in batch],
+            "batch_bytes": int(sum(a.nbytes for a in batch)),
+            "batch_size": int(batch[0].shape[0]) if batch and batch[0].ndim else None,
+            "weight_paths": [variable_path(v) for v in model.weights],
+            "weight_bytes": int(sum(w.nbytes for w in weights)),
+            "weights_are_the_steps": skipped,
+            "weights_note": (
+                "the step was skipped: the weights after it are the ones it ran with "
+                "(non-trainable state, such as moving statistics, as the step found it)"
+                if skipped else
+                "the step was not skipped (no loss scaling, or its gradients were "
+                "finite): its update was applied, so these are the trainable weights "
+                "after it (non-trainable state as the step found it)"
+            ),
+            "model_class": type(model).__name__,
+            "model_policy": model.dtype_policy.name,
+            "layer_policies": {
+                name: layer.dtype_policy.name for name, layer, _ in walk_layers(model)
+            },
+            "layer_paths": {
+                name: layer.path for name, layer, _ in walk_layers(model)
+                if getattr(layer, "path", None)
+            },
+            "model_config": {"saved": config is not None, "note": config_note},
+            "jit_compile": bool(getattr(model, "jit_compile", False)),
+            "versions": {
+                "mpprof": __version__, "jax": jax.__version__,
+                "keras": keras.__version__, "python": platform.python_version(),
+                "numpy": np.__version__,
+            },
+        }
+        folder = files.step_folder(step)
+        payloads = [
+            (files.BATCH, files.npz_bytes({f"leaf_{i}": a for i, a in enumerate(batch)})),
+            (files.WEIGHTS, files.npz_bytes({f"weight_{i}": w for i, w in enumerate(weights)})),
+        ]
+        if config is not None:
+            payloads.append((files.MODEL_CONFIG, files.json_bytes(config)))
+        manifest["bytes"] = sum(len(d) for _, d in payloads)
+        payloads.append((files.MANIFEST, files.json_bytes(manifest)))
+        self.captured.append({"step": step, "bytes": manifest["bytes"]})
+        for name, content in payloads:
+            if not fit.writer.write_file(f"{folder}/{name}", content):
+                self.captured[-1]["written"] = False
+                return
+
+    def end(self, fit) -> None:
+        self._before = self._after = None
+        if self._api.replay is self:
+            self._api.replay = None
+
+    def context(self) -> dict:
+        if self._unavailable is not None:
+            off = self.budget == 0 or self._unavailable.startswith("numerics_every")
+            return {"state": "off" if off else "unavailable", "reason": self._unavailable,
+                    "budget": self.budget}
+        entry = {"state": "ok", "budget": self.budget, "captures": self.captured}
+        if self.initial_descent_skipped:
+            entry["initial_descent_not_captured"] = self.initial_descent_skipped
+        return entry
+
+
+def _model_config(model) -> tuple[dict | None, str]:
+    """The model's Keras serialization, or None with why not."""
+    try:
+        config = keras.saving.serialize_keras_object(model)
+        files.json_bytes(config)
+    except Exception as e:  # noqa: BLE001 - a custom model without get_config
+        return None, (f"not serializable ({type(e).__name__}: {str(e)[:200]}); "
+                      "replay it in-process: mpprof.replay.replay(model, logdir=...)")
+    return config, "rebuilt by keras.saving.deserialize_keras_object"

@@ -1,0 +1,62 @@
+"""Picks the replay engine of the backend that trained a capture.
+
+The one way from the front ends (`mpprof.replay.replay`, `mpprof replay`) to
+a framework: a capture's manifest says which backend wrote it (`"backend"`;
+captures written before JAX had captures are TensorFlow's), and that
+backend's engine is imported only here, only when a replay runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from mpprof.records import schema
+from mpprof.replay import files
+from mpprof.replay.files import ReplayError
+
+TENSORFLOW = "tensorflow"
+JAX = "jax"
+
+
+def capture_backend(manifest: dict) -> str:
+    """The backend that trained a capture (old captures: TensorFlow)."""
+    return str(manifest.get("backend") or TENSORFLOW)
+
+
+def _model_backend() -> str:
+    import keras
+
+    backend = keras.backend.backend()
+    return JAX if backend == JAX else TENSORFLOW
+
+
+def _engine(backend: str):
+    if backend == JAX:
+        keras = sys.modules.get("keras")
+        if keras is None:
+            # Keras picks its backend once, at import: this process replays on JAX.
+            os.environ.setdefault("KERAS_BACKEND", JAX)
+        elif keras.backend.backend() != JAX:
+            raise ReplayError(
+                "this capture was trained on JAX but Keras runs on "
+                f"{keras.backend.backend()!r} in this process: replay it with "
+                "KERAS_BACKEND=jax (e.g. KERAS_BACKEND=jax mpprof replay LOGDIR)")
+        from mpprof.backends.jax import replay_engine
+    elif backend == TENSORFLOW:
+        from mpprof.backends.tensorflow import replay_engine
+    else:
+        raise ReplayError(f"captures trained on {backend!r} cannot be replayed by this mpprof")
+    return replay_engine
+
+
+def replay(logdir_or_model, run: str | None = None, step: int | None = None,
+           **kwargs) -> dict:
+    """Replays a captured step with the engine of the backend that trained it
+    (see `mpprof.backends.tensorflow.replay_engine.replay`)."""
+    if isinstance(logdir_or_model, (str, os.PathLike)):
+        capture = files.select_capture(logdir_or_model, run or schema.TRAIN_RUN, step)
+        backend = capture_backend(capture.manifest)
+    else:
+        backend = _model_backend()
+    return _engine(backend).replay(logdir_or_model, run, step, **kwargs)
