@@ -37,7 +37,8 @@ SCRIPT = "replay_bug.py"
 _SCRIPT_TEXT = '''\
 """Replays the step captured in this bundle with `mpprof replay`.
 
-Unzip the bundle, then run it where mpprof and TensorFlow are installed:
+Unzip the bundle, then run it where mpprof and the framework that trained the
+run (TensorFlow or JAX: the capture says which) are installed:
     python {script}
 """
 
