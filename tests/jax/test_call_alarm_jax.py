@@ -79,3 +79,20 @@ def test_too_many_pending_alarms_wait_for_one():
     alarm.unchanged(_Alarm(1, done=False))
     # The oldest past the limit is read (waited for), the rest kept.
     assert _Alarm.reads == 1 and len(alarm._pending) == call_alarm.MAX_PENDING
+
+
+def test_the_newest_done_of_many_pending_is_found_without_asking_each():
+    alarm = _alarm()
+    assert alarm.hold(_Alarm(0), 0, 0, wait=False) == []
+    asked = []
+
+    class Counted(_Alarm):
+        def is_ready(self):
+            asked.append(self)
+            return self.done
+
+    pending = [Counted(1 if i >= 30 else 0, done=i < 40) for i in range(60)]
+    alarm._pending.extend(pending)
+    assert alarm.hold(None, 1, 60, wait=False) == [(0, 60)]
+    assert alarm._pending == pending[40:]  # the done ones read (the newest) and dropped
+    assert len(asked) <= 8

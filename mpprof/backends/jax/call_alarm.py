@@ -63,9 +63,18 @@ class CallAlarm:
         if not pending:
             return
         newest = len(pending) - 1
-        if not wait:
-            while newest >= 0 and not pending[newest].is_ready():
-                newest -= 1
+        if not wait and not pending[newest].is_ready():
+            # Steps finish in order (each takes the state the last one
+            # donated): the done ones are the oldest, found by bisection
+            # (a device far behind leaves many pending).
+            done, not_done = -1, newest
+            while not_done - done > 1:
+                middle = (done + not_done) // 2
+                if pending[middle].is_ready():
+                    done = middle
+                else:
+                    not_done = middle
+            newest = done
             if newest < 0:
                 if len(pending) <= MAX_PENDING:
                     return
