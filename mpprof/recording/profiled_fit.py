@@ -110,6 +110,8 @@ class ProfiledFit:
         self._collectors: FitCollectors | None = None
         self._functions = None  # the backend's TrainFunctions
         self._alarm = None  # the backend's CallAlarm
+        self._run_plain = self._logs_of = self._alarm_key = None  # (set by `begin`)
+        self._on_abort = self._abort
         self._start_step = 0
         self._batch_pending = False
         self._flushes = FlushSchedule(settings.flush_every_steps, settings.flush_every_seconds)
@@ -148,6 +150,9 @@ class ProfiledFit:
         self._guard.run(collectors.replay.name, collectors.replay.wrap_train_step, fit, patches)
         self._functions = backend.TrainFunctions(model, backend, self._settings.sampling)
         self._functions.install(self._run_train_function, patches)
+        # What each quiet call uses, looked up once.
+        self._run_plain = self._functions.run_plain
+        self._logs_of, self._alarm_key = backend.logs_of, backend.alarm_logs_key
         self._fit = fit
         for collector in collectors.all:
             self._guard.run(collector.name, collector.install, fit, patches)
@@ -193,7 +198,10 @@ class ProfiledFit:
             self.finish(run_context.FIT_FAILED)
             return self.model.train_function(*args)
         self._batch_pending = False
-        if self._quiet.take():
+        quiet = self._quiet
+        if quiet.ahead:
+            # A quiet call (`QuietCalls.take`, inlined: this runs every step).
+            quiet.ahead -= 1
             return self._run_quiet(args, fit)
         # A call with something to do: the first, a sample, a flush, after
         # an alarm, or every call where quiet ones are not possible. The
@@ -215,10 +223,9 @@ class ProfiledFit:
     def _run_quiet(self, args: tuple, fit: FitState):
         """Runs a quiet call (`mpprof.recording.quiet_calls`): the whole
         bookkeeping only if its alarm rang or a deadline passed."""
-        result = self._functions.run_plain(*args, on_abort=self._abort)
-        logs = self._backend.logs_of(result)
-        alarm = (logs.pop(self._backend.alarm_logs_key, None)
-                 if isinstance(logs, dict) else None)
+        result = self._run_plain(*args, on_abort=self._on_abort)
+        logs = self._logs_of(result)
+        alarm = logs.pop(self._alarm_key, None) if isinstance(logs, dict) else None
         try:
             if self._alarm.unchanged(alarm) and self._quiet.went_quietly(fit):
                 return result

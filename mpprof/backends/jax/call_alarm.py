@@ -3,28 +3,38 @@
 The profiled step returns, beside its logs, the alarm: skipped steps plus
 steps with a non-finite loss so far (`StepState`). The dispatcher hands it
 to the core in the logs (under `ALARM_KEY`, taken out before Keras sees
-them). Reading a value waits for its step, so the host reads only the alarms
-whose steps are done (`jax.Array.is_ready`), oldest first, and the device
-runs ahead as in Keras' own JAX fit; at a flush it reads them all. (Waiting
-for the call before the last one cost the seed model a quarter of its step
-time on a loaded 2-core CPU.) The alarm only arms forensic samples: the step
-dates every overflow and the first non-finite loss itself, so the steps a
-rung alarm reports are the calls since the last look, a range, not a date.
+them). Reading a value waits for its step, so the host reads only alarms
+whose steps are done (`jax.Array.is_ready`), and the device runs ahead as in
+Keras' own JAX fit; at a flush it reads them all. (Waiting for the call
+before the last one cost the seed model a quarter of its step time on a
+loaded 2-core CPU.) The alarm only arms forensic samples: the step dates
+every overflow and the first non-finite loss itself, so the steps a rung
+alarm reports are the calls since the last look, a range, not a date.
+
+The alarm is a running count, so the newest done alarm says whether any
+call since the last look rang: the host looks at most every
+`LOOK_INTERVAL_S` (and reads that one alarm only; a read costs tens of us
+on a CPU, a real share of a 1 ms step). On slow steps that is every call;
+on fast ones a forensic sample comes a few calls later.
 """
 
 from __future__ import annotations
 
-import collections
+import time
 from collections.abc import Callable
+
+import numpy as np
 
 from mpprof.backends.jax.step_state import ALARM_KEY
 from mpprof.recording.patching import Patches
 
 LOGS_KEY = ALARM_KEY
 
-# Alarms not read yet, at most: past it the oldest is waited for (a device
-# far behind the host, or steps that never report ready).
+# Alarms not read yet, at most: past it one is waited for (a device far
+# behind the host, or steps that never report ready).
 MAX_PENDING = 64
+# The least time between two looks at the pending alarms (one read each).
+LOOK_INTERVAL_S = 0.005
 
 
 class CallAlarm:
@@ -37,40 +47,67 @@ class CallAlarm:
 
     def __init__(self, counters: Callable[[], list], host_reads_needed: Callable[[], bool]):
         self._seen: int | None = None
-        self._pending: collections.deque = collections.deque()
+        self._pending: list = []
         self._rang = False
         self._since: int | None = None  # the first step not yet reported
+        self._next_look = 0.0  # the `time.perf_counter()` of the next look
 
     def install(self, model, patches: Patches, in_logs: bool) -> None:
         self._seen = None  # the first alarm read sets it
 
-    def _read_done(self, *, wait: bool) -> None:
-        """Reads the pending alarms whose steps are done (all with `wait`)."""
+    def _look(self, *, wait: bool) -> None:
+        """Reads the newest pending alarm whose step is done (the newest of
+        all with `wait`, or when too many are pending) and drops the older
+        ones: each is a running count, the newest says it all."""
         pending = self._pending
-        while pending and (wait or len(pending) > MAX_PENDING or pending[0].is_ready()):
-            value = int(pending.popleft())
-            if self._seen is not None and value != self._seen:
-                self._rang = True
-            self._seen = value
-
-    def _keep(self, value) -> None:
-        if value is not None:
-            self._pending.append(value)
+        if not pending:
+            return
+        newest = len(pending) - 1
+        if not wait and not pending[newest].is_ready():
+            # Steps finish in order (each takes the state the last one
+            # donated): the done ones are the oldest, found by bisection
+            # (a device far behind leaves many pending).
+            done, not_done = -1, newest
+            while not_done - done > 1:
+                middle = (done + not_done) // 2
+                if pending[middle].is_ready():
+                    done = middle
+                else:
+                    not_done = middle
+            newest = done
+            if newest < 0:
+                if len(pending) <= MAX_PENDING:
+                    return
+                newest = len(pending) - MAX_PENDING - 1  # waited for
+        # (np.asarray: a few us where int() of a jax.Array takes ten.)
+        value = int(np.asarray(pending[newest]))
+        del pending[:newest + 1]
+        if self._seen is not None and value != self._seen:
+            self._rang = True
+        self._seen = value
 
     def unchanged(self, value) -> bool:
-        """For a quiet call: keeps its alarm; False when a done one rang."""
-        self._keep(value)
-        self._read_done(wait=False)
+        """For a quiet call: keeps its alarm; False when a done one rang
+        (looked at every `LOOK_INTERVAL_S`, or when too many are pending)."""
+        pending = self._pending
+        if value is not None:
+            pending.append(value)
+        now = time.perf_counter()
+        if now < self._next_look and len(pending) <= MAX_PENDING:
+            return not self._rang
+        self._next_look = now + LOOK_INTERVAL_S
+        self._look(wait=False)
         return not self._rang
 
     def hold(self, value, first_step: int, last_step: int, *,
              wait: bool) -> list[tuple[int, int]]:
-        """Keeps this call's alarm and reads those done; `wait` is not
-        honoured (a JAX step dates its own trouble)."""
+        """Keeps this call's alarm and reads the newest done one; `wait` is
+        not honoured (a JAX step dates its own trouble)."""
         if self._since is None:
             self._since = first_step
-        self._keep(value)
-        self._read_done(wait=False)
+        if value is not None:
+            self._pending.append(value)
+        self._look(wait=False)
         if not self._rang:
             return []
         self._rang = False
@@ -79,7 +116,7 @@ class CallAlarm:
 
     def drain(self) -> tuple[int, int] | None:
         """Reads every pending alarm now (at a flush)."""
-        self._read_done(wait=True)
+        self._look(wait=True)
         if not self._rang:
             return None
         self._rang = False

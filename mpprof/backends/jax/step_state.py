@@ -71,8 +71,11 @@ class StepState:
         self.start_skipped = 0
         self.start_nonfinite = 0
         self.start_first_nonfinite = -1
+        # The device table the last call returned (the one given to it is
+        # donated; a call may set it directly), and the host copy of one.
         self.arrays: tuple | None = None
         self._host: np.ndarray | None = None
+        self._host_of = None  # the `arrays` `_host` copies
         # The unscaled loss of the step being traced (`capture_loss`), and
         # whether the traced step had one (None: not traced yet).
         self._loss = None
@@ -88,7 +91,7 @@ class StepState:
         table[SCALE_ROW] = [self.variable_scale(), counter, np.nan,
                             int(np.asarray(applied_steps(self._optimizer).value))]
         self.arrays = jnp.asarray(table)
-        self._host = table
+        self._host, self._host_of = table, self.arrays
 
     def variable_scale(self) -> float:
         if not self.loss_scale:
@@ -107,8 +110,9 @@ class StepState:
     def read(self) -> np.ndarray:
         """The table on the host: one copy per call at most (it waits for
         the last call to finish)."""
-        if self._host is None:
+        if self._host is None or self._host_of is not self.arrays:
             self._host = np.asarray(jax.device_get(self.arrays))
+            self._host_of = self.arrays
         return self._host
 
     def step_function(self, train_step: Callable) -> Callable:

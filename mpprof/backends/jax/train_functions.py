@@ -48,6 +48,8 @@ class TrainFunctions:
         self.instrumented_off: str | None = None
         self._instrumented_ran = False
         self._state = None
+        # Steps per call, fixed when Keras made its function before the fit.
+        self._steps = 1
 
     def install(self, dispatcher: Callable, patches: Patches) -> None:
         """Makes the profiled step and puts `dispatcher` in
@@ -69,6 +71,7 @@ class TrainFunctions:
         # Read now: during an epoch Keras' state lives outside the variables.
         self._shardings = self._out_shardings()
         self.plain = self._compiled(model.train_step)
+        self._steps = int(getattr(model, "steps_per_execution", 1) or 1)
         patches.set(model, "train_function", dispatcher)
 
     def _compiled(self, train_step: Callable) -> Callable:
@@ -87,8 +90,20 @@ class TrainFunctions:
         return (None, self._model._get_state_sharding_spec(), None)
 
     def run_plain(self, state, iterator, *, on_abort: Callable[[], None]):
-        """Runs one call (`steps_per_execution` steps); returns (logs, state)."""
-        return self._run(self.plain, state, iterator, None, on_abort)
+        """Runs one call (`steps_per_execution` steps); returns (logs, state).
+        Most calls: one step, the least Python between Keras and the jit."""
+        if self._steps != 1:
+            return self._run(self.plain, state, iterator, None, on_abort)
+        step_state = self._state
+        try:
+            logs, state, step_state.arrays = self.plain(state, step_state.arrays,
+                                                        next(iterator))
+        except StopIteration:
+            raise  # the end of the data: fit ends the epoch
+        except BaseException:
+            on_abort()
+            raise
+        return logs, state
 
     def _run(self, first_step: Callable, state, iterator, data, on_abort):
         """The call's first step with `first_step` (on `data`, or the next
@@ -98,7 +113,7 @@ class TrainFunctions:
             if data is None:
                 data = next(iterator)
             logs, state, table = first_step(state, table, data)
-            for _ in range(self._model.steps_per_execution - 1):
+            for _ in range(self._steps - 1):
                 try:
                     data = next(iterator)
                 except StopIteration:
