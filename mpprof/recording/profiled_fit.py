@@ -200,7 +200,7 @@ class ProfiledFit:
         self._batch_pending = False
         quiet = self._quiet
         if quiet.ahead:
-            # A quiet call (`QuietCalls.take`, inlined: this runs every step).
+            # A quiet call, counted off here: this runs on every step.
             quiet.ahead -= 1
             return self._run_quiet(args, fit)
         # A call with something to do: the first, a sample, a flush, after

@@ -25,16 +25,11 @@ class QuietCalls:
 
     def __init__(self, steps_per_call: int | None):
         self.steps_per_call = steps_per_call
-        self.ahead = 0  # how many of the next calls may run quiet
+        # How many of the next calls may run quiet; the dispatcher counts
+        # them off itself (`ProfiledFit._run_train_function`: the hot path).
+        self.ahead = 0
         self._made = 0  # quiet calls since the last bookkeeping
         self._until = 0.0  # the `time.monotonic()` they must end by
-
-    def take(self) -> bool:
-        """Whether the call about to run is quiet (then counted off)."""
-        if not self.ahead:
-            return False
-        self.ahead -= 1
-        return True
 
     def went_quietly(self, fit: FitState) -> bool:
         """After a quiet call whose alarm did not ring: whether it may stay
