@@ -96,3 +96,16 @@ def test_the_newest_done_of_many_pending_is_found_without_asking_each():
     assert alarm.hold(None, 1, 60, wait=False) == [(0, 60)]
     assert alarm._pending == pending[40:]  # the done ones read (the newest) and dropped
     assert len(asked) <= 8
+
+
+def test_an_overflow_in_the_very_first_call_rings():
+    """The count the fit started from is known at install: the first alarm
+    read is compared with it, so a lone overflow in the first call arms a
+    forensic sample (it set the baseline, and was missed, before)."""
+    alarm = CallAlarm(lambda: [], lambda: False, start=lambda: 3)
+    alarm.install(model=None, patches=None, in_logs=False)
+    assert alarm.hold(_Alarm(4), 0, 0, wait=False) == [(0, 0)]
+    assert alarm.hold(_Alarm(4), 1, 1, wait=False) == []
+    calm = CallAlarm(lambda: [], lambda: False, start=lambda: 3)
+    calm.install(model=None, patches=None, in_logs=False)
+    assert calm.hold(_Alarm(3), 0, 0, wait=False) == []

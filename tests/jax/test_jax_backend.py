@@ -284,6 +284,22 @@ def test_an_overflow_arms_a_forensic_sample(tmp_path):
     assert (run.numerics.variable_grads["nonfinite_frac"] > 0).any()
 
 
+def test_a_lone_overflow_in_the_first_call_arms_a_forensic_sample(tmp_path):
+    """Only step 0 overflows (its batch's targets are a million; the scale
+    halves once and the other batches fit): the alarm is compared with the
+    count the fit started from, so that first call still rings and arms a
+    sample. Before, the first alarm read set the baseline and the sample
+    never came."""
+    x, y = jax_runs.ones(8 * 40, 1.0)
+    y[:8] = 1e6
+    # (At 2**12 the other batches' scaled gradients fit float16.)
+    model = jax_runs.regression(learning_rate=0.0, initial_scale=2.0**12)
+    run = jax_runs.fit(tmp_path, model, x, y, numerics_every=100)
+    assert list(run.loss_scale.overflow_steps) == [0]
+    assert len(run.numerics.steps) == 1 and 1 <= run.numerics.steps[0] < 40
+    assert run.numerics.forensic.all()
+
+
 # --- What the JAX backend does not measure says so.
 
 

@@ -55,7 +55,6 @@ class JaxBackend(base.Backend):
     Float8Shares = unavailable.Float8Shares
     ReplayCapture = replay_capture.ReplayCapture
     TrainFunctions = TrainFunctions
-    CallAlarm = call_alarm.CallAlarm
     PrecisionTracer = PrecisionTracer
     LayerCallPatch = LayerCallPatch
     alarm_logs_key = call_alarm.LOGS_KEY
@@ -80,6 +79,15 @@ class JaxBackend(base.Backend):
         """Makes the numerics taps (`NumericsSamples` calls it with the
         model and its strategy): they register with this backend."""
         return lambda model, strategy: NumericsTaps(model, self)
+
+    def CallAlarm(self, counters, host_reads_needed) -> call_alarm.CallAlarm:
+        """The call alarm (a factory, as the protocol's class attributes are),
+        compared from the count this fit's step state starts at."""
+        return call_alarm.CallAlarm(counters, host_reads_needed, start=self._alarm_start)
+
+    def _alarm_start(self) -> int | None:
+        state = self.step_state
+        return None if state is None else state.start_skipped + state.start_nonfinite
 
     def make_step_state(self, capacity: int) -> StepState:
         """The fit's step state (made once, by the loss-scale collectors)."""

@@ -43,9 +43,15 @@ class CallAlarm:
     Args:
         counters: unused on JAX (the step computes the alarm).
         host_reads_needed: unused on JAX (the alarm is always in the logs).
+        start: the count the fit starts from (the step state's skipped and
+            non-finite steps carried over), asked at the first read; None:
+            the first alarm read sets it (an overflow in the first call is
+            then missed).
     """
 
-    def __init__(self, counters: Callable[[], list], host_reads_needed: Callable[[], bool]):
+    def __init__(self, counters: Callable[[], list], host_reads_needed: Callable[[], bool],
+                 start: Callable[[], int | None] | None = None):
+        self._start = start
         self._seen: int | None = None
         self._pending: list = []
         self._rang = False
@@ -53,7 +59,7 @@ class CallAlarm:
         self._next_look = 0.0  # the `time.perf_counter()` of the next look
 
     def install(self, model, patches: Patches, in_logs: bool) -> None:
-        self._seen = None  # the first alarm read sets it
+        self._seen = None  # `start` (or the first alarm read) sets it
 
     def _look(self, *, wait: bool) -> None:
         """Reads the newest pending alarm whose step is done (the newest of
@@ -82,6 +88,8 @@ class CallAlarm:
         # (np.asarray: a few us where int() of a jax.Array takes ten.)
         value = int(np.asarray(pending[newest]))
         del pending[:newest + 1]
+        if self._seen is None and self._start is not None:
+            self._seen = self._start()
         if self._seen is not None and value != self._seen:
             self._rang = True
         self._seen = value
