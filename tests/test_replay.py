@@ -15,6 +15,7 @@ from browser import load_page, require_chromium, serve_tensorboard
 
 import mpprof
 from mpprof import cli, report
+from mpprof.backends import keras_capture
 from mpprof.backends.tensorflow import replay_engine as engine
 from mpprof.backends.tensorflow import replay_passes as passes
 from mpprof.records import reader
@@ -703,7 +704,7 @@ def test_a_layer_built_with_a_dtype_policy_map_replays_to_a_verified_fix(tmp_pat
     model.compile(optimizer=keras.optimizers.SGD(1e-6), loss="mse")
     _fit(model, tmp_path)
     capture = files.select_capture(str(tmp_path), "train", None)
-    rebuilt = engine._rebuild(capture)
+    rebuilt = keras_capture.rebuild(capture)
     d3 = rebuilt.get_layer("d3")
     assert isinstance(d3.dtype_policy, keras.dtype_policies.DTypePolicyMap)
     assert d3.compute_dtype == "float16"

@@ -25,16 +25,13 @@ first: captures are off.
 from __future__ import annotations
 
 import math
-import platform
 
 import jax
 import jax.numpy as jnp
-import keras
 import numpy as np
 
-from mpprof._version import __version__
+from mpprof.backends import keras_capture
 from mpprof.backends.jax.step_state import APPLIED, COUNT_ROW, SCALE, SCALE_ROW, SKIPPED
-from mpprof.backends.layer_records import variable_path, walk_layers
 from mpprof.recording.collectors.base import Collector
 from mpprof.replay import files
 
@@ -72,7 +69,7 @@ class ReplayCapture(Collector):
             self._api.replay = self
             # Now: during an epoch Keras' JAX fit keeps the state outside the
             # variables, and serializing reads some of them.
-            self._config = _model_config(fit.model)
+            self._config = keras_capture.model_config(fit.model)
 
     def _why_unavailable(self, model, sample_every: int | None) -> str | None:
         if self.budget == 0:
@@ -143,62 +140,11 @@ class ReplayCapture(Collector):
                                                 non_trainable_before, strict=False)})
         weights = [np.asarray(a) for a in jax.device_get(
             [values[id(v)] if id(v) in values else v.value for v in model.weights])]
-        config, config_note = self._config
-        manifest = {
-            "capture_version": files.CAPTURE_VERSION,
-            "backend": "jax",
-            "run": "train",
-            "step": step,
-            "reasons": reasons,
-            "loss": loss if math.isfinite(loss) else str(loss),
-            "loss_scale": scale,
-            "batch_structure": structure,
-            "batch_shapes": [list(a.shape) for a in batch],
-            "batch_dtypes": [str(a.dtype) for a in batch],
-            "batch_bytes": int(sum(a.nbytes for a in batch)),
-            "batch_size": int(batch[0].shape[0]) if batch and batch[0].ndim else None,
-            "weight_paths": [variable_path(v) for v in model.weights],
-            "weight_bytes": int(sum(w.nbytes for w in weights)),
-            "weights_are_the_steps": skipped,
-            "weights_note": (
-                "the step was skipped: the weights after it are the ones it ran with "
-                "(non-trainable state, such as moving statistics, as the step found it)"
-                if skipped else
-                "the step was not skipped (no loss scaling, or its gradients were "
-                "finite): its update was applied, so these are the trainable weights "
-                "after it (non-trainable state as the step found it)"
-            ),
-            "model_class": type(model).__name__,
-            "model_policy": model.dtype_policy.name,
-            "layer_policies": {
-                name: layer.dtype_policy.name for name, layer, _ in walk_layers(model)
-            },
-            "layer_paths": {
-                name: layer.path for name, layer, _ in walk_layers(model)
-                if getattr(layer, "path", None)
-            },
-            "model_config": {"saved": config is not None, "note": config_note},
-            "jit_compile": bool(getattr(model, "jit_compile", False)),
-            "versions": {
-                "mpprof": __version__, "jax": jax.__version__,
-                "keras": keras.__version__, "python": platform.python_version(),
-                "numpy": np.__version__,
-            },
-        }
-        folder = files.step_folder(step)
-        payloads = [
-            (files.BATCH, files.npz_bytes({f"leaf_{i}": a for i, a in enumerate(batch)})),
-            (files.WEIGHTS, files.npz_bytes({f"weight_{i}": w for i, w in enumerate(weights)})),
-        ]
-        if config is not None:
-            payloads.append((files.MODEL_CONFIG, files.json_bytes(config)))
-        manifest["bytes"] = sum(len(d) for _, d in payloads)
-        payloads.append((files.MANIFEST, files.json_bytes(manifest)))
-        self.captured.append({"step": step, "bytes": manifest["bytes"]})
-        for name, content in payloads:
-            if not fit.writer.write_file(f"{folder}/{name}", content):
-                self.captured[-1]["written"] = False
-                return
+        keras_capture.write_capture(
+            fit, self.captured, step=step, batch=batch, weights=weights, reasons=reasons,
+            loss=loss, loss_scale=scale, skipped=skipped, structure=structure,
+            config=self._config, backend={"backend": "jax", "jax": jax.__version__},
+        )
 
     def end(self, fit) -> None:
         self._before = self._after = None
@@ -214,14 +160,3 @@ class ReplayCapture(Collector):
         if self.initial_descent_skipped:
             entry["initial_descent_not_captured"] = self.initial_descent_skipped
         return entry
-
-
-def _model_config(model) -> tuple[dict | None, str]:
-    """The model's Keras serialization, or None with why not."""
-    try:
-        config = keras.saving.serialize_keras_object(model)
-        files.json_bytes(config)
-    except Exception as e:  # noqa: BLE001 - a custom model without get_config
-        return None, (f"not serializable ({type(e).__name__}: {str(e)[:200]}); "
-                      "replay it in-process: mpprof.replay.replay(model, logdir=...)")
-    return config, "rebuilt by keras.saving.deserialize_keras_object"

@@ -32,10 +32,9 @@ import keras
 import numpy as np
 from jax.extend.core import DropVar, Literal
 
+from mpprof.backends import keras_capture
 from mpprof.backends.layer_records import called_method, walk_layers
-from mpprof.jsonsafe import json_safe
 from mpprof.recording.patching import Patches
-from mpprof.records import schema
 from mpprof.replay import files, search
 from mpprof.replay.files import ReplayError
 from mpprof.replay.search import BETWEEN_LAYERS, LOSS, Offender, PassResult, subtree
@@ -56,48 +55,8 @@ def replay(logdir_or_model, run: str | None = None, step: int | None = None, *,
            logdir: str | os.PathLike | None = None, save: bool = True) -> dict:
     """Replays a captured step; the arguments and result are those of
     `mpprof.backends.tensorflow.replay_engine.replay`."""
-    model = None
-    if isinstance(logdir_or_model, keras.Model):
-        model = logdir_or_model
-        if logdir is None:
-            raise ReplayError("replay(model, ...) needs logdir=: where the capture is")
-    else:
-        logdir = logdir_or_model
-    capture = files.select_capture(logdir, run or schema.TRAIN_RUN, step)
-    if model is None:
-        model = _rebuild(capture)
-        result = _replay_with_weights(model, capture)
-    else:
-        saved = [np.array(v.value) for v in model.weights]
-        try:
-            result = _replay_with_weights(model, capture)
-        finally:
-            for variable, value in zip(model.weights, saved, strict=True):
-                variable.assign(value)
-    result = json_safe(result)
-    if save:
-        files.write_result(capture, result)
-    return result
-
-
-def _rebuild(capture: files.Capture):
-    config = capture.model_config()
-    if config is None:
-        raise ReplayError(
-            f"the capture of step {capture.step} holds no model config "
-            f"({capture.manifest.get('model_config', {}).get('note')}); replay it in "
-            "the process that has the model: mpprof.replay.replay(model, logdir=...)"
-        )
-    try:
-        model = keras.saving.deserialize_keras_object(config)
-        model.dtype_policy = capture.manifest.get("model_policy") or model.dtype_policy
-        return model
-    except Exception as e:
-        raise ReplayError(
-            f"the model of step {capture.step} cannot be rebuilt from its config "
-            f"({type(e).__name__}: {e}); import the module defining its custom layers "
-            "first, or replay in-process: mpprof.replay.replay(model, logdir=...)"
-        ) from e
+    return keras_capture.replay_entry(logdir_or_model, run, step, logdir, save,
+                                      _replay_with_weights)
 
 
 def _replay_with_weights(model, capture: files.Capture) -> dict:

@@ -33,14 +33,11 @@ averaged across replicas, so no batch can be recovered: the capture is off.
 from __future__ import annotations
 
 import math
-import platform
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from mpprof._version import __version__
-from mpprof.backends.tensorflow.layer_calls import walk_layers
+from mpprof.backends import keras_capture
 from mpprof.backends.tf_keras import support as tf_keras_support
 from mpprof.recording.collectors.base import Collector
 from mpprof.recording.patching import Patches
@@ -173,64 +170,12 @@ class ReplayCapture(Collector):
         batch = [t.numpy() for t in leaves]
         found = {id(v): s for v, s in zip(model.non_trainable_weights, state, strict=False)}
         weights = [np.asarray(found.get(id(v), v).numpy()) for v in model.weights]
-        config, config_note = _model_config(model)
-        manifest = {
-            "capture_version": files.CAPTURE_VERSION,
-            "run": "train",
-            "step": step,
-            "reasons": reasons,
-            "loss": loss if math.isfinite(loss) else str(loss),
-            "loss_scale": self._loss_scale_of_step(skipped),
-            "batch_structure": self._structure,
-            "batch_shapes": [list(a.shape) for a in batch],
-            "batch_dtypes": [str(a.dtype) for a in batch],
-            "batch_bytes": int(sum(a.nbytes for a in batch)),
-            "batch_size": int(batch[0].shape[0]) if batch and batch[0].ndim else None,
-            "weight_paths": [tf_keras_support.variable_path(v) for v in model.weights],
-            "weight_bytes": int(sum(w.nbytes for w in weights)),
-            "weights_are_the_steps": skipped,
-            "weights_note": (
-                "the step was skipped: the weights after it are the ones it ran with "
-                "(non-trainable state, such as moving statistics, as the step found it)"
-                if skipped else
-                "the step was not skipped (no loss scaling, or its gradients were "
-                "finite): its update was applied, so these are the trainable weights "
-                "after it (non-trainable state as the step found it)"
-            ),
-            "model_class": type(model).__name__,
-            "model_policy": model.dtype_policy.name,
-            "layer_policies": {
-                name: layer.dtype_policy.name for name, layer, _ in walk_layers(model)
-            },
-            # DTypePolicyMap keys: the paths of this model's layers, which
-            # a model rebuilt elsewhere may not share.
-            "layer_paths": {
-                name: layer.path for name, layer, _ in walk_layers(model)
-                if getattr(layer, "path", None)
-            },
-            "model_config": {"saved": config is not None, "note": config_note},
-            "jit_compile": bool(getattr(model, "jit_compile", False)),
-            "versions": {
-                "mpprof": __version__, "tensorflow": tf.__version__,
-                "keras": keras.__version__, "python": platform.python_version(),
-                "numpy": np.__version__,
-            },
-        }
-        folder = files.step_folder(step)
-        payloads = [
-            (files.BATCH, files.npz_bytes({f"leaf_{i}": a for i, a in enumerate(batch)})),
-            (files.WEIGHTS, files.npz_bytes({f"weight_{i}": w for i, w in enumerate(weights)})),
-        ]
-        if config is not None:
-            payloads.append((files.MODEL_CONFIG, files.json_bytes(config)))
-        manifest["bytes"] = sum(len(data) for _, data in payloads)
-        # The manifest last: a folder without one is not a capture.
-        payloads.append((files.MANIFEST, files.json_bytes(manifest)))
-        self.captured.append({"step": step, "bytes": manifest["bytes"]})
-        for name, data in payloads:
-            if not fit.writer.write_file(f"{folder}/{name}", data):
-                self.captured[-1]["written"] = False
-                return
+        keras_capture.write_capture(
+            fit, self.captured, step=step, batch=batch, weights=weights, reasons=reasons,
+            loss=loss, loss_scale=self._loss_scale_of_step(skipped), skipped=skipped,
+            structure=self._structure, config=keras_capture.model_config(model),
+            backend={"tensorflow": tf.__version__},
+        )
 
     def _loss_scale_of_step(self, skipped: bool) -> float:
         """The scale the step ran with (a skip has halved it since)."""
@@ -256,14 +201,3 @@ def _in_initial_descent(outputs: dict, step: int) -> bool:
     if "skipped_before" not in outputs or "step" not in outputs:
         return False
     return int(outputs["skipped_before"].numpy()) == step
-
-
-def _model_config(model) -> tuple[dict | None, str]:
-    """The model's Keras serialization, or None with why not."""
-    try:
-        config = keras.saving.serialize_keras_object(model)
-        files.json_bytes(config)
-    except Exception as e:  # noqa: BLE001 - a custom model without get_config
-        return None, (f"not serializable ({type(e).__name__}: {str(e)[:200]}); "
-                      "replay it in-process: mpprof.replay.replay(model, logdir=...)")
-    return config, "rebuilt by keras.saving.deserialize_keras_object"

@@ -1,0 +1,166 @@
+"""What every backend's replay capture and replay engine do alike, in Keras.
+
+A capture is the same files on every backend (`mpprof.replay.files`): the
+batch, the weights the step ran with, the model's config and each layer's
+policy. Writing them, rebuilding the model from them and the `replay(...)`
+entry are the same code; the backends differ only in how they get the
+step's values and in how they run the step again.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+from collections.abc import Callable
+
+import keras
+import numpy as np
+
+from mpprof._version import __version__
+from mpprof.backends.layer_records import variable_path, walk_layers
+from mpprof.jsonsafe import json_safe
+from mpprof.records import schema
+from mpprof.replay import files
+from mpprof.replay.files import ReplayError
+
+
+def model_config(model) -> tuple[dict | None, str]:
+    """The model's Keras serialization, or None with why not."""
+    try:
+        config = keras.saving.serialize_keras_object(model)
+        files.json_bytes(config)
+    except Exception as e:  # noqa: BLE001 - a custom model without get_config
+        return None, (f"not serializable ({type(e).__name__}: {str(e)[:200]}); "
+                      "replay it in-process: mpprof.replay.replay(model, logdir=...)")
+    return config, "rebuilt by keras.saving.deserialize_keras_object"
+
+
+def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarray],
+                  weights: list[np.ndarray], reasons: list[str], loss: float,
+                  loss_scale: float, skipped: bool, structure, config: tuple[dict | None, str],
+                  backend: dict[str, str]) -> None:
+    """Writes one capture into `fit.writer`'s run, noting it in `captured`.
+
+    Args:
+        batch: the step's batch, as flat arrays (`structure` rebuilds it).
+        weights: the model's weights the step ran with, in `model.weights`
+            order (the non-trainable ones as the step found them).
+        skipped: whether the step was skipped (its weights are then the ones
+            it ran with, trainable ones included).
+        config: `model_config(model)`.
+        backend: the manifest's "backend" entry (omitted for TensorFlow,
+            the only backend of older captures) and framework versions, e.g.
+            `{"backend": "jax", "jax": "0.10.2"}`.
+    """
+    model = fit.model
+    config_dict, config_note = config
+    framework = dict(backend)
+    manifest = {
+        "capture_version": files.CAPTURE_VERSION,
+        **({"backend": framework.pop("backend")} if "backend" in framework else {}),
+        "run": schema.TRAIN_RUN,
+        "step": step,
+        "reasons": reasons,
+        "loss": loss if math.isfinite(loss) else str(loss),
+        "loss_scale": loss_scale,
+        "batch_structure": structure,
+        "batch_shapes": [list(a.shape) for a in batch],
+        "batch_dtypes": [str(a.dtype) for a in batch],
+        "batch_bytes": int(sum(a.nbytes for a in batch)),
+        "batch_size": int(batch[0].shape[0]) if batch and batch[0].ndim else None,
+        "weight_paths": [variable_path(v) for v in model.weights],
+        "weight_bytes": int(sum(w.nbytes for w in weights)),
+        "weights_are_the_steps": skipped,
+        "weights_note": (
+            "the step was skipped: the weights after it are the ones it ran with "
+            "(non-trainable state, such as moving statistics, as the step found it)"
+            if skipped else
+            "the step was not skipped (no loss scaling, or its gradients were "
+            "finite): its update was applied, so these are the trainable weights "
+            "after it (non-trainable state as the step found it)"
+        ),
+        "model_class": type(model).__name__,
+        "model_policy": model.dtype_policy.name,
+        "layer_policies": {
+            name: layer.dtype_policy.name for name, layer, _ in walk_layers(model)
+        },
+        # DTypePolicyMap keys: the paths of this model's layers, which a model
+        # rebuilt elsewhere may not share.
+        "layer_paths": {
+            name: layer.path for name, layer, _ in walk_layers(model)
+            if getattr(layer, "path", None)
+        },
+        "model_config": {"saved": config_dict is not None, "note": config_note},
+        "jit_compile": bool(getattr(model, "jit_compile", False)),
+        "versions": {
+            "mpprof": __version__, **framework, "keras": keras.__version__,
+            "python": platform.python_version(), "numpy": np.__version__,
+        },
+    }
+    folder = files.step_folder(step)
+    payloads = [
+        (files.BATCH, files.npz_bytes({f"leaf_{i}": a for i, a in enumerate(batch)})),
+        (files.WEIGHTS, files.npz_bytes({f"weight_{i}": w for i, w in enumerate(weights)})),
+    ]
+    if config_dict is not None:
+        payloads.append((files.MODEL_CONFIG, files.json_bytes(config_dict)))
+    manifest["bytes"] = sum(len(data) for _, data in payloads)
+    # The manifest last: a folder without one is not a capture.
+    payloads.append((files.MANIFEST, files.json_bytes(manifest)))
+    captured.append({"step": step, "bytes": manifest["bytes"]})
+    for name, data in payloads:
+        if not fit.writer.write_file(f"{folder}/{name}", data):
+            captured[-1]["written"] = False
+            return
+
+
+def replay_entry(logdir_or_model, run: str | None, step: int | None,
+                 logdir: str | os.PathLike | None, save: bool,
+                 replay_with_weights: Callable[[object, files.Capture], dict]) -> dict:
+    """`replay(...)` of every engine: finds the capture, rebuilds the model
+    (or replays the one given, putting its weights back after), runs
+    `replay_with_weights(model, capture)` and saves the result."""
+    model = None
+    if isinstance(logdir_or_model, keras.Model):
+        model = logdir_or_model
+        if logdir is None:
+            raise ReplayError("replay(model, ...) needs logdir=: where the capture is")
+    else:
+        logdir = logdir_or_model
+    capture = files.select_capture(logdir, run or schema.TRAIN_RUN, step)
+    if model is None:
+        result = replay_with_weights(rebuild(capture), capture)
+    else:
+        saved = [keras.ops.convert_to_numpy(v) for v in model.weights]
+        try:
+            result = replay_with_weights(model, capture)
+        finally:
+            for variable, value in zip(model.weights, saved, strict=True):
+                variable.assign(value)
+    result = json_safe(result)
+    if save:
+        files.write_result(capture, result)
+    return result
+
+
+def rebuild(capture: files.Capture):
+    """The captured model, rebuilt from its config in the current backend."""
+    config = capture.model_config()
+    if config is None:
+        raise ReplayError(
+            f"the capture of step {capture.step} holds no model config "
+            f"({capture.manifest.get('model_config', {}).get('note')}); replay it in "
+            "the process that has the model: mpprof.replay.replay(model, logdir=...)"
+        )
+    try:
+        model = keras.saving.deserialize_keras_object(config)
+        # The model's own policy (its input cast) is not in every config.
+        model.dtype_policy = capture.manifest.get("model_policy") or model.dtype_policy
+        return model
+    except Exception as e:
+        raise ReplayError(
+            f"the model of step {capture.step} cannot be rebuilt from its config "
+            f"({type(e).__name__}: {e}); import the module defining its custom layers "
+            "first, or replay in-process: mpprof.replay.replay(model, logdir=...)"
+        ) from e
