@@ -54,6 +54,7 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 import keras
 import numpy as np
 import tensorflow as tf
+from bench_models import cnn_model, seed_model
 
 import mpprof
 
@@ -76,25 +77,6 @@ class EpochTimer(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         self.times.append(time.perf_counter() - self._start)
         self.cpu_times.append(time.process_time() - self._cpu_start)
-
-
-def seed_model() -> keras.Model:
-    return keras.Sequential([
-        keras.layers.Input((784,)),
-        keras.layers.Dense(256, activation="relu"),
-        keras.layers.Dense(10, dtype="float32"),
-    ])
-
-
-def cnn_model() -> keras.Model:
-    return keras.Sequential([
-        keras.layers.Input((28, 28, 1)),
-        keras.layers.Conv2D(16, 3, activation="relu"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Conv2D(32, 3, activation="relu"),
-        keras.layers.Flatten(),
-        keras.layers.Dense(10, dtype="float32"),
-    ])
 
 
 # name: (builder, input shape, samples, initial loss scale or None for the

@@ -36,6 +36,7 @@ if "--pin" in os.sys.argv:
 import jax
 import keras
 import numpy as np
+from bench_models import SHAPES
 
 import mpprof
 
@@ -45,16 +46,11 @@ FIRST_SAMPLE_STEP = inspect.signature(
     mpprof.MixedPrecisionProfiler).parameters["numerics_every"].default
 
 
-def seed_model() -> keras.Model:
-    model = keras.Sequential([
-        keras.layers.Input((784,)),
-        keras.layers.Dense(256, activation="relu"),
-        keras.layers.Dense(10, dtype="float32"),
-    ])
+def _compiled(build) -> keras.Model:
+    model = build()
     model.compile(optimizer="adam",
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
-
 
 def _state(model):
     """The model's state as fit passes it (from the variables, left in place)."""
@@ -102,24 +98,25 @@ class _PairedBlocks(keras.callbacks.Callback):
 
 
 def measure(policy: str, block: int, rounds: int, samples: int = 16384,
-            past_first_sample: bool = True) -> dict:
+            past_first_sample: bool = True, model_name: str = "seed") -> dict:
     """{arm: block seconds, round by round}; `past_first_sample=False` warms
     up two epochs only (a smoke test: the first sample may fall in the blocks)."""
     keras.mixed_precision.set_dtype_policy(policy)
     rng = np.random.default_rng(0)
-    x = rng.random((samples, 784), dtype=np.float32)
+    build, shape = SHAPES[model_name]
+    x = rng.random((samples, *shape), dtype=np.float32)
     y = rng.integers(0, 10, samples)
     batches = [(x[i:i + BATCH_SIZE], y[i:i + BATCH_SIZE])
                for i in range(0, samples, BATCH_SIZE)]
     arms = {}
     for name in ("plain", "plain (control)"):
-        model = seed_model()
+        model = _compiled(build)
         model.fit(x[:BATCH_SIZE * 4], y[:BATCH_SIZE * 4], batch_size=BATCH_SIZE, verbose=0)
         arms[name] = (model.train_function, _state(model))
     with tempfile.TemporaryDirectory() as logdir:
         profiler = mpprof.MixedPrecisionProfiler(logdir)
         blocks = _PairedBlocks(arms, profiler, batches, block, rounds)
-        model = seed_model()
+        model = _compiled(build)
         # Warm-up past the first numerics sample (where the instrumented step
         # is compiled, once per fit), then the blocks at the last epoch's end.
         steps_per_epoch = len(batches)
@@ -146,6 +143,7 @@ def report(times: dict[str, list[float]], block: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="seed", choices=sorted(SHAPES))
     parser.add_argument("--policy", default="mixed_float16")
     parser.add_argument("--block", type=int, default=16, help="steps per block")
     parser.add_argument("--rounds", type=int, default=150)
@@ -153,7 +151,7 @@ def main() -> None:
                         help="one core, XLA on one thread (read before jax is imported)")
     args = parser.parse_args()
     load_before = os.getloadavg()
-    report(measure(args.policy, args.block, args.rounds), args.block)
+    report(measure(args.policy, args.block, args.rounds, model_name=args.model), args.block)
     print(f"\nseed model, {args.policy}, batch {BATCH_SIZE}, {args.rounds} rounds of "
           f"{args.block} steps on {jax.devices()[0].platform}; load average before "
           f"{load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
