@@ -152,7 +152,7 @@ def main() -> None:
     args = parser.parse_args()
     load_before = os.getloadavg()
     report(measure(args.policy, args.block, args.rounds, model_name=args.model), args.block)
-    print(f"\nseed model, {args.policy}, batch {BATCH_SIZE}, {args.rounds} rounds of "
+    print(f"\n{args.model} model, {args.policy}, batch {BATCH_SIZE}, {args.rounds} rounds of "
           f"{args.block} steps on {jax.devices()[0].platform}; load average before "
           f"{load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
 
