@@ -312,6 +312,16 @@ def test_unimplemented_collectors_say_unavailable(tmp_path):
     assert collectors["replay_capture"]["state"] == "ok"
     assert collectors["replay_capture"]["captures"] == []
     assert collectors["kernels"]["state"] == "unavailable"
+    # Float8 scales and amax histories are recorded (tests/jax/test_float8_jax.py);
+    # the shares of values on sampled steps are not.
+    keras.mixed_precision.set_dtype_policy("float32")
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(8)])
+    model.quantize("float8")
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    collectors = jax_runs.fit(tmp_path / "float8", model, x, y).context["collectors"]
+    assert collectors["float8"] == {"state": "ok"}
+    assert collectors["float8_shares"]["state"] == "unavailable"
 
 
 # --- Without TensorFlow.

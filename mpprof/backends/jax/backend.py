@@ -15,14 +15,23 @@ What differs from TensorFlow (`mpprof.backends.tensorflow.backend`):
   as outputs (`numerics`);
 - replay captures copy what the donated step received before it runs
   (`replay_capture`);
-- float8 records and XProf windows are not implemented yet:
-  their collectors say "unavailable" (`unavailable`).
+- float8 scales and amax histories are read at flush points from the Keras
+  state the last call returned, not from the variables (`float8`); float8
+  shares on sampled steps and XProf windows are not implemented yet: their
+  collectors say "unavailable" (`unavailable`).
 """
 
 from __future__ import annotations
 
 from mpprof.backends import base
-from mpprof.backends.jax import call_alarm, context, hardware, replay_capture, unavailable
+from mpprof.backends.jax import (
+    call_alarm,
+    context,
+    float8,
+    hardware,
+    replay_capture,
+    unavailable,
+)
 from mpprof.backends.jax.layer_calls import LayerCallPatch
 from mpprof.backends.jax.loss_scale_series import LossScaleSeries
 from mpprof.backends.jax.loss_scales import LossScales
@@ -51,7 +60,6 @@ class JaxBackend(base.Backend):
     loss_watch = LossWatch
     LossScales = LossScales
     RunHealth = RunHealth
-    Float8State = unavailable.Float8State
     Float8Shares = unavailable.Float8Shares
     ReplayCapture = replay_capture.ReplayCapture
     TrainFunctions = TrainFunctions
@@ -84,6 +92,11 @@ class JaxBackend(base.Backend):
         """The call alarm (a factory, as the protocol's class attributes are),
         compared from the count this fit's step state starts at."""
         return call_alarm.CallAlarm(counters, host_reads_needed, start=self._alarm_start)
+
+    def Float8State(self, model, loss_scales) -> float8.Float8State:
+        """The float8 collector (a factory, as `CallAlarm`): it reads the
+        Keras state from this fit's step state."""
+        return float8.Float8State(model, loss_scales, self)
 
     def _alarm_start(self) -> int | None:
         state = self.step_state

@@ -76,6 +76,11 @@ class StepState:
         self.arrays: tuple | None = None
         self._host: np.ndarray | None = None
         self._host_of = None  # the `arrays` `_host` copies
+        # Keras' state [trainable, non-trainable, optimizer, metrics
+        # variables] the last call returned beside `arrays` (None before the
+        # first call): what flushes read the model's variables from during
+        # an epoch (`mpprof.backends.jax.float8`). Donated to the next call.
+        self.keras_state = None
         # The unscaled loss of the step being traced (`capture_loss`), and
         # whether the traced step had one (None: not traced yet).
         self._loss = None
@@ -102,9 +107,10 @@ class StepState:
         """Called while the step is traced with its unscaled loss."""
         self._loss = loss
 
-    def update(self, arrays: tuple) -> None:
-        """The state a call returned (the one given to it is donated)."""
+    def update(self, arrays: tuple, keras_state) -> None:
+        """The states a call returned (those given to it are donated)."""
         self.arrays = arrays
+        self.keras_state = keras_state
         self._host = None
 
     def read(self) -> np.ndarray:

@@ -98,6 +98,7 @@ class TrainFunctions:
         try:
             logs, state, step_state.arrays = self.plain(state, step_state.arrays,
                                                         next(iterator))
+            step_state.keras_state = state
         except StopIteration:
             raise  # the end of the data: fit ends the epoch
         except BaseException:
@@ -127,7 +128,7 @@ class TrainFunctions:
         except BaseException:
             on_abort()
             raise
-        self._state.update(table)
+        self._state.update(table, state)
         return logs, state
 
     def run_instrumented(self, state, iterator, *, on_abort: Callable[[], None],
@@ -162,3 +163,5 @@ class TrainFunctions:
 
     def release(self) -> None:
         self.plain = self.instrumented = None
+        if self._state is not None:
+            self._state.keras_state = None
