@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from mpprof.backends import base
 from mpprof.backends.jax import call_alarm, context, hardware, replay_capture, unavailable
+from mpprof.backends.jax.custom_step import overrides_train_step
 from mpprof.backends.jax.layer_calls import LayerCallPatch
 from mpprof.backends.jax.loss_scale_series import LossScaleSeries
 from mpprof.backends.jax.loss_scales import LossScales
-from mpprof.backends.jax.numerics_callbacks import CallbackTaps, overrides_train_step
+from mpprof.backends.jax.numerics_callbacks import CallbackTaps
 from mpprof.backends.jax.numerics_taps import NumericsTaps
 from mpprof.backends.jax.precision_tracer import PrecisionTracer
 from mpprof.backends.jax.run_health import LossWatch, RunHealth

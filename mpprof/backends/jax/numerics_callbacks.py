@@ -48,13 +48,6 @@ from mpprof.records import schema
 _ABS_MAX = 2  # the raw row's exact largest finite magnitude
 
 
-def overrides_train_step(model) -> bool:
-    """Whether `model`'s `train_step` is not Keras' own JAX step."""
-    from keras.src.backend.jax.trainer import JAXTrainer
-
-    return type(model).train_step is not JAXTrainer.train_step
-
-
 def _add(rows: dict, key, row: np.ndarray) -> None:
     """Adds a raw row to `rows[key]`: counts add up, abs-max is the maximum."""
     row = np.asarray(row, np.float64)

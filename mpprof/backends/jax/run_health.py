@@ -1,8 +1,9 @@
 """The HEALTH record on JAX: is the loss finite, are the weights finite.
 
 Keras' JAX train step hands its unscaled loss to the model's
-`_update_metrics_variables` (outside the gradient trace); the profiled step
-takes it there and checks it in the step itself (`StepState`): the count of
+`_update_metrics_variables` (outside the gradient trace), and a custom
+`train_step` to its loss metrics (`custom_step`); the profiled step takes it
+there and checks it in the step itself (`StepState`): the count of
 steps with a non-finite loss and the first such step, exact to the step
 (also under `steps_per_execution > 1`), read at flush points. The weights
 are checked on the host at epoch ends and when fit ends, once Keras has
@@ -90,8 +91,9 @@ class RunHealth(Collector):
         if self.watched() is not None:
             return {"state": "ok", "loss_checked": "in the step (exact to the step)"}
         return {"state": "absent", "reason": (
-            "the train step handed no loss to Keras' metrics update (a custom "
-            "train_step): the loss is not watched on JAX")}
+            "the train step handed no loss to Keras' metrics update nor to a loss "
+            "metric (a custom train_step whose metrics are not named 'loss' or "
+            "'..._loss'): the loss is not watched on JAX")}
 
     def nonfinite_counters(self) -> list:
         return []
