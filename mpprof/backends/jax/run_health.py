@@ -87,7 +87,20 @@ class RunHealth(Collector):
     def end(self, fit) -> None:
         self.check_weights(fit.model)
 
+    def _unfollowed_scales(self) -> list[str]:
+        """The step's LossScaleOptimizers other than the compiled one (a
+        GAN's): their skips are not followed (`loss_scales`)."""
+        compiled = self._usage.uses[0].optimizer if self._usage.uses else None
+        return [u.name for u in self._usage.used()
+                if u.loss_scale and u.optimizer is not compiled] if self._usage.traced else []
+
     def context(self) -> dict:
+        unfollowed = self._unfollowed_scales()
+        if unfollowed:
+            return {"state": "absent", "reason": (
+                f"the step's own LossScaleOptimizers ({', '.join(unfollowed)}) are not "
+                "followed on JAX: a non-finite loss cannot be told from a step they "
+                "skipped, so the loss is not judged")}
         if self.watched() is not None:
             return {"state": "ok", "loss_checked": "in the step (exact to the step)"}
         return {"state": "absent", "reason": (
@@ -102,6 +115,8 @@ class RunHealth(Collector):
         """(The step dates its own first non-finite loss.)"""
 
     def watched(self):
+        if self._unfollowed_scales():
+            return None
         for watcher in self.watchers.values():
             if watcher.watched():
                 return watcher
