@@ -37,13 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpprof.backends.jax.numerics_taps import MAX_CALLS, SAMPLE_KEY, NumericsTaps
-from mpprof.backends.jax.tensor_statistics import (
-    RAW_COLUMNS,
-    raw_statistics,
-    statistics_of_rows,
-)
+from mpprof.backends.jax.tensor_statistics import RAW_COLUMNS, raw_statistics
 from mpprof.recording.patching import Patches
-from mpprof.records import schema
 
 _ABS_MAX = 2  # the raw row's exact largest finite magnitude
 
@@ -169,26 +164,20 @@ class CallbackTaps(NumericsTaps):
         # ready and the effects barrier has passed.
         jax.block_until_ready(self._sample)
         jax.effects_barrier()
-        self._sample = None
         with self._lock:
             host = self._host
             self._host = {kind: {} for kind in host}
         rows, variables = len(self.layer_names), len(self._variables)
-        forward = self._table(host["forward"], rows)
-        backward = self._table(host["backward"], rows)
-        order = self.call_order
-        forward, forward_hist = statistics_of_rows(forward)
-        backward, backward_hist = statistics_of_rows(backward)
-        return {
-            schema.NUMERICS_FORWARD: forward[order],
-            schema.NUMERICS_BACKWARD: backward[order],
-            schema.NUMERICS_FORWARD_HIST: forward_hist[order],
-            schema.NUMERICS_BACKWARD_HIST: backward_hist[order],
-            schema.NUMERICS_GRADIENTS: statistics_of_rows(
-                self._table(host["gradients"], variables))[0],
-            schema.NUMERICS_UNSCALED_GRADIENTS: statistics_of_rows(
-                self._table(host["unscaled_gradients"], variables))[0],
+        # As the instrumented step's sample (its calls already added up),
+        # read the same way; the loss comes from the loss watch.
+        self._sample = {
+            "forward": self._table(host["forward"], rows),
+            "backward": self._table(host["backward"], rows)[:, None],
+            "gradients": self._table(host["gradients"], variables),
+            "unscaled_gradients": self._table(host["unscaled_gradients"], variables),
+            "loss": np.nan,
         }
+        return super().read()
 
     def _table(self, found: dict, size: int) -> np.ndarray:
         """Host rows by key as a [size, RAW_COLUMNS] table, a layer's calls
