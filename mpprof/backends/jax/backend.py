@@ -12,7 +12,9 @@ What differs from TensorFlow (`mpprof.backends.tensorflow.backend`):
   them during an epoch;
 - the alarm is read one call late (`call_alarm`);
 - per-layer numerics run in a second jitted step that returns the statistics
-  as outputs (`numerics`);
+  as outputs (`numerics_taps`), or, for a model with its own `train_step`,
+  its step traced with taps that send them by host callbacks
+  (`numerics_callbacks`);
 - replay captures copy what the donated step received before it runs
   (`replay_capture`);
 - float8 scales and amax histories are read at flush points from the Keras
@@ -32,9 +34,11 @@ from mpprof.backends.jax import (
     replay_capture,
     unavailable,
 )
+from mpprof.backends.jax.custom_step import overrides_train_step
 from mpprof.backends.jax.layer_calls import LayerCallPatch
 from mpprof.backends.jax.loss_scale_series import LossScaleSeries
 from mpprof.backends.jax.loss_scales import LossScales
+from mpprof.backends.jax.numerics_callbacks import CallbackTaps
 from mpprof.backends.jax.numerics_taps import NumericsTaps
 from mpprof.backends.jax.precision_tracer import PrecisionTracer
 from mpprof.backends.jax.run_health import LossWatch, RunHealth
@@ -86,7 +90,8 @@ class JaxBackend(base.Backend):
     def numerics_taps(self):
         """Makes the numerics taps (`NumericsSamples` calls it with the
         model and its strategy): they register with this backend."""
-        return lambda model, strategy: NumericsTaps(model, self)
+        return lambda model, strategy: (
+            CallbackTaps if overrides_train_step(model) else NumericsTaps)(model, self)
 
     def CallAlarm(self, counters, host_reads_needed) -> call_alarm.CallAlarm:
         """The call alarm (a factory, as the protocol's class attributes are),
@@ -138,11 +143,6 @@ class JaxBackend(base.Backend):
         import keras
 
         return keras.callbacks.TensorBoard
-
-    def candidate_optimizers(self, model) -> list[tuple[str, object]]:
-        """The compiled optimizer only: Keras' JAX train step passes its
-        variables (and no other optimizer's) through the step's state."""
-        return [("optimizer", model.optimizer)] if self.is_optimizer(model.optimizer) else []
 
     def steps_per_execution(self, model) -> int:
         return int(getattr(model, "steps_per_execution", 1) or 1)

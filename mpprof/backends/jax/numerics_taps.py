@@ -21,8 +21,9 @@ Measured: every leaf layer; a recurrent layer (its cell runs in a
 `lax.scan`) at its boundary; a layer called inside other control flow (its
 values belong to an inner trace) is skipped and listed with the reason. A
 layer called more than `MAX_CALLS` times in one step is measured on its
-first calls only (also listed). A model that overrides `train_step` is not
-sampled: the instrumented step would not be its step.
+first calls only (also listed). A model that overrides `train_step` is
+sampled by `mpprof.backends.jax.numerics_callbacks` instead: this
+instrumented step would not be its step.
 """
 
 from __future__ import annotations
@@ -94,9 +95,6 @@ class NumericsTaps:
     """
 
     def __init__(self, model, backend):
-        if type(model).train_step is not _jax_trainer().train_step:
-            raise NotImplementedError(
-                "the model overrides train_step: the instrumented step would not be its step")
         self.instrumenting = False
         self._model = model
         entries = walk_layers(model)
@@ -271,9 +269,3 @@ class NumericsTaps:
                 for row, reason in self._skipped.items()
             ],
         }
-
-
-def _jax_trainer():
-    from keras.src.backend.jax.trainer import JAXTrainer
-
-    return JAXTrainer

@@ -85,6 +85,9 @@ class StepState:
         # whether the traced step had one (None: not traced yet).
         self._loss = None
         self.loss_watched: bool | None = None
+        # The trace of the step being traced: a loss from an inner trace
+        # (inside a user's value_and_grad) cannot leave it, and is ignored.
+        self._step_trace = None
 
     def start(self) -> None:
         """The device state at the start of the fit (before the first step:
@@ -104,8 +107,13 @@ class StepState:
         return float(np.asarray(self._optimizer.dynamic_scale.value))
 
     def capture_loss(self, loss) -> None:
-        """Called while the step is traced with its unscaled loss."""
-        self._loss = loss
+        """Called while the step is traced with its unscaled loss. Several
+        losses in one step (a GAN's) are checked as their sum: non-finite
+        when any of them is."""
+        if getattr(loss, "_trace", None) is not self._step_trace:
+            return
+        loss = jnp.sum(jnp.asarray(loss, jnp.float32))
+        self._loss = loss if self._loss is None else self._loss + loss
 
     def update(self, arrays: tuple, keras_state) -> None:
         """The states a call returned (those given to it are donated)."""
@@ -128,7 +136,7 @@ class StepState:
         counter_index, capacity = self._counter_index, self.capacity
 
         def step(state, table, data):
-            self._loss = None
+            self._loss, self._step_trace = None, getattr(table, "_trace", None)
             logs, new_state = train_step(state, data)
             before, after = state[2], new_state[2]
             applied_before = jnp.asarray(before[applied_index], jnp.float32)
