@@ -37,7 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpprof.backends.jax.numerics_taps import MAX_CALLS, SAMPLE_KEY, NumericsTaps
-from mpprof.backends.jax.tensor_statistics import RAW_COLUMNS, raw_statistics
+from mpprof.backends.jax.tensor_statistics import (
+    RAW_COLUMNS,
+    SUMMARY_COLUMNS,
+    gradient_statistics,
+    raw_statistics,
+)
 from mpprof.recording.patching import Patches
 
 _ABS_MAX = 2  # the raw row's exact largest finite magnitude
@@ -143,10 +148,8 @@ class CallbackTaps(NumericsTaps):
             if row is None or gradient is None:
                 continue
             self._applied_variables.add(row)
-            jax.debug.callback(
-                functools.partial(self._land_gradient, row),
-                raw_statistics(gradient),
-                raw_statistics(jnp.asarray(gradient, jnp.float32) / scale))
+            jax.debug.callback(functools.partial(self._land_gradient, row),
+                               *gradient_statistics(gradient, scale))
 
     # Host side (the callbacks run on the runtime's threads).
 
@@ -173,16 +176,17 @@ class CallbackTaps(NumericsTaps):
         self._sample = {
             "forward": self._table(host["forward"], rows),
             "backward": self._table(host["backward"], rows)[:, None],
-            "gradients": self._table(host["gradients"], variables),
-            "unscaled_gradients": self._table(host["unscaled_gradients"], variables),
+            "gradients": self._table(host["gradients"], variables, SUMMARY_COLUMNS),
+            "unscaled_gradients": self._table(host["unscaled_gradients"], variables,
+                                              SUMMARY_COLUMNS),
             "loss": np.nan,
         }
         return super().read()
 
-    def _table(self, found: dict, size: int) -> np.ndarray:
-        """Host rows by key as a [size, RAW_COLUMNS] table, a layer's calls
+    def _table(self, found: dict, size: int, columns: int = RAW_COLUMNS) -> np.ndarray:
+        """Host rows by key as a [size, columns] table, a layer's calls
         added up (zeros where nothing landed: a count of 0)."""
-        table = np.zeros((size, RAW_COLUMNS))
+        table = np.zeros((size, columns))
         for key, row in found.items():
             index = key[0] if isinstance(key, tuple) else key
             peak = max(table[index, _ABS_MAX], row[_ABS_MAX])
