@@ -15,14 +15,23 @@ What differs from TensorFlow (`mpprof.backends.tensorflow.backend`):
   as outputs (`numerics`);
 - replay captures copy what the donated step received before it runs
   (`replay_capture`);
-- float8 records and XProf windows are not implemented yet:
-  their collectors say "unavailable" (`unavailable`).
+- the XProf window waits for the device before it starts and stops its
+  trace (`kernels`);
+- float8 records are not implemented yet: their collectors say
+  "unavailable" (`unavailable`).
 """
 
 from __future__ import annotations
 
 from mpprof.backends import base
-from mpprof.backends.jax import call_alarm, context, hardware, replay_capture, unavailable
+from mpprof.backends.jax import (
+    call_alarm,
+    context,
+    hardware,
+    kernels,
+    replay_capture,
+    unavailable,
+)
 from mpprof.backends.jax.layer_calls import LayerCallPatch
 from mpprof.backends.jax.loss_scale_series import LossScaleSeries
 from mpprof.backends.jax.loss_scales import LossScales
@@ -144,4 +153,4 @@ class JaxBackend(base.Backend):
         return hardware.hardware_facts(sampler)
 
     def profile_window(self, start: int, stop: int, run_dir: str):
-        return unavailable.ProfileWindow(start, stop, run_dir)
+        return kernels.ProfileWindow(start, stop, run_dir)
