@@ -92,13 +92,9 @@ def train(log_dir: str, name: str, policy: str, sizes: dict) -> dict:
                "numerics_samples": len(run.numerics.steps) if run.numerics else 0,
                "gpu_mode": run.gpu.mode if run.gpu else None}
     if run.gpu is not None and len(run.gpu.samples):
-        for column in ("tensor_util", "hmma_tensor_util", "sm_util", "gpu_util"):
-            try:
-                values = run.gpu.column(column)
-            except ValueError:
-                continue
-            values = values[np.isfinite(values)]
-            figures[f"{column}_median"] = float(np.median(values)) if len(values) else None
+        medians = column_medians(run.gpu, ("tensor_util", "hmma_tensor_util", "sm_util",
+                                           "gpu_util"))
+        figures.update({f"{column}_median": value for column, value in medians.items()})
     figures["xprof"] = xprof_beside_nvml(run, sizes["profile_steps"])
     return figures
 
@@ -120,15 +116,24 @@ def xprof_beside_nvml(run, window: tuple[int, int]) -> dict:
         steps = run.gpu.column("step")
         inside = (steps >= window[0]) & (steps <= window[1])
         figures["nvml_samples_in_window"] = int(inside.sum())
-        for column in ("tensor_util", "hmma_tensor_util"):
-            try:
-                values = run.gpu.column(column)[inside]
-            except ValueError:
-                continue
-            values = values[np.isfinite(values)]
-            figures[f"nvml_{column}_in_window_median"] = (
-                float(np.median(values)) if len(values) else None)
+        medians = column_medians(run.gpu, ("tensor_util", "hmma_tensor_util"), inside)
+        figures.update({f"nvml_{column}_in_window_median": value
+                        for column, value in medians.items()})
     return figures
+
+
+def column_medians(gpu, columns: tuple[str, ...], rows=slice(None)) -> dict:
+    """The median of each NVML column's finite values in `rows` (None: no
+    value), for the columns this run's samples have."""
+    medians = {}
+    for column in columns:
+        try:
+            values = gpu.column(column)[rows]
+        except ValueError:
+            continue
+        values = values[np.isfinite(values)]
+        medians[column] = float(np.median(values)) if len(values) else None
+    return medians
 
 
 def diagnose(log_dir: str) -> list:
