@@ -19,8 +19,10 @@ What differs from TensorFlow (`mpprof.backends.tensorflow.backend`):
   (`replay_capture`);
 - float8 scales and amax histories are read at flush points from the Keras
   state the last call returned, not from the variables (`float8`); float8
-  shares on sampled steps and XProf windows are not implemented yet: their
-  collectors say "unavailable" (`unavailable`).
+  shares on sampled steps are not implemented yet: their collector says
+  "unavailable" (`unavailable`);
+- the XProf window waits for the device before it starts and stops its
+  trace (`kernels`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from mpprof.backends.jax import (
     context,
     float8,
     hardware,
+    kernels,
     replay_capture,
     unavailable,
 )
@@ -157,4 +160,4 @@ class JaxBackend(base.Backend):
         return hardware.hardware_facts(sampler)
 
     def profile_window(self, start: int, stop: int, run_dir: str):
-        return unavailable.ProfileWindow(start, stop, run_dir)
+        return kernels.ProfileWindow(start, stop, run_dir)

@@ -33,27 +33,3 @@ class Float8Shares(Collector):
         if not self._float8:
             return dict(NO_FLOAT8_LAYERS)
         return {"state": "unavailable", "reason": _SHARES_REASON}
-
-
-class ProfileWindow:
-    """An XProf window asked for (`profile_steps`) that the JAX backend does
-    not trace yet: it says so in the run context's "kernels"."""
-
-    state = "unavailable"
-
-    def __init__(self, start: int, stop: int, run_dir: str):
-        self.run_dir = run_dir
-        self._steps = (start, stop)
-
-    def begin(self, step, siblings, tensorboard_class) -> None:
-        """(Nothing to start.)"""
-
-    def after_steps(self, step):
-        return None
-
-    def finish(self):
-        return None
-
-    def context(self) -> dict:
-        return {"state": "unavailable", "steps": list(self._steps),
-                "reason": f"XProf trace windows (profile_steps) are {_NOT_YET}"}
