@@ -39,7 +39,7 @@ def model_config(model) -> tuple[dict | None, str]:
 def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarray],
                   weights: list[np.ndarray], reasons: list[str], loss: float,
                   loss_scale: float, skipped: bool, structure, config: tuple[dict | None, str],
-                  backend: dict[str, str]) -> None:
+                  backend: dict[str, str], weights_before: bool = False) -> None:
     """Writes one capture into `fit.writer`'s run, noting it in `captured`.
 
     Args:
@@ -52,6 +52,8 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
         backend: the manifest's "backend" entry (omitted for TensorFlow,
             the only backend of older captures) and framework versions, e.g.
             `{"backend": "jax", "jax": "0.10.2"}`.
+        weights_before: whether `weights` were copied before the step ran
+            (then they are the ones it ran with, skipped or not).
     """
     model = fit.model
     config_dict, config_note = config
@@ -71,9 +73,10 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
         "batch_size": int(batch[0].shape[0]) if batch and batch[0].ndim else None,
         "weight_paths": [variable_path(v) for v in model.weights],
         "weight_bytes": int(sum(w.nbytes for w in weights)),
-        "weights_are_the_steps": skipped,
+        "weights_are_the_steps": skipped or weights_before,
         "weights_note": (
-            "the step was skipped: the weights after it are the ones it ran with "
+            "the weights as the step found them (copied before it ran)" if weights_before
+            else "the step was skipped: the weights after it are the ones it ran with "
             "(non-trainable state, such as moving statistics, as the step found it)"
             if skipped else
             "the step was not skipped (no loss scaling, or its gradients were "

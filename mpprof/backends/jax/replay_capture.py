@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpprof.backends import keras_capture
+from mpprof.backends.jax.custom_step import overrides_train_step
 from mpprof.backends.jax.step_state import APPLIED, COUNT_ROW, SCALE, SCALE_ROW, SKIPPED
 from mpprof.recording.collectors.base import Collector
 from mpprof.replay import files
@@ -58,6 +59,7 @@ class ReplayCapture(Collector):
         self._before = None
         self._after = None
         self._config: tuple = (None, "")
+        self._custom_step = False
         self.captured: list[dict] = []
         self.initial_descent_skipped = 0
 
@@ -65,6 +67,7 @@ class ReplayCapture(Collector):
         """Registers with the backend, whose train functions call
         `before_sampled` and `after_sampled` around each sampled step."""
         self._unavailable = self._why_unavailable(fit.model, fit.schedule.every)
+        self._custom_step = overrides_train_step(fit.model)
         if self._unavailable is None:
             self._api.replay = self
             # Now: during an epoch Keras' JAX fit keeps the state outside the
@@ -89,9 +92,14 @@ class ReplayCapture(Collector):
         if len(self.captured) >= self.budget or self._api.step_state is None:
             self._before = None
             return
-        # Device copies, made before the step donates what they copy.
+        # Device copies, made before the step donates what they copy. A
+        # custom step's trainable weights too: its skips are its own
+        # optimizers' (a GAN's), which the step table may not see, so the
+        # weights it returns may be updated ones.
+        trainable = ([jnp.array(v, copy=True) for v in state[0]]
+                     if self._custom_step else None)
         self._before = (jnp.array(table, copy=True),
-                        [jnp.array(v, copy=True) for v in state[1]], data)
+                        [jnp.array(v, copy=True) for v in state[1]], data, trainable)
 
     def after_sampled(self, state) -> None:
         if self._before is not None:
@@ -104,7 +112,7 @@ class ReplayCapture(Collector):
         before, after, self._before, self._after = self._before, self._after, None, None
         if before is None or after is None or len(self.captured) >= self.budget:
             return
-        table_before, non_trainable_before, data = before
+        table_before, non_trainable_before, data, trainable_before = before
         table_before = np.asarray(jax.device_get(table_before))
         table_after = self._api.step_state.read()
         skipped = int(table_after[COUNT_ROW, SKIPPED] - table_before[COUNT_ROW, SKIPPED])
@@ -126,11 +134,13 @@ class ReplayCapture(Collector):
             reasons.append("non-finite loss")
         scale = float(table_before[SCALE_ROW, SCALE]) if self._api.step_state.loss_scale \
             else 1.0
+        if trainable_before is not None:
+            after = (trainable_before, *after[1:])
         self._write(fit, step, data, after, non_trainable_before, reasons, skipped > 0,
-                    loss, scale)
+                    loss, scale, trainable_before is not None)
 
     def _write(self, fit, step: int, data, state, non_trainable_before, reasons: list[str],
-               skipped: bool, loss: float, scale: float) -> None:
+               skipped: bool, loss: float, scale: float, weights_before: bool) -> None:
         model = fit.model
         leaves: list = []
         structure = files.encode_structure(data, leaves)
@@ -144,6 +154,7 @@ class ReplayCapture(Collector):
             fit, self.captured, step=step, batch=batch, weights=weights, reasons=reasons,
             loss=loss, loss_scale=scale, skipped=skipped, structure=structure,
             config=self._config, backend={"backend": "jax", "jax": jax.__version__},
+            weights_before=weights_before,
         )
 
     def end(self, fit) -> None:

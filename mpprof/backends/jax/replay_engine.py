@@ -24,31 +24,21 @@ The same three steps and result as on TensorFlow
 from __future__ import annotations
 
 import os
-import re
 
 import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
-from jax.extend.core import DropVar, Literal
 
 from mpprof.backends import keras_capture
+from mpprof.backends.jax import replay_step
+from mpprof.backends.jax.custom_step import overrides_train_step
+from mpprof.backends.jax.jaxpr_eval import LAYER_SCOPE, MODEL_SCOPE, Evaluator
 from mpprof.backends.layer_records import called_method, walk_layers
 from mpprof.recording.patching import Patches
 from mpprof.replay import files, search
 from mpprof.replay.files import ReplayError
-from mpprof.replay.search import BETWEEN_LAYERS, LOSS, Offender, PassResult, subtree
-
-# The scopes mpprof's layer wrappers open while the step is traced.
-_LAYER_SCOPE = "mpprof_layer_"
-_LAYER_SCOPE_RE = re.compile(r"mpprof_layer_(\d+)")
-_MODEL_SCOPE = "mpprof_model"
-# Call-like primitives whose inner equations are evaluated one by one; the
-# parameter holding their (closed) jaxpr.
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
-          "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
-          "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
-          "remat": "jaxpr", "checkpoint": "jaxpr"}
+from mpprof.replay.search import PassResult, subtree
 
 
 def replay(logdir_or_model, run: str | None = None, step: int | None = None, *,
@@ -67,29 +57,28 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
             f"the model has quantized layers ({', '.join(quantized[:5])}): float8 "
             "replays are not supported; the float8 findings and the numerics cover them")
     _load_weights(model, capture)
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(capture.batch())
-    batch = (x, y, sample_weight)
-    scale = float(capture.manifest.get("loss_scale") or 1.0)
+    _captured_policies(model, capture)
+    captured_scale = float(capture.manifest.get("loss_scale") or 1.0)
+    step = (_CustomStep if overrides_train_step(model) else _KerasStep)(
+        model, capture, captured_scale)
     try:
-        run_policy = run_pass(model, batch, scale, None)
+        run_policy = step.run(None, None)
     except Exception as e:
-        raise ReplayError(
-            f"the step could not be traced as model.stateless_call and "
-            f"model.stateless_compute_loss ({type(e).__name__}: {str(e)[:300]}); a model "
-            "whose train_step computes its loss otherwise cannot be replayed yet"
-        ) from e
-    reference = run_pass(model, batch, scale, None, all_float32=True)
+        raise ReplayError(f"the step could not be traced as {step.what} for the replay "
+                          f"({type(e).__name__}: {str(e)[:300]})") from e
+    notes = step.notes()
+    reference = step.run(None, None, all_float32=True)
     tree = layer_tree(model)
     divergence = search.divergence(run_policy, reference, tree)
     fix = search.find_fix(
-        lambda float32_layers: run_pass(model, batch, 1.0, float32_layers), scale,
+        lambda float32_layers: step.run(1.0, float32_layers), step.scale,
         run_policy, reference, divergence, tree, capture.manifest.get("layer_paths", {}))
     offender = run_policy.offender
     return {
         "run": capture.run,
         "step": capture.step,
         "capture_reasons": capture.manifest.get("reasons", []),
-        "loss_scale": scale,
+        "loss_scale": step.scale,
         "first_op": offender.to_dict() if offender else None,
         "loss": {"run_policy": run_policy.loss, "float32": reference.loss},
         "float32_clean": reference.forward_clean and reference.gradients_finite,
@@ -97,10 +86,79 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
         **fix,
         "weights_are_the_steps": capture.manifest.get("weights_are_the_steps"),
         "replayed_eagerly": True,
-        "replayed_as": "a jaxpr, equation by equation (jax.make_jaxpr)",
+        "replayed_as": f"{step.what}: a jaxpr, equation by equation (jax.make_jaxpr)",
+        **({"notes": notes} if notes else {}),
         "backend": "jax",
         "versions": capture.manifest.get("versions", {}),
     }
+
+
+class _KerasStep:
+    """Keras' own step, replayed as `stateless_call` and
+    `stateless_compute_loss`: `run(loss_scale, float32_layers, all_float32=)`
+    runs one pass (`loss_scale` None: the captured one)."""
+
+    what = "model.stateless_call and model.stateless_compute_loss"
+
+    def __init__(self, model, capture: files.Capture, scale: float):
+        self._model = model
+        self._batch = keras.utils.unpack_x_y_sample_weight(capture.batch())
+        self.scale = scale
+
+    def run(self, loss_scale, float32_layers, *, all_float32=False) -> PassResult:
+        return run_pass(self._model, self._batch,
+                        self.scale if loss_scale is None else loss_scale,
+                        float32_layers, all_float32=all_float32)
+
+    def notes(self) -> list[str]:
+        return []
+
+
+class _CustomStep:
+    """The model's own `train_step` (`mpprof.backends.jax.replay_step`), run
+    as `_KerasStep`; its notes say what the replay could not check."""
+
+    what = "the model's own train_step"
+
+    def __init__(self, model, capture: files.Capture, optimizer_scale: float):
+        self._model = model
+        self._data = capture.batch()
+        self._optimizer_scale = optimizer_scale
+        self._skip = _inside_recurrent(layer_tree(model))
+        self._last: replay_step.StepPass | None = None
+        self.scale = replay_step.largest_scale(model, optimizer_scale)
+
+    def _make(self, model, tree) -> replay_step.StepPass:
+        self._last = replay_step.StepPass(model, tree, self._skip, self._optimizer_scale)
+        return self._last
+
+    def run(self, loss_scale, float32_layers, *, all_float32=False) -> PassResult:
+        return run_pass(self._model, self._data, loss_scale, float32_layers,
+                        all_float32=all_float32, step=self._make)
+
+    def notes(self) -> list[str]:
+        notes = []
+        if self._last is not None and not self._last.loss_watched:
+            notes.append(
+                "the step updates no loss metric (named 'loss' or '..._loss'): the replay "
+                "does not know its loss; the fix is judged by the forward and backward "
+                "passes and the gradients alone")
+        if self._last is not None and not self._last.optimizers_applied:
+            notes.append(
+                "the step hands no gradients to an optimizer's stateless_apply: the "
+                "replay judges the forward and backward passes alone")
+        return notes
+
+
+def _captured_policies(model, capture: files.Capture) -> None:
+    """Gives each layer the policy it trained with: a subclassed model
+    rebuilt from its config makes its layers in `__init__` under this
+    process's global policy, not the one it was trained under."""
+    captured = capture.manifest.get("layer_policies") or {}
+    for name, layer, _ in walk_layers(model):
+        policy = captured.get(name)
+        if policy and layer.dtype_policy.name != policy:
+            layer.dtype_policy = policy
 
 
 def _load_weights(model, capture: files.Capture) -> None:
@@ -157,10 +215,11 @@ def _restore_policy(layer, saved: tuple) -> None:
     layer.dtype_policy = policy
 
 
-def run_pass(model, batch, loss_scale: float, float32_layers, *,
-             all_float32: bool = False) -> PassResult:
+def run_pass(model, batch, loss_scale: float | None, float32_layers, *,
+             all_float32: bool = False, step=None) -> PassResult:
     """Traces the step with these policies and evaluates it equation by
-    equation (the arguments are `mpprof.backends.tensorflow.replay_passes.run_pass`'s).
+    equation (the arguments are `mpprof.backends.tensorflow.replay_passes.run_pass`'s;
+    `step(model, tree)` makes the pass, Keras' own step's by default).
     Nothing of the model changes: the pass is stateless, and the policies
     it sets are put back."""
     tree = layer_tree(model)
@@ -174,7 +233,7 @@ def run_pass(model, batch, loss_scale: float, float32_layers, *,
             tree[name].dtype_policy = "float32"
         if all_float32:
             model.dtype_policy = "float32"
-        return _Pass(model, tree).run(batch, loss_scale)
+        return (step or _Pass)(model, tree).run(batch, loss_scale)
     finally:
         for name, policy in policies.items():
             _restore_policy(tree[name], policy)
@@ -203,7 +262,7 @@ class _Pass:
 
         def loss_function(trainable, probes):
             self._calls, self._probes, self._keys, self._outputs = {}, probes, [], []
-            with jax.named_scope(_MODEL_SCOPE):
+            with jax.named_scope(MODEL_SCOPE):
                 y_pred, new_non_trainable = model.stateless_call(
                     trainable, non_trainable, x, training=True)
             loss, _ = model.stateless_compute_loss(
@@ -239,7 +298,7 @@ class _Pass:
         finally:
             patches.restore()
         keys = keys_by_trace[-1]
-        values, offenders = _Evaluator(self._names).run(
+        values, offenders = Evaluator(self._names).run(
             closed, jax.tree_util.tree_leaves((trainable, probes)))
         loss, outputs, gradients, probe_gradients = jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(shape), values)
@@ -261,7 +320,7 @@ class _Pass:
         name = self._names[row]
 
         def scoped_call(*args, **kwargs):
-            with jax.named_scope(f"{_LAYER_SCOPE}{row}"):
+            with jax.named_scope(f"{LAYER_SCOPE}{row}"):
                 outputs = call(*args, **kwargs)
             return self._tap(name, outputs)
 
@@ -292,94 +351,6 @@ def _inside_recurrent(tree: dict[str, object]) -> set[str]:
     recurrent = [name for name, layer in tree.items()
                  if any(cls.__name__ == "RNN" for cls in type(layer).__mro__)]
     return {name for name in tree for r in recurrent if name.startswith(r + "/")}
-
-
-class _Evaluator:
-    """Evaluates a closed jaxpr equation by equation, finding the first
-    forward and the first backward equation with a bad floating output."""
-
-    def __init__(self, names: list[str]):
-        self._names = names
-        self.offenders: dict[str, Offender] = {}
-        self._cast_pending = False
-
-    def run(self, closed, arguments: list) -> tuple[list, dict[str, Offender]]:
-        outputs = self._eval(closed.jaxpr, closed.consts, arguments, "")
-        return outputs, self.offenders
-
-    def _eval(self, jaxpr, consts, arguments, prefix: str) -> list:
-        env = {}
-
-        def read(var):
-            return var.val if isinstance(var, Literal) else env[var]
-
-        for var, value in zip(jaxpr.constvars, consts, strict=True):
-            env[var] = value
-        for var, value in zip(jaxpr.invars, arguments, strict=True):
-            env[var] = value
-        for eqn in jaxpr.eqns:
-            inputs = [read(v) for v in eqn.invars]
-            stack = f"{prefix}/{eqn.source_info.name_stack}".strip("/")
-            inner = _CALLS.get(eqn.primitive.name)
-            sub = eqn.params.get(inner) if inner else None
-            if sub is not None and (hasattr(sub, "eqns") or hasattr(sub, "consts")):
-                jaxpr_of = getattr(sub, "jaxpr", sub)
-                sub_consts = getattr(sub, "consts", [])
-                outputs = self._eval(jaxpr_of, sub_consts, inputs, stack)
-            else:
-                outputs = _bind(eqn, inputs)
-                if not eqn.primitive.multiple_results:
-                    outputs = [outputs]
-                self._check(eqn, stack, inputs, outputs)
-            for var, value in zip(eqn.outvars, outputs, strict=True):
-                if not isinstance(var, DropVar):
-                    env[var] = value
-        return [read(v) for v in jaxpr.outvars]
-
-    def _layer(self, stack: str) -> str | None:
-        rows = _LAYER_SCOPE_RE.findall(stack)
-        return self._names[int(rows[-1])] if rows else None
-
-    def _check(self, eqn, stack: str, inputs, outputs) -> None:
-        phase = "backward" if "transpose(" in stack else "forward"
-        layer = self._layer(stack)
-        if self._cast_pending and phase == "forward":
-            # An offending cast outside any layer, just before a layer's
-            # call: that layer's input cast (`Layer.__call__`).
-            self._cast_pending = False
-            if layer is not None:
-                self.offenders["forward"].layer = layer
-        if phase in self.offenders:
-            return
-        for output in outputs:
-            if not _is_float(output):
-                continue
-            values = np.asarray(output)
-            problem = search.problem(values, np.dtype(output.dtype).name)
-            if problem is None:
-                continue
-            where = layer or (BETWEEN_LAYERS if _MODEL_SCOPE in stack else LOSS)
-            self.offenders[phase] = Offender(
-                layer=where, op=eqn.primitive.name, phase=phase,
-                input_abs_max=[search.abs_max(np.asarray(t)) for t in inputs if _is_float(t)],
-                output=problem, dtype=np.dtype(output.dtype).name)
-            self._cast_pending = (phase == "forward" and layer is None
-                                  and eqn.primitive.name == "convert_element_type")
-            return
-
-
-def _bind(eqn, inputs):
-    """Runs one equation whole (as `jax.core.eval_jaxpr` does)."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    if isinstance(params, tuple):  # (subfuns, params) before JAX 0.7
-        subfuns, params = params
-        return eqn.primitive.bind(*subfuns, *inputs, **params)
-    return eqn.primitive.bind(*inputs, **params)
-
-
-def _is_float(value) -> bool:
-    dtype = getattr(value, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
 def policy_map_object(result: dict, default_policy: str):
