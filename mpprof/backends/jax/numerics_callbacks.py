@@ -148,8 +148,9 @@ class CallbackTaps(NumericsTaps):
             if row is None or gradient is None:
                 continue
             self._applied_variables.add(row)
+            scaled, unscaled = gradient_statistics([gradient], scale)
             jax.debug.callback(functools.partial(self._land_gradient, row),
-                               *gradient_statistics(gradient, scale))
+                               scaled[0], unscaled[0])
 
     # Host side (the callbacks run on the runtime's threads).
 
