@@ -92,20 +92,40 @@ def test_gradient_rows_match_numpy_scaled_and_unscaled(scale, size):
     gradient = _values(size, np.float32, np.random.default_rng(7))
     # Finite, yet non-finite once divided by a scale below 1.
     gradient[np.flatnonzero(np.isfinite(gradient))[:3]] = np.float32(3e38)
-    scaled, unscaled = ts.gradient_statistics(gradient, np.float32(scale))
-    np.testing.assert_allclose(ts.statistics_of_summaries(np.asarray(scaled)),
-                               _expected(gradient)[0], rtol=1e-6)
-    with np.errstate(over="ignore"):
-        divided = gradient / np.float32(scale)
-    np.testing.assert_allclose(ts.statistics_of_summaries(np.asarray(unscaled)),
-                               _expected(divided)[0], rtol=1e-6)
+    # Beside it: a finite gradient, an empty one and one of float16.
+    finite = np.random.default_rng(8).standard_normal((64, 3)).astype(np.float32)
+    empty = np.zeros((0,), np.float32)
+    half = _values(700, np.float16, np.random.default_rng(9))
+    gradients = [gradient, finite, empty, half]
+    scaled, unscaled = ts.gradient_statistics(gradients, np.float32(scale))
+    scaled = ts.statistics_of_summaries(np.asarray(scaled))
+    unscaled = ts.statistics_of_summaries(np.asarray(unscaled))
+    for i, g in enumerate(gradients):
+        if g.size:
+            np.testing.assert_allclose(scaled[i], _expected(g)[0], rtol=1e-6)
+            with np.errstate(over="ignore"):
+                divided = g.astype(np.float32) / np.float32(scale)
+            np.testing.assert_allclose(unscaled[i], _expected(divided)[0], rtol=1e-6)
+        else:
+            assert not scaled[i].any() and not unscaled[i].any()
     if scale < 1:
         # The three planted and float32's largest overflow too.
-        nonfinite = ts.statistics_of_summaries(np.asarray(unscaled))[STAT["nonfinite"]]
-        assert nonfinite == (~np.isfinite(gradient)).sum() + 3 + 1
+        assert unscaled[0, STAT["nonfinite"]] == (~np.isfinite(gradient)).sum() + 3 + 1
+
+
+def test_a_verdict_that_every_gradient_is_finite_takes_the_quick_branch():
+    # The verdict is trusted (a LossScaleOptimizer's on the same gradients);
+    # without one, the gradients are checked here.
+    gradient = np.ones(10_000, np.float32)
+    gradient[5] = np.inf
+    for verdict, nonfinite in ((None, 1), (np.bool_(False), 1), (np.bool_(True), 0)):
+        scaled, _ = ts.gradient_statistics([gradient], 1.0, verdict)
+        assert ts.statistics_of_summaries(np.asarray(scaled))[0, STAT["nonfinite"]] == nonfinite
 
 
 def test_an_empty_array_gives_zero_rows():
     empty = np.zeros((0, 4), np.float32)
     assert not np.asarray(ts.raw_statistics(empty)).any()
-    assert not any(np.asarray(row).any() for row in ts.gradient_statistics(empty, 1.0))
+    assert not any(np.asarray(rows).any() for rows in ts.gradient_statistics([empty], 1.0))
+    assert all(np.asarray(rows).shape == (0, ts.SUMMARY_COLUMNS)
+               for rows in ts.gradient_statistics([], 1.0))

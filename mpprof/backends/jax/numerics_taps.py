@@ -4,7 +4,7 @@ The sampled step is a second jitted function beside the plain one (which
 stays Keras' step plus mpprof's counters): `instrumented_train_step` runs
 Keras' JAX `train_step` recipe (`compute_loss_and_updates` under
 `jax.value_and_grad`, `stateless_apply`, the metrics update) with one more
-differentiated input, a zero table of probes [layers, calls, raw columns].
+differentiated input, zero probes (one [raw columns] array per layer call).
 While it is traced, the layer wrappers (`on_call`, a `LayerCallPatch` hook)
 take each measured layer's output through an identity with a custom VJP: its
 forward statistics leave through the loss function's aux output, and its
@@ -36,7 +36,6 @@ from mpprof.backends.jax.tensor_statistics import (
     ESTIMATED_COLUMNS,
     RAW_COLUMNS,
     SAMPLE_VALUES,
-    SUMMARY_COLUMNS,
     gradient_statistics,
     merge_rows,
     raw_statistics,
@@ -44,6 +43,7 @@ from mpprof.backends.jax.tensor_statistics import (
     statistics_of_summaries,
 )
 from mpprof.backends.layer_records import variable_path, walk_layers
+from mpprof.recording.optimizer_usage import applied_steps
 from mpprof.records import schema
 
 # Calls of one layer in one step that are measured (a shared layer).
@@ -76,11 +76,22 @@ def _tap_bwd(_, gradient):
 _tap.defvjp(_tap_fwd, _tap_bwd)
 
 
+def float_output(outputs) -> tuple[list, object, int] | None:
+    """A layer's outputs flat, their tree, and where the first float array
+    is (the one measured), or None without one."""
+    flat, tree = jax.tree_util.tree_flatten(outputs)
+    position = next((i for i, t in enumerate(flat) if isinstance(t, jax.Array)
+                     and jnp.issubdtype(t.dtype, jnp.floating)), None)
+    return None if position is None else (flat, tree, position)
+
+
 class _Trace:
     """What one trace of the instrumented step gathers."""
 
-    def __init__(self, probes):
+    def __init__(self, probes: list[list]):
         self.probes = probes
+        # A value of the step's own trace (the probes are differentiated).
+        self.marker = next((p[0] for p in probes if p), None)
         self.forward: dict[int, list] = {}
         self.calls: dict[int, int] = {}
 
@@ -123,6 +134,13 @@ class NumericsTaps:
             next(i for i, t in enumerate(model.trainable_variables) if t is v)
             for v in self._variables
         ]
+        # Where the optimizer variables hold a LossScaleOptimizer's count of
+        # applied steps (None: no loss scaling).
+        optimizer = model.optimizer
+        self._applied_index = None
+        if hasattr(optimizer, "dynamic_scale"):
+            self._applied_index = next(i for i, v in enumerate(optimizer.variables)
+                                       if v is applied_steps(optimizer))
         self._call_order: list[int] = []
         self._trace: _Trace | None = None
         self._sample = None
@@ -135,29 +153,36 @@ class NumericsTaps:
         row = self._rows.get(id(layer))
         if trace is None or row is None or row not in self._measured_rows:
             return outputs
-        flat, tree = jax.tree_util.tree_flatten(outputs)
-        position = next((i for i, t in enumerate(flat) if isinstance(t, jax.Array)
-                         and jnp.issubdtype(t.dtype, jnp.floating)), None)
-        if position is None:
+        found = float_output(outputs)
+        if found is None:
             return outputs
+        flat, tree, position = found
         output = flat[position]
-        if getattr(output, "_trace", None) is not getattr(trace.probes, "_trace", None):
+        if getattr(output, "_trace", None) is not getattr(trace.marker, "_trace", None):
             # Its values belong to an inner trace (lax.scan, cond, while):
             # they cannot leave it.
             self._skipped.setdefault(row, "called inside JAX control flow (lax.scan, "
                                           "cond or while_loop), whose values cannot leave it")
             return outputs
-        call = trace.calls.get(row, 0)
-        trace.calls[row] = call + 1
-        if call >= MAX_CALLS:
-            self._skipped.setdefault(row, f"called more than {MAX_CALLS} times in a step: "
-                                          f"its first {MAX_CALLS} calls are measured")
+        call = self._count_call(trace.calls, row)
+        if call is None:
             return outputs
         trace.forward.setdefault(row, []).append(raw_statistics(jax.lax.stop_gradient(output)))
         if row not in self._call_order:
             self._call_order.append(row)
-        flat[position] = _tap(output, trace.probes[row, call])
+        flat[position] = _tap(output, trace.probes[row][call])
         return jax.tree_util.tree_unflatten(tree, flat)
+
+    def _count_call(self, calls: dict[int, int], row: int) -> int | None:
+        """This call's index among the layer's calls in the step (counted in
+        `calls`), or None past `MAX_CALLS` (then noted as skipped)."""
+        call = calls.get(row, 0)
+        calls[row] = call + 1
+        if call >= MAX_CALLS:
+            self._skipped.setdefault(row, f"called more than {MAX_CALLS} times in a step: "
+                                          f"its first {MAX_CALLS} calls are measured")
+            return None
+        return call
 
     def instrumented_train_step(self, state, data):
         """Keras' JAX `train_step` (keras/src/backend/jax/trainer.py) with
@@ -178,14 +203,21 @@ class NumericsTaps:
                 forward = self._trace.forward
             finally:
                 self._trace = None
-            table = jnp.zeros((rows, RAW_COLUMNS), jnp.float32)
-            for row, found in forward.items():
-                table = table.at[row].set(merge_rows(found))
+            unseen = jnp.zeros((RAW_COLUMNS,), jnp.float32)
+            table = jnp.stack([merge_rows(forward[row]) if row in forward else unseen
+                               for row in range(rows)])
             return loss, (aux, table)
 
-        probes = jnp.zeros((rows, MAX_CALLS, RAW_COLUMNS), jnp.float32)
+        # One probe per measured call, each its own input: a gradient for
+        # one slice of a single table would be padded to the whole table,
+        # and added up layer after layer.
+        probes = [[jnp.zeros((RAW_COLUMNS,), jnp.float32) for _ in range(MAX_CALLS)]
+                  if row in self._measured_rows else [] for row in range(rows)]
         (loss, (aux, forward)), (grads, probe_grads) = jax.value_and_grad(
             loss_function, argnums=(0, 1), has_aux=True)(trainable, probes)
+        unused = jnp.zeros((MAX_CALLS, RAW_COLUMNS), jnp.float32)
+        probe_grads = jnp.stack([jnp.stack(calls) if calls else unused
+                                 for calls in probe_grads])
         unscaled_loss, y_pred, non_trainable, metrics_variables = aux
         scale = jnp.float32(1.0)
         optimizer = model.optimizer
@@ -193,18 +225,19 @@ class NumericsTaps:
             index = next(i for i, v in enumerate(optimizer.variables)
                          if v is optimizer.dynamic_scale)
             scale = jnp.asarray(optimizer_variables[index], jnp.float32)
-        rows = [gradient_statistics(grads[i], scale) for i in self._trainable_index]
-        empty = jnp.zeros((0, SUMMARY_COLUMNS), jnp.float32)
-        sample = {
-            "forward": forward,
-            "backward": probe_grads,
-            "gradients": jnp.stack([scaled for scaled, _ in rows]) if rows else empty,
-            "unscaled_gradients": jnp.stack([unscaled for _, unscaled in rows])
-            if rows else empty,
-            "loss": jnp.sum(jnp.asarray(unscaled_loss, jnp.float32)),
-        }
-        trainable, optimizer_variables = optimizer.stateless_apply(
+        sample = {"forward": forward, "backward": probe_grads,
+                  "loss": jnp.sum(jnp.asarray(unscaled_loss, jnp.float32))}
+        new_trainable, new_optimizer_variables = optimizer.stateless_apply(
             optimizer_variables, grads, trainable)
+        all_finite = None
+        if self._applied_index is not None:
+            # A LossScaleOptimizer applies a step only when every gradient
+            # is finite (its check_finite): its verdict spares a pass.
+            all_finite = (new_optimizer_variables[self._applied_index]
+                          != optimizer_variables[self._applied_index])
+        sample["gradients"], sample["unscaled_gradients"] = gradient_statistics(
+            [grads[i] for i in self._trainable_index], scale, all_finite)
+        trainable, optimizer_variables = new_trainable, new_optimizer_variables
         logs, metrics_variables = model._update_metrics_variables(
             metrics_variables, unscaled_loss, x, y, y_pred, sample_weight)
         logs = {**logs, SAMPLE_KEY: sample}
