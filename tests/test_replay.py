@@ -547,8 +547,11 @@ def test_the_dashboard_overview_draws_the_replay_in_chromium(faulty_logdir, tmp_
     assert page.values["images"] == 0
 
 
-def test_a_non_finite_loss_without_loss_scaling_is_captured_and_not_blamed_on_precision(
+def test_a_non_finite_loss_without_loss_scaling_is_captured_and_its_nan_weights_refused(
         tmp_path):
+    """NaN data, no loss scaling: the step's update wrote NaN into the
+    weights the capture holds, so the replay refuses, and says the batch
+    itself is non-finite."""
     keras.mixed_precision.set_dtype_policy("float32")
     model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2, name="dense"),
                               keras.layers.Dense(1, name="head")], name="nan_input")
@@ -561,11 +564,36 @@ def test_a_non_finite_loss_without_loss_scaling_is_captured_and_not_blamed_on_pr
     assert manifest["reasons"] == ["non-finite loss"]
     assert manifest["weights_are_the_steps"] is False
     assert "its update was applied" in manifest["weights_note"]
-    result = replay(str(tmp_path))
-    assert result["first_op"]["layer"] == "dense" and result["first_op"]["dtype"] == "float32"
-    assert result["float32_clean"] is False and result["verified"] is False
-    assert result["verified_detail"].startswith("not verified: the step overflows in float32 too")
-    assert result["policy_map"] == {} and result["divergence"] == []
+    with pytest.raises(files.ReplayError, match="already non-finite") as refused:
+        replay(str(tmp_path))
+    message = str(refused.value)
+    assert "dense/kernel" in message and "the weights after the step" in message
+    assert "its batch holds 8 non-finite values: the data itself may be the cause" in message
+
+
+@pytest.mark.parametrize("loss_scaling", [False, True])
+def test_weights_an_unskipped_overflow_made_nan_are_refused_and_the_skipped_twin_replays(
+        tmp_path, capsys, loss_scaling):
+    """The same float16 overflow in d3, with and without loss scaling.
+    Without, every step's update applies NaN gradients: the capture's
+    weights are NaN, and a replay would blame d1, the first layer reading
+    them (in float32 too), so it is refused with what to do. With, the step
+    is skipped and captured with the weights it ran with: a normal replay."""
+    model = third_dense_model()
+    model.compile(optimizer=keras.optimizers.SGD(1e-6), loss="mse",
+                  auto_scale_loss=loss_scaling)
+    _fit(model, tmp_path)
+    if loss_scaling:
+        result = replay(str(tmp_path), save=False)
+        assert result["first_op"]["layer"] == "d3" and result["verified"] is True
+        return
+    with pytest.raises(files.ReplayError, match="already non-finite") as refused:
+        replay(str(tmp_path), save=False)
+    message = str(refused.value)
+    assert "d1/kernel" in message and "train with a LossScaleOptimizer" in message
+    assert "batch holds" not in message  # the data is finite
+    code, _, err = _cli(capsys, "replay", tmp_path)
+    assert code == cli.EXIT_USAGE and "already non-finite" in err and "Traceback" not in err
 
 
 def test_with_steps_per_execution_a_call_s_last_step_is_captured(tmp_path):

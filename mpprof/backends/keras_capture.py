@@ -2,8 +2,9 @@
 
 A capture is the same files on every backend (`mpprof.replay.files`): the
 batch, the weights the step ran with, the model's config and each layer's
-policy. Writing them, rebuilding the model from them and the `replay(...)`
-entry are the same code; the backends differ only in how they get the
+policy. Writing them, rebuilding the model from them, loading its weights
+(and refusing weights already non-finite) and the `replay(...)` entry are
+the same code; the backends differ only in how they get the
 step's values and in how they run the step again.
 """
 
@@ -116,6 +117,107 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
         if not fit.writer.write_file(f"{folder}/{name}", data):
             captured[-1]["written"] = False
             return
+
+
+def load_weights(model, capture: files.Capture) -> None:
+    """Sets the model's variables to the capture's.
+
+    BatchNormalization moving statistics the capture holds non-finite go
+    back to their initial values: a training step computes with the batch's
+    statistics and only updates the moving ones, so this changes none of
+    the step's outputs or gradients; but an overflow before the captured
+    step leaves them NaN, and reading them would pass for an overflow in
+    every replay, float32 included.
+
+    Raises:
+        ReplayError: the variables do not match the capture's, or some
+            captured weight the step computes with is already non-finite
+            (`_non_finite_weights_error`).
+    """
+    captured = capture.weights()
+    variables = list(model.weights)
+    paths = [variable_path(v) for v in variables]
+    if set(paths) == set(captured):
+        values = [captured[p] for p in paths]
+    else:
+        # A model rebuilt in another process may number its paths anew.
+        values = list(captured.values())
+        if len(values) != len(variables) or any(
+                tuple(v.shape) != a.shape for v, a in zip(variables, values, strict=True)):
+            raise ReplayError(
+                f"the model's {len(variables)} variables do not match the "
+                f"{len(values)} captured at step {capture.step}: replay with the model "
+                "that was trained"
+            )
+    for variable, value in zip(variables, values, strict=True):
+        variable.assign(value)
+    for _, layer, _ in walk_layers(model):
+        if not isinstance(layer, keras.layers.BatchNormalization):
+            continue
+        for variable, initializer in ((layer.moving_mean, layer.moving_mean_initializer),
+                                      (layer.moving_variance,
+                                       layer.moving_variance_initializer)):
+            if not _finite(variable):
+                variable.assign(initializer(variable.shape, variable.dtype))
+    # Named trainable first: a layer's weights say more than an optimizer's slots.
+    trainable = {id(v) for v in model.trainable_weights}
+    bad = [variable_path(v) for v in sorted(variables, key=lambda v: id(v) not in trainable)
+           if not _finite(v)]
+    if bad:
+        raise _non_finite_weights_error(capture, bad, len(variables))
+
+
+def _non_finite_weights_error(capture: files.Capture, bad: list[str],
+                             count: int) -> ReplayError:
+    """Why a capture whose weights hold NaN or inf is not replayed.
+
+    Those weights are not the ones the step that first went non-finite ran
+    with: an update made from its non-finite gradients (no loss scaling
+    skipped it) wrote them. Any replay from them goes non-finite at the
+    first op that reads them, in float32 too, so its first op, ranking and
+    fix would be about the damage, not its cause.
+
+    Args:
+        bad: the paths of the non-finite variables.
+        count: how many variables the model has.
+    """
+    manifest = capture.manifest
+    if manifest.get("weights_are_the_steps"):
+        # Copied before the step: an earlier, unsampled step wrote them.
+        how = ("an earlier step's update, made from non-finite gradients that no loss "
+               "scaling skipped, wrote them before this sampled step ran")
+        fix = ("train with a LossScaleOptimizer (a step whose gradients are non-finite is "
+               "then skipped, and captured with the weights it ran with), or sample every "
+               "step (numerics_every=1) so that the first step that goes non-finite is "
+               "the one captured")
+    else:
+        how = ("the capture holds the weights after the step, and its update, made from "
+               "non-finite gradients that no loss scaling skipped, wrote them (or an "
+               "earlier step's did)")
+        fix = ("train with a LossScaleOptimizer (mixed_float16's automatic loss scaling, "
+               "or keras.optimizers.LossScaleOptimizer): a step whose gradients are "
+               "non-finite is then skipped, and captured with the weights it ran with")
+    shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+    batch = _non_finite_batch_values(capture)
+    data = (f"; its batch holds {batch} non-finite values: the data itself may be the "
+            "cause" if batch else "")
+    return ReplayError(
+        f"the weights captured at step {capture.step} are already non-finite ({len(bad)} "
+        f"of {count} variables hold NaN or inf: {shown}): {how}. The step that went "
+        "non-finite cannot be run again from them, and a replay would blame the first "
+        f"layer that reads them, in float32 too{data}. To replay it, {fix}"
+    )
+
+
+def _finite(variable) -> bool:
+    return bool(np.all(np.isfinite(keras.ops.convert_to_numpy(variable))))
+
+
+def _non_finite_batch_values(capture: files.Capture) -> int:
+    """How many of the captured batch's floating values are NaN or inf."""
+    return sum(int(np.size(leaf) - np.isfinite(leaf).sum())
+               for leaf in keras.tree.flatten(capture.batch())
+               if isinstance(leaf, np.ndarray) and np.issubdtype(leaf.dtype, np.floating))
 
 
 def replay_entry(logdir_or_model, run: str | None, step: int | None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -82,12 +83,13 @@ def test_custom_step_replay_names_the_layer_and_verifies_the_fix(overflowing):
 
 def test_the_fix_replays_clean_and_without_it_it_does_not(overflowing):
     """The verification, redone by hand: the map's layers in float32."""
+    from mpprof.backends import keras_capture
     from mpprof.backends.jax import replay_engine, replay_step
 
     logdir, model, _ = overflowing
     capture = files.select_capture(str(logdir), "train", None)
     result = mpprof.replay.replay(model, logdir=str(logdir), save=False)
-    replay_engine._load_weights(model, capture)
+    keras_capture.load_weights(model, capture)
     tree = replay_engine.layer_tree(model)
 
     def unscaled(layers):
@@ -143,11 +145,10 @@ def test_gan_generator_overflow_names_the_generators_layer(tmp_path):
     assert result["verified"] is True, result["verified_detail"]
 
 
-def test_scaled_gradient_overflow_is_the_backward_not_the_optimizers_skip(tmp_path):
+def test_scaled_gradient_overflow_is_the_backward_and_left_to_halving(tmp_path):
     """Gradients that overflow only once scaled: the first bad equation is
-    in the backward pass (the LossScaleOptimizer's unscaling and skip of
-    them come after and are not the culprit), and no per-layer fix is
-    offered."""
+    in the backward pass, and no per-layer fix is offered (halving the loss
+    scale handles it)."""
     optimizer = keras.optimizers.LossScaleOptimizer(
         keras.optimizers.SGD(1e-9), initial_scale=2.0**20, dynamic_growth_steps=1)
     model = _regressor(optimizer=optimizer)
@@ -156,6 +157,85 @@ def test_scaled_gradient_overflow_is_the_backward_not_the_optimizers_skip(tmp_pa
     assert run.context["collectors"]["replay_capture"]["captures"], run.context
     result = mpprof.replay.replay(model, logdir=str(tmp_path), save=False)
     first = result["first_op"]
-    assert first["phase"] == "backward", first
-    assert first["layer"] in ("first", "second", "dropout", "head", "(loss)")
+    assert first["phase"] == "backward" and first["dtype"] == "float16", first
+    assert first["layer"] == "second" and first["op"] == "dot_general"
     assert result["verified"] is False and "halving" in result["verified_detail"]
+
+
+def _plain_adam_gan(logdir, large_step: int, factor: float = 1e6, d_out_kernel=None):
+    """A GAN with plain Adam (no loss scaling), sampled every other step
+    (2, 4, ...), whose real batch `large_step` is `factor` times larger: 1e6
+    overflows the discriminator's float16 input cast (> 65504). Adam applies
+    that step's NaN gradients: from then on the weights are NaN. Returns the
+    model and the steps captured."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = Gan()
+    model.compile(g_opt=keras.optimizers.Adam(1e-3), d_opt=keras.optimizers.Adam(1e-3))
+    if d_out_kernel is not None:
+        d_out = model.discriminator.get_layer("d_out")
+        d_out.kernel.assign(np.full(d_out.kernel.shape, d_out_kernel, "float32"))
+    real = gan_data(32)
+    real[large_step * BATCH:(large_step + 1) * BATCH] *= factor
+    run = jax_runs.fit(logdir, model, real, None, batch_size=BATCH, numerics_every=2)
+    return model, [c["step"] for c in run.context["collectors"]["replay_capture"]["captures"]]
+
+
+def test_plain_adam_gan_whose_weights_are_already_nan_is_refused(tmp_path):
+    """The overflow came at step 1, not sampled: step 2 is captured with the
+    NaN weights step 1's update wrote. No replay from them can run the step
+    that went wrong (every layer would read NaN, in float32 too): refused,
+    with what to do."""
+    model, steps = _plain_adam_gan(tmp_path, large_step=1)
+    assert steps[0] == 2
+    capture = files.select_capture(str(tmp_path), "train", None)
+    assert capture.manifest["weights_are_the_steps"] is True  # copied before step 2
+    with pytest.raises(files.ReplayError, match="captured at step 2 are already non-finite") \
+            as refused:
+        mpprof.replay.replay(model, logdir=str(tmp_path), save=False)
+    message = str(refused.value)
+    # The layers' weights are named before the optimizers' slots.
+    assert re.search(r"\(\d+ of 28 variables hold NaN or inf: generator/g_hidden/kernel, ",
+                     message), message
+    assert "adam/" not in message
+    assert "an earlier step's update" in message
+    assert "LossScaleOptimizer" in message and "numerics_every=1" in message
+
+
+def test_plain_adam_gan_whose_overflow_is_sampled_replays(tmp_path):
+    """The healthy look-alike: the same GAN and overflow, at step 2, which is
+    sampled; its weights, copied before it ran, are finite: the replay names
+    the discriminator's input cast and verifies the fix."""
+    model, steps = _plain_adam_gan(tmp_path, large_step=2)
+    assert steps[0] == 2
+    result = mpprof.replay.replay(model, logdir=str(tmp_path), save=False)
+    first = result["first_op"]
+    assert first["layer"] == "discriminator" and first["op"] == "convert_element_type"
+    assert first["phase"] == "forward" and first["dtype"] == "float16"
+    assert result["float32_layers"] == ["discriminator"]
+    assert result["verified"] is True, result["verified_detail"]
+
+
+@pytest.mark.parametrize("factor", [3e3, 1.0])
+def test_an_optimizer_update_gone_non_finite_is_never_the_culprit(tmp_path, factor):
+    """The discriminator's kernel gradient overflows float16 in the
+    backward pass (a real batch 3000 times larger, through d_out's kernel
+    of -300: 4 rows * ~1500 * 37.5 > 65504); its Adam update turns that into
+    inf weights, the first non-finite value of the forward phase (an update
+    is not a transposed equation), and the generator's loss goes NaN on
+    them. Were the update's equations judged, the first op would be its
+    float32 `sub` (forward phases rank before backward ones); the culprit
+    is the discriminator's backward dot_general. The same GAN on the usual
+    batch (factor 1) overflows nowhere: nothing is captured."""
+    model, steps = _plain_adam_gan(tmp_path, large_step=2, factor=factor, d_out_kernel=-300.0)
+    if factor == 1.0:
+        assert steps == []
+        return
+    assert steps[0] == 2
+    result = mpprof.replay.replay(model, logdir=str(tmp_path), save=False)
+    first = result["first_op"]
+    assert first["layer"] == "discriminator/d_hidden" and first["op"] == "dot_general"
+    assert first["phase"] == "backward" and first["dtype"] == "float16"
+    assert first["input_abs_max"][0] == 37.5  # 300 * the logits' gradient, 1/8
+    assert result["float32_layers"] == ["discriminator/d_hidden"]
+    assert result["verified"] is True, result["verified_detail"]

@@ -34,6 +34,7 @@ from mpprof.backends import keras_capture
 from mpprof.backends.jax import replay_step
 from mpprof.backends.jax.custom_step import overrides_train_step
 from mpprof.backends.jax.jaxpr_eval import LAYER_SCOPE, MODEL_SCOPE, Evaluator
+from mpprof.backends.jax.numerics_taps import float_output
 from mpprof.backends.layer_records import called_method, walk_layers
 from mpprof.recording.patching import Patches
 from mpprof.replay import files, search
@@ -56,7 +57,7 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
         raise ReplayError(
             f"the model has quantized layers ({', '.join(quantized[:5])}): float8 "
             "replays are not supported; the float8 findings and the numerics cover them")
-    _load_weights(model, capture)
+    keras_capture.load_weights(model, capture)
     _captured_policies(model, capture)
     captured_scale = float(capture.manifest.get("loss_scale") or 1.0)
     step = (_CustomStep if overrides_train_step(model) else _KerasStep)(
@@ -159,33 +160,6 @@ def _captured_policies(model, capture: files.Capture) -> None:
         policy = captured.get(name)
         if policy and layer.dtype_policy.name != policy:
             layer.dtype_policy = policy
-
-
-def _load_weights(model, capture: files.Capture) -> None:
-    captured = capture.weights()
-    variables = list(model.weights)
-    paths = [getattr(v, "path", None) or v.name for v in variables]
-    if set(paths) == set(captured):
-        values = [captured[p] for p in paths]
-    else:
-        values = list(captured.values())
-        if len(values) != len(variables) or any(
-                tuple(v.shape) != a.shape for v, a in zip(variables, values, strict=True)):
-            raise ReplayError(
-                f"the model's {len(variables)} variables do not match the "
-                f"{len(values)} captured at step {capture.step}: replay with the model "
-                "that was trained"
-            )
-    for variable, value in zip(variables, values, strict=True):
-        variable.assign(value)
-    for _, layer, _ in walk_layers(model):
-        if not isinstance(layer, keras.layers.BatchNormalization):
-            continue
-        for variable, initializer in ((layer.moving_mean, layer.moving_mean_initializer),
-                                      (layer.moving_variance,
-                                       layer.moving_variance_initializer)):
-            if not np.all(np.isfinite(np.asarray(variable.value))):
-                variable.assign(initializer(variable.shape, variable.dtype))
 
 
 def layer_tree(model) -> dict[str, object]:
@@ -329,11 +303,10 @@ class _Pass:
     def _tap(self, name: str, outputs):
         """Keeps the layer's first floating output and adds its probe (whose
         gradient is the gradient flowing into the output)."""
-        flat, structure = jax.tree_util.tree_flatten(outputs)
-        position = next((i for i, t in enumerate(flat) if hasattr(t, "dtype")
-                         and jnp.issubdtype(t.dtype, jnp.floating)), None)
-        if position is None:
+        found = float_output(outputs)
+        if found is None:
             return outputs
+        flat, structure, position = found
         index = self._calls.get(name, 0)
         self._calls[name] = index + 1
         output = flat[position]

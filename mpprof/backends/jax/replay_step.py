@@ -36,6 +36,7 @@ import numpy as np
 from mpprof.backends.jax.backend import JaxBackend
 from mpprof.backends.jax.custom_step import loss_metrics
 from mpprof.backends.jax.jaxpr_eval import LAYER_SCOPE, MODEL_SCOPE, OPTIMIZER_SCOPE, Evaluator
+from mpprof.backends.jax.numerics_taps import float_output
 from mpprof.backends.layer_records import called_method
 from mpprof.recording.patching import Patches
 from mpprof.replay.search import PassResult
@@ -166,11 +167,10 @@ class StepPass:
         def scoped_call(*args, **kwargs):
             with jax.named_scope(f"{LAYER_SCOPE}{row}"):
                 outputs = call(*args, **kwargs)
-            flat, structure = jax.tree_util.tree_flatten(outputs)
-            position = next((i for i, t in enumerate(flat) if hasattr(t, "dtype")
-                             and jnp.issubdtype(t.dtype, jnp.floating)), None)
-            if position is None:
+            found = float_output(outputs)
+            if found is None:
                 return outputs
+            flat, structure, position = found
             index = self._calls.get(name, 0)
             self._calls[name] = index + 1
             key = (name, index)

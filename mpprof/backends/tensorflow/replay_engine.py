@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 
 import keras
-import numpy as np
 
 from mpprof.backends import keras_capture
 from mpprof.backends.tensorflow.layer_calls import called_method, walk_layers
@@ -67,7 +66,7 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
             "custom gradients do not run eagerly, so the step cannot be replayed op by "
             "op; the float8 findings (MP015-MP017) and the numerics cover them"
         )
-    _load_weights(model, capture)
+    keras_capture.load_weights(model, capture)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(capture.batch())
     batch = (x, y, sample_weight)
     scale = float(capture.manifest.get("loss_scale") or 1.0)
@@ -100,48 +99,6 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
         "replayed_eagerly": True,
         "versions": capture.manifest.get("versions", {}),
     }
-
-
-def _load_weights(model, capture: files.Capture) -> None:
-    captured = capture.weights()
-    variables = list(model.weights)
-    paths = [_path(v) for v in variables]
-    if set(paths) == set(captured):
-        values = [captured[p] for p in paths]
-    else:
-        # A model rebuilt in another process may number its paths anew.
-        values = list(captured.values())
-        if len(values) != len(variables) or any(
-                tuple(v.shape) != a.shape for v, a in zip(variables, values, strict=True)):
-            raise ReplayError(
-                f"the model's {len(variables)} variables do not match the "
-                f"{len(values)} captured at step {capture.step}: replay with the model "
-                "that was trained"
-            )
-    for variable, value in zip(variables, values, strict=True):
-        variable.assign(value)
-    _reset_nonfinite_moving_statistics(model)
-
-
-def _reset_nonfinite_moving_statistics(model) -> None:
-    """Puts BatchNormalization moving statistics the capture holds non-finite
-    back to their initial values. A training step computes with the batch's
-    statistics and only updates the moving ones, so this changes none of
-    the step's outputs or gradients; but an overflow before the captured
-    step leaves them NaN, and reading them would pass for an overflow in
-    every replay, float32 included."""
-    for _, layer, _ in walk_layers(model):
-        if not isinstance(layer, keras.layers.BatchNormalization):
-            continue
-        for variable, initializer in ((layer.moving_mean, layer.moving_mean_initializer),
-                                      (layer.moving_variance,
-                                       layer.moving_variance_initializer)):
-            if not np.all(np.isfinite(variable.numpy())):
-                variable.assign(initializer(variable.shape, variable.dtype))
-
-
-def _path(variable) -> str:
-    return getattr(variable, "path", None) or variable.name
 
 
 def policy_map_object(result: dict, default_policy: str):
