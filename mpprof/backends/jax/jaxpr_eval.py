@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import DropVar, Literal
 
+from mpprof.backends.jax.numerics_taps import float_output
 from mpprof.replay import search
 from mpprof.replay.search import BETWEEN_LAYERS, LOSS, Offender
 
@@ -38,6 +40,23 @@ _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
           "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
           "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
           "remat": "jaxpr", "checkpoint": "jaxpr"}
+
+
+def scoped_layer_call(row: int, call, tap):
+    """`call` (a layer's) in its `mpprof_layer_<row>` scope, its first
+    floating output (the one a replay compares) replaced by `tap(output)`."""
+
+    def scoped_call(*args, **kwargs):
+        with jax.named_scope(f"{LAYER_SCOPE}{row}"):
+            outputs = call(*args, **kwargs)
+        found = float_output(outputs)
+        if found is None:
+            return outputs
+        flat, structure, position = found
+        flat[position] = tap(flat[position])
+        return jax.tree_util.tree_unflatten(structure, flat)
+
+    return scoped_call
 
 
 class Evaluator:

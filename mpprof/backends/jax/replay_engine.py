@@ -33,8 +33,7 @@ import numpy as np
 from mpprof.backends import keras_capture
 from mpprof.backends.jax import replay_step
 from mpprof.backends.jax.custom_step import overrides_train_step
-from mpprof.backends.jax.jaxpr_eval import LAYER_SCOPE, MODEL_SCOPE, Evaluator
-from mpprof.backends.jax.numerics_taps import float_output
+from mpprof.backends.jax.jaxpr_eval import MODEL_SCOPE, Evaluator, scoped_layer_call
 from mpprof.backends.layer_records import called_method, walk_layers
 from mpprof.recording.patching import Patches
 from mpprof.replay import files, search
@@ -293,29 +292,17 @@ class _Pass:
     def _wrap(self, row: int, call):
         name = self._names[row]
 
-        def scoped_call(*args, **kwargs):
-            with jax.named_scope(f"{LAYER_SCOPE}{row}"):
-                outputs = call(*args, **kwargs)
-            return self._tap(name, outputs)
+        def tap(output):
+            """Keeps the layer's output and adds its probe (whose gradient
+            is the gradient flowing into the output)."""
+            index = self._calls.get(name, 0)
+            self._calls[name] = index + 1
+            slot = len(self._outputs)
+            self._keys.append((name, index))
+            self._outputs.append(jax.lax.stop_gradient(output))
+            return output if self._probes is None else output + self._probes[slot]
 
-        return scoped_call
-
-    def _tap(self, name: str, outputs):
-        """Keeps the layer's first floating output and adds its probe (whose
-        gradient is the gradient flowing into the output)."""
-        found = float_output(outputs)
-        if found is None:
-            return outputs
-        flat, structure, position = found
-        index = self._calls.get(name, 0)
-        self._calls[name] = index + 1
-        output = flat[position]
-        slot = len(self._outputs)
-        self._keys.append((name, index))
-        self._outputs.append(jax.lax.stop_gradient(output))
-        if self._probes is not None:
-            flat[position] = output + self._probes[slot]
-        return jax.tree_util.tree_unflatten(structure, flat)
+        return scoped_layer_call(row, call, tap)
 
 
 def _inside_recurrent(tree: dict[str, object]) -> set[str]:

@@ -35,8 +35,12 @@ import numpy as np
 
 from mpprof.backends.jax.backend import JaxBackend
 from mpprof.backends.jax.custom_step import loss_metrics
-from mpprof.backends.jax.jaxpr_eval import LAYER_SCOPE, MODEL_SCOPE, OPTIMIZER_SCOPE, Evaluator
-from mpprof.backends.jax.numerics_taps import float_output
+from mpprof.backends.jax.jaxpr_eval import (
+    MODEL_SCOPE,
+    OPTIMIZER_SCOPE,
+    Evaluator,
+    scoped_layer_call,
+)
 from mpprof.backends.layer_records import called_method
 from mpprof.recording.patching import Patches
 from mpprof.replay.search import PassResult
@@ -164,22 +168,15 @@ class StepPass:
     def _layer_call(self, row: int, call):
         name = self._names[row]
 
-        def scoped_call(*args, **kwargs):
-            with jax.named_scope(f"{LAYER_SCOPE}{row}"):
-                outputs = call(*args, **kwargs)
-            found = float_output(outputs)
-            if found is None:
-                return outputs
-            flat, structure, position = found
+        def tap(output):
             index = self._calls.get(name, 0)
             self._calls[name] = index + 1
             key = (name, index)
             jax.debug.callback(functools.partial(self._record, "forward", key),
-                               jax.lax.stop_gradient(flat[position]))
-            flat[position] = _gradient_tap(flat[position], (self, key))
-            return jax.tree_util.tree_unflatten(structure, flat)
+                               jax.lax.stop_gradient(output))
+            return _gradient_tap(output, (self, key))
 
-        return scoped_call
+        return scoped_layer_call(row, call, tap)
 
     def _optimizer_apply(self, apply):
         def stateless_apply(optimizer_variables, grads, trainable_variables):
