@@ -393,7 +393,8 @@ DATA_PARALLEL = textwrap.dedent("""
                       "recorded": run.loss_scale.overflow_steps.tolist(),
                       "scales": [probe.scales[-1], run.loss_scale.final_scale],
                       "samples": run.numerics.steps.tolist(), "same_weights": same,
-                      "replicas": run.context["num_replicas"]}))
+                      "replicas": run.context["num_replicas"],
+                      "distribution": run.context["distribution"]}))
 """)
 
 
@@ -408,6 +409,10 @@ def test_data_parallel_over_two_cpu_devices(tmp_path):
     assert len(found["truth"]) > 5 and found["recorded"] == found["truth"]
     assert found["scales"][0] == found["scales"][1]
     assert found["same_weights"] and 4 in found["samples"]
+    # Named, with its mesh; it shards no variable (the look-alike of ModelParallel's).
+    distribution = found["distribution"]
+    assert (distribution["name"], distribution["mesh"]["shape"]) == ("DataParallel", [2])
+    assert distribution["sharded_variables"] == {}
 
 
 def test_gpu_check_script_runs_on_cpu_with_tiny_sizes(tmp_path):
