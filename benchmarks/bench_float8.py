@@ -37,6 +37,7 @@ import numpy as np
 from bench_overhead import EpochTimer
 
 import mpprof
+from mpprof.backends import float8_replay
 from mpprof.backends.tensorflow import float8 as float8_collector
 from mpprof.backends.tensorflow import float8_shares
 
@@ -96,19 +97,19 @@ def run(config: str, x, y, epochs: int, flush_every_steps: int,
     model = float8_model()
     timer = EpochTimer()
     callbacks = [timer]
-    find_layers = float8_collector.float8_layers
+    find_layers = float8_replay.float8_layers
     if config != "plain":
         callbacks.append(mpprof.MixedPrecisionProfiler(
             log_dir=tempfile.mkdtemp(), flush_every_steps=flush_every_steps,
             numerics_every=numerics_every,
         ))
     if config == "mpprof_no_float8":
-        float8_collector.float8_layers = float8_shares.float8_layers = lambda model: []
+        float8_replay.float8_layers = float8_shares.float8_layers = lambda model: []
     try:
         with _CollectorClock() as clock:
             model.fit(x, y, batch_size=32, epochs=epochs + 1, verbose=0, callbacks=callbacks)
     finally:
-        float8_collector.float8_layers = float8_shares.float8_layers = find_layers
+        float8_replay.float8_layers = float8_shares.float8_layers = find_layers
     return timer.times[1:], clock.seconds
 
 

@@ -1,9 +1,12 @@
 """Device check of the JAX backend, in one script, figures to one JSON file.
 
-Trains, with `MixedPrecisionProfiler` at its defaults (NVML sampler on), the
-seed model (784-256-10 MLP) and a small transformer, each under
-mixed_float16 and mixed_bfloat16; reads back each run (steps, skipped steps,
-NVML GPM Tensor Core utilisation when the GPU has it, numerics samples);
+Trains, with `MixedPrecisionProfiler` at its defaults (NVML sampler on) and
+an XProf window (`profile_steps`, a jax.profiler trace), the seed model
+(784-256-10 MLP) and a small transformer, each under mixed_float16 and
+mixed_bfloat16; reads back each run (steps, skipped steps, NVML GPM Tensor
+Core utilisation when the GPU has it, over the run and over the window's
+steps, beside XProf's Tensor Core kernel share of the same steps, numerics
+samples);
 runs `mpprof diagnose` on the whole log_dir; measures the paired overhead of
 the profiler on the seed model (`bench_paired_steps_jax`); writes it all to
 `--out`. Sized for at most 8 minutes on one GPU; `--tiny` runs it on a CPU in
@@ -77,7 +80,8 @@ def train(log_dir: str, name: str, policy: str, sizes: dict) -> dict:
     start = time.perf_counter()
     model.fit(x, y, batch_size=sizes["batch"], epochs=sizes["epochs"], verbose=0,
               callbacks=[mpprof.MixedPrecisionProfiler(
-                  run_dir, numerics_every=sizes["numerics_every"])])
+                  run_dir, numerics_every=sizes["numerics_every"],
+                  profile_steps=sizes["profile_steps"])])
     seconds = time.perf_counter() - start
     run = reader.read_run(run_dir, "train")
     figures = {"model": name, "policy": policy, "fit_seconds": seconds,
@@ -88,14 +92,48 @@ def train(log_dir: str, name: str, policy: str, sizes: dict) -> dict:
                "numerics_samples": len(run.numerics.steps) if run.numerics else 0,
                "gpu_mode": run.gpu.mode if run.gpu else None}
     if run.gpu is not None and len(run.gpu.samples):
-        for column in ("tensor_util", "hmma_tensor_util", "sm_util", "gpu_util"):
-            try:
-                values = run.gpu.column(column)
-            except ValueError:
-                continue
-            values = values[np.isfinite(values)]
-            figures[f"{column}_median"] = float(np.median(values)) if len(values) else None
+        medians = column_medians(run.gpu, ("tensor_util", "hmma_tensor_util", "sm_util",
+                                           "gpu_util"))
+        figures.update({f"{column}_median": value for column, value in medians.items()})
+    figures["xprof"] = xprof_beside_nvml(run, sizes["profile_steps"])
     return figures
+
+
+def xprof_beside_nvml(run, window: tuple[int, int]) -> dict:
+    """XProf's Tensor Core kernel share of the window's steps (the
+    `kernels/tensor_core_share` record) beside NVML GPM's Tensor Core
+    utilisation sampled while those steps ran: two measures of one thing,
+    time in Tensor Core kernels against Tensor Core pipe activity."""
+    kernels = (run.gpu.kernels if run.gpu else None) or {}
+    figures = {"window": run.context["collectors"].get("kernels"),
+               "tensor_core_share": kernels.get("tensor_core_share"),
+               "no_gpu_kernels": kernels.get("no_gpu_kernels"),
+               "reason": kernels.get("reason"),
+               "total_gpu_kernel_us": kernels.get("total_gpu_kernel_us"),
+               "eligible_not_using_us": kernels.get("eligible_not_using_us"),
+               "top_ops": kernels.get("top_ops", [])[:5]}
+    if run.gpu is not None and len(run.gpu.samples):
+        steps = run.gpu.column("step")
+        inside = (steps >= window[0]) & (steps <= window[1])
+        figures["nvml_samples_in_window"] = int(inside.sum())
+        medians = column_medians(run.gpu, ("tensor_util", "hmma_tensor_util"), inside)
+        figures.update({f"nvml_{column}_in_window_median": value
+                        for column, value in medians.items()})
+    return figures
+
+
+def column_medians(gpu, columns: tuple[str, ...], rows=slice(None)) -> dict:
+    """The median of each NVML column's finite values in `rows` (None: no
+    value), for the columns this run's samples have."""
+    medians = {}
+    for column in columns:
+        try:
+            values = gpu.column(column)[rows]
+        except ValueError:
+            continue
+        values = values[np.isfinite(values)]
+        medians[column] = float(np.median(values)) if len(values) else None
+    return medians
 
 
 def diagnose(log_dir: str) -> list:
@@ -120,6 +158,10 @@ def main() -> int:
                  "vocabulary": 8000, "width": 256, "numerics_every": 500}
         paired = {"block": 16, "rounds": 200, "samples": 8192}
     sizes["steps"] = sizes["samples"] // sizes["batch"] * sizes["epochs"]
+    # Past compilation, and long enough on a GPU for NVML to sample inside
+    # (one sample each 0.5 s; a step of these models takes milliseconds).
+    sizes["profile_steps"] = ((1, 2) if args.tiny else
+                              (sizes["steps"] // 4, sizes["steps"] // 4 + 299))
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="mpprof-gpu-check-jax-")
     started = time.perf_counter()
     result = {"devices": [str(d) for d in jax.devices()], "jax_version": jax.__version__,
@@ -147,8 +189,9 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2, default=float)
     print(json.dumps({k: result[k] for k in ("devices", "seconds")}))
-    ok = all(run.get("steps_run") == sizes["steps"] for run in result["runs"]
-             if "skipped" not in run)
+    ok = all(run.get("steps_run") == sizes["steps"]
+             and (run["xprof"]["window"] or {}).get("state") == "ok"
+             for run in result["runs"] if "skipped" not in run)
     return 0 if ok and result["diagnosis"]["exit"] == 0 else 1
 
 

@@ -7,7 +7,7 @@ Keras clipped, how many of its non-zero values quantized to zero, with the
 scale the step used; see `mpprof.backends.tensorflow.float8_shares`). Without samples
 they judge the FLOAT8_STATE record: each float8 tensor's scale and amax
 history at each flush, and the steps between flushes replayed with Keras'
-scale rule (see `mpprof.backends.tensorflow.float8`); a step's verdict is then about
+scale rule (see `mpprof.backends.float8_replay`); a step's verdict is then about
 its largest value (its amax, the one number Keras keeps per step): whether it
 clipped at the format's max, or whether even it quantized to zero.
 """

@@ -339,13 +339,15 @@ class ProfiledFit:
 
     def _measured_step(self) -> int:
         """Steps run so far: the primary optimizer's (iterations, plus skipped
-        steps under loss scaling) or, when the step applies no optimizer,
-        the host's count of steps run."""
+        steps under loss scaling) or, when the step applies no optimizer or
+        one whose steps the backend does not follow, the host's count of
+        steps run."""
         fit = self._fit
         primary = fit.usage.primary() if fit.usage.traced else None
         if primary is None or (primary.loss_scale and not self._guard.ok("loss_scale")):
             return fit.step
-        return self._collectors.loss_scales.step_of(primary)
+        step = self._collectors.loss_scales.step_of(primary)
+        return fit.step if step is None else step
 
     # Writing.
 

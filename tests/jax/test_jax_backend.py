@@ -305,13 +305,22 @@ def test_a_lone_overflow_in_the_first_call_arms_a_forensic_sample(tmp_path):
 
 def test_unimplemented_collectors_say_unavailable(tmp_path):
     x, y = jax_runs.classes()
-    run = jax_runs.fit(tmp_path, jax_runs.classifier("mixed_float16"), x, y,
-                       profile_steps=(1, 2))
+    run = jax_runs.fit(tmp_path, jax_runs.classifier("mixed_float16"), x, y)
     collectors = run.context["collectors"]
-    # (Replay captures are implemented: a healthy run captures nothing.)
+    # (Replay captures are implemented: a healthy run captures nothing; XProf
+    # windows too: tests/jax/test_kernels_jax.py.)
     assert collectors["replay_capture"]["state"] == "ok"
     assert collectors["replay_capture"]["captures"] == []
-    assert collectors["kernels"]["state"] == "unavailable"
+    # Float8 scales and amax histories are recorded (tests/jax/test_float8_jax.py);
+    # the shares of values on sampled steps are not.
+    keras.mixed_precision.set_dtype_policy("float32")
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(8)])
+    model.quantize("float8")
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    collectors = jax_runs.fit(tmp_path / "float8", model, x, y).context["collectors"]
+    assert collectors["float8"] == {"state": "ok"}
+    assert collectors["float8_shares"]["state"] == "unavailable"
 
 
 # --- Without TensorFlow.
@@ -428,6 +437,10 @@ def test_gpu_check_script_runs_on_cpu_with_tiny_sizes(tmp_path):
     assert {(r["model"], r["policy"]) for r in ran} >= {
         ("seed", "mixed_float16"), ("seed", "mixed_bfloat16"), ("transformer", "mixed_bfloat16")}
     assert all(r["steps_run"] == figures["sizes"]["steps"] and r["numerics_samples"] >= 1
+               for r in ran)
+    # The XProf window of steps 1-2 on CPU: no GPU kernels, so no share (not 0%).
+    assert all(r["xprof"]["window"]["reason"] == "traced steps 1-2"
+               and r["xprof"]["no_gpu_kernels"] is True and r["xprof"]["tensor_core_share"] is None
                for r in ran)
     assert figures["diagnosis"]["exit"] == 0
     assert {f["code"] for f in figures["diagnosis"]["findings"]} >= {"MP011"}

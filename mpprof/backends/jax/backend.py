@@ -12,20 +12,36 @@ What differs from TensorFlow (`mpprof.backends.tensorflow.backend`):
   them during an epoch;
 - the alarm is read one call late (`call_alarm`);
 - per-layer numerics run in a second jitted step that returns the statistics
-  as outputs (`numerics`);
+  as outputs (`numerics_taps`), or, for a model with its own `train_step`,
+  its step traced with taps that send them by host callbacks
+  (`numerics_callbacks`);
 - replay captures copy what the donated step received before it runs
   (`replay_capture`);
-- float8 records and XProf windows are not implemented yet:
-  their collectors say "unavailable" (`unavailable`).
+- float8 scales and amax histories are read at flush points from the Keras
+  state the last call returned, not from the variables (`float8`); float8
+  shares on sampled steps are not implemented yet: their collector says
+  "unavailable" (`unavailable`);
+- the XProf window waits for the device before it starts and stops its
+  trace (`kernels`).
 """
 
 from __future__ import annotations
 
 from mpprof.backends import base
-from mpprof.backends.jax import call_alarm, context, hardware, replay_capture, unavailable
+from mpprof.backends.jax import (
+    call_alarm,
+    context,
+    float8,
+    hardware,
+    kernels,
+    replay_capture,
+    unavailable,
+)
+from mpprof.backends.jax.custom_step import overrides_train_step
 from mpprof.backends.jax.layer_calls import LayerCallPatch
 from mpprof.backends.jax.loss_scale_series import LossScaleSeries
 from mpprof.backends.jax.loss_scales import LossScales
+from mpprof.backends.jax.numerics_callbacks import CallbackTaps
 from mpprof.backends.jax.numerics_taps import NumericsTaps
 from mpprof.backends.jax.precision_tracer import PrecisionTracer
 from mpprof.backends.jax.run_health import LossWatch, RunHealth
@@ -51,7 +67,6 @@ class JaxBackend(base.Backend):
     loss_watch = LossWatch
     LossScales = LossScales
     RunHealth = RunHealth
-    Float8State = unavailable.Float8State
     Float8Shares = unavailable.Float8Shares
     ReplayCapture = replay_capture.ReplayCapture
     TrainFunctions = TrainFunctions
@@ -78,12 +93,18 @@ class JaxBackend(base.Backend):
     def numerics_taps(self):
         """Makes the numerics taps (`NumericsSamples` calls it with the
         model and its strategy): they register with this backend."""
-        return lambda model, strategy: NumericsTaps(model, self)
+        return lambda model, strategy: (
+            CallbackTaps if overrides_train_step(model) else NumericsTaps)(model, self)
 
     def CallAlarm(self, counters, host_reads_needed) -> call_alarm.CallAlarm:
         """The call alarm (a factory, as the protocol's class attributes are),
         compared from the count this fit's step state starts at."""
         return call_alarm.CallAlarm(counters, host_reads_needed, start=self._alarm_start)
+
+    def Float8State(self, model, loss_scales) -> float8.Float8State:
+        """The float8 collector (a factory, as `CallAlarm`): it reads the
+        Keras state from this fit's step state."""
+        return float8.Float8State(model, loss_scales, self)
 
     def _alarm_start(self) -> int | None:
         state = self.step_state
@@ -126,11 +147,6 @@ class JaxBackend(base.Backend):
 
         return keras.callbacks.TensorBoard
 
-    def candidate_optimizers(self, model) -> list[tuple[str, object]]:
-        """The compiled optimizer only: Keras' JAX train step passes its
-        variables (and no other optimizer's) through the step's state."""
-        return [("optimizer", model.optimizer)] if self.is_optimizer(model.optimizer) else []
-
     def steps_per_execution(self, model) -> int:
         return int(getattr(model, "steps_per_execution", 1) or 1)
 
@@ -144,4 +160,4 @@ class JaxBackend(base.Backend):
         return hardware.hardware_facts(sampler)
 
     def profile_window(self, start: int, stop: int, run_dir: str):
-        return unavailable.ProfileWindow(start, stop, run_dir)
+        return kernels.ProfileWindow(start, stop, run_dir)

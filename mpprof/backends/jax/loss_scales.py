@@ -3,7 +3,11 @@ a LossScaleOptimizer.
 
 Keras' JAX train step passes the compiled optimizer's variables in
 `state[2]`: that is the optimizer whose skips the step state sees, so a JAX
-fit has one series at most (written under the plain loss-scale tags).
+fit has one series at most (written under the plain loss-scale tags). A
+custom step's own LossScaleOptimizers (a GAN's, whose variables the step
+keeps wherever its author put them) are recorded as used, but their scales
+and skips are not followed: the run context says so, and the step axis is
+the host's count of steps run.
 """
 
 from __future__ import annotations
@@ -98,8 +102,12 @@ class LossScales(Collector):
     def skipped_steps(self) -> int:
         return sum(c.skipped_steps() for c in self.active().values())
 
-    def step_of(self, use) -> int:
-        """Steps `use` has run: from the step state once the fit has one."""
+    def step_of(self, use) -> int | None:
+        """Steps `use` has run: from the step state once the fit has one;
+        None for an optimizer other than the compiled one (its steps are not
+        followed: the caller counts steps run itself)."""
+        if not self._usage.uses or use.optimizer is not self._usage.uses[0].optimizer:
+            return None
         collector = self.by_name.get(use.name)
         if collector is not None:
             return collector.current_step()
@@ -116,6 +124,13 @@ class LossScales(Collector):
         active = self.active()
         if not active:
             used = self._usage.used()
+            scaled = [u.name for u in used if u.loss_scale]
+            if scaled:
+                return {"state": "absent", "reason": (
+                    f"the step applies its own LossScaleOptimizers ({', '.join(scaled)}), "
+                    "not the compiled one: on JAX only the compiled optimizer's scale and "
+                    "skips are followed (its variables are the state Keras passes in "
+                    "state[2]; a custom step keeps its own optimizers' state elsewhere)")}
             names = ", ".join(f"{u.name} ({type(u.optimizer).__name__})" for u in used)
             return {
                 "state": "absent",

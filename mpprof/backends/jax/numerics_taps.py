@@ -12,15 +12,18 @@ backward rule returns, as the probe's cotangent, the statistics of the
 gradient flowing into the layer. The gradient of the probe table IS the
 backward statistics: no host callback, no extra pass. Variable gradients
 (scaled, and unscaled by the step's loss scale) come from the same
-`value_and_grad`. Everything leaves the step as one output the host copies
+`value_and_grad`; their records keep no histogram, so none is computed
+(`tensor_statistics.gradient_statistics`: one pass over each gradient for
+both rows). Everything leaves the step as one output the host copies
 after the sampled call.
 
 Measured: every leaf layer; a recurrent layer (its cell runs in a
 `lax.scan`) at its boundary; a layer called inside other control flow (its
 values belong to an inner trace) is skipped and listed with the reason. A
 layer called more than `MAX_CALLS` times in one step is measured on its
-first calls only (also listed). A model that overrides `train_step` is not
-sampled: the instrumented step would not be its step.
+first calls only (also listed). A model that overrides `train_step` is
+sampled by `mpprof.backends.jax.numerics_callbacks` instead: this
+instrumented step would not be its step.
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ from mpprof.backends.jax.tensor_statistics import (
     ESTIMATED_COLUMNS,
     RAW_COLUMNS,
     SAMPLE_VALUES,
+    SUMMARY_COLUMNS,
+    gradient_statistics,
     merge_rows,
     raw_statistics,
     statistics_of_rows,
+    statistics_of_summaries,
 )
 from mpprof.backends.layer_records import variable_path, walk_layers
 from mpprof.records import schema
@@ -104,9 +110,6 @@ class NumericsTaps:
     """
 
     def __init__(self, model, backend):
-        if type(model).train_step is not _jax_trainer().train_step:
-            raise NotImplementedError(
-                "the model overrides train_step: the instrumented step would not be its step")
         self.instrumenting = False
         self._model = model
         entries = walk_layers(model)
@@ -203,15 +206,14 @@ class NumericsTaps:
             index = next(i for i, v in enumerate(optimizer.variables)
                          if v is optimizer.dynamic_scale)
             scale = jnp.asarray(optimizer_variables[index], jnp.float32)
-        gradients = [grads[i] for i in self._trainable_index]
+        rows = [gradient_statistics(grads[i], scale) for i in self._trainable_index]
+        empty = jnp.zeros((0, SUMMARY_COLUMNS), jnp.float32)
         sample = {
             "forward": forward,
             "backward": probe_grads,
-            "gradients": jnp.stack([raw_statistics(g) for g in gradients])
-            if gradients else jnp.zeros((0, RAW_COLUMNS)),
-            "unscaled_gradients": jnp.stack(
-                [raw_statistics(g.astype(jnp.float32) / scale) for g in gradients])
-            if gradients else jnp.zeros((0, RAW_COLUMNS)),
+            "gradients": jnp.stack([scaled for scaled, _ in rows]) if rows else empty,
+            "unscaled_gradients": jnp.stack([unscaled for _, unscaled in rows])
+            if rows else empty,
             "loss": jnp.sum(jnp.asarray(unscaled_loss, jnp.float32)),
         }
         trainable, optimizer_variables = optimizer.stateless_apply(
@@ -251,9 +253,9 @@ class NumericsTaps:
             schema.NUMERICS_BACKWARD: backward[order],
             schema.NUMERICS_FORWARD_HIST: forward_hist[order],
             schema.NUMERICS_BACKWARD_HIST: backward_hist[order],
-            schema.NUMERICS_GRADIENTS: statistics_of_rows(np.asarray(sample["gradients"]))[0],
-            schema.NUMERICS_UNSCALED_GRADIENTS: statistics_of_rows(
-                np.asarray(sample["unscaled_gradients"]))[0],
+            schema.NUMERICS_GRADIENTS: statistics_of_summaries(sample["gradients"]),
+            schema.NUMERICS_UNSCALED_GRADIENTS: statistics_of_summaries(
+                sample["unscaled_gradients"]),
             "loss": float(sample["loss"]),
         }
 
@@ -280,9 +282,3 @@ class NumericsTaps:
                 for row, reason in self._skipped.items()
             ],
         }
-
-
-def _jax_trainer():
-    from keras.src.backend.jax.trainer import JAXTrainer
-
-    return JAXTrainer

@@ -1,8 +1,9 @@
 """The HEALTH record on JAX: is the loss finite, are the weights finite.
 
 Keras' JAX train step hands its unscaled loss to the model's
-`_update_metrics_variables` (outside the gradient trace); the profiled step
-takes it there and checks it in the step itself (`StepState`): the count of
+`_update_metrics_variables` (outside the gradient trace), and a custom
+`train_step` to its loss metrics (`custom_step`); the profiled step takes it
+there and checks it in the step itself (`StepState`): the count of
 steps with a non-finite loss and the first such step, exact to the step
 (also under `steps_per_execution > 1`), read at flush points. The weights
 are checked on the host at epoch ends and when fit ends, once Keras has
@@ -86,12 +87,26 @@ class RunHealth(Collector):
     def end(self, fit) -> None:
         self.check_weights(fit.model)
 
+    def _unfollowed_scales(self) -> list[str]:
+        """The step's LossScaleOptimizers other than the compiled one (a
+        GAN's): their skips are not followed (`loss_scales`)."""
+        compiled = self._usage.uses[0].optimizer if self._usage.uses else None
+        return [u.name for u in self._usage.used()
+                if u.loss_scale and u.optimizer is not compiled] if self._usage.traced else []
+
     def context(self) -> dict:
+        unfollowed = self._unfollowed_scales()
+        if unfollowed:
+            return {"state": "absent", "reason": (
+                f"the step's own LossScaleOptimizers ({', '.join(unfollowed)}) are not "
+                "followed on JAX: a non-finite loss cannot be told from a step they "
+                "skipped, so the loss is not judged")}
         if self.watched() is not None:
             return {"state": "ok", "loss_checked": "in the step (exact to the step)"}
         return {"state": "absent", "reason": (
-            "the train step handed no loss to Keras' metrics update (a custom "
-            "train_step): the loss is not watched on JAX")}
+            "the train step handed no loss to Keras' metrics update nor to a loss "
+            "metric (a custom train_step whose metrics are not named 'loss' or "
+            "'..._loss'): the loss is not watched on JAX")}
 
     def nonfinite_counters(self) -> list:
         return []
@@ -100,6 +115,8 @@ class RunHealth(Collector):
         """(The step dates its own first non-finite loss.)"""
 
     def watched(self):
+        if self._unfollowed_scales():
+            return None
         for watcher in self.watchers.values():
             if watcher.watched():
                 return watcher

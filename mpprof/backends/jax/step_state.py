@@ -76,10 +76,18 @@ class StepState:
         self.arrays: tuple | None = None
         self._host: np.ndarray | None = None
         self._host_of = None  # the `arrays` `_host` copies
+        # Keras' state [trainable, non-trainable, optimizer, metrics
+        # variables] the last call returned beside `arrays` (None before the
+        # first call): what flushes read the model's variables from during
+        # an epoch (`mpprof.backends.jax.float8`). Donated to the next call.
+        self.keras_state = None
         # The unscaled loss of the step being traced (`capture_loss`), and
         # whether the traced step had one (None: not traced yet).
         self._loss = None
         self.loss_watched: bool | None = None
+        # The trace of the step being traced: a loss from an inner trace
+        # (inside a user's value_and_grad) cannot leave it, and is ignored.
+        self._step_trace = None
 
     def start(self) -> None:
         """The device state at the start of the fit (before the first step:
@@ -99,12 +107,18 @@ class StepState:
         return float(np.asarray(self._optimizer.dynamic_scale.value))
 
     def capture_loss(self, loss) -> None:
-        """Called while the step is traced with its unscaled loss."""
-        self._loss = loss
+        """Called while the step is traced with its unscaled loss. Several
+        losses in one step (a GAN's) are checked as their sum: non-finite
+        when any of them is."""
+        if getattr(loss, "_trace", None) is not self._step_trace:
+            return
+        loss = jnp.sum(jnp.asarray(loss, jnp.float32))
+        self._loss = loss if self._loss is None else self._loss + loss
 
-    def update(self, arrays: tuple) -> None:
-        """The state a call returned (the one given to it is donated)."""
+    def update(self, arrays: tuple, keras_state) -> None:
+        """The states a call returned (those given to it are donated)."""
         self.arrays = arrays
+        self.keras_state = keras_state
         self._host = None
 
     def read(self) -> np.ndarray:
@@ -122,7 +136,7 @@ class StepState:
         counter_index, capacity = self._counter_index, self.capacity
 
         def step(state, table, data):
-            self._loss = None
+            self._loss, self._step_trace = None, getattr(table, "_trace", None)
             logs, new_state = train_step(state, data)
             before, after = state[2], new_state[2]
             applied_before = jnp.asarray(before[applied_index], jnp.float32)

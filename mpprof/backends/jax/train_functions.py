@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import jax
 
+from mpprof.backends.jax.custom_step import overrides_train_step, watch_loss_metrics
 from mpprof.backends.jax.numerics_taps import SAMPLE_KEY
 from mpprof.recording.guard import describe_error
 from mpprof.recording.patching import Patches
@@ -68,6 +69,9 @@ class TrainFunctions:
                 return update_metrics(metrics_variables, unscaled_loss, *args, **kwargs)
 
             patches.set(model, "_update_metrics_variables", update_metrics_variables)
+        if overrides_train_step(model):
+            # Its own step: its loss reaches its loss metrics instead.
+            watch_loss_metrics(model, self._state, patches)
         # Read now: during an epoch Keras' state lives outside the variables.
         self._shardings = self._out_shardings()
         self.plain = self._compiled(model.train_step)
@@ -98,6 +102,7 @@ class TrainFunctions:
         try:
             logs, state, step_state.arrays = self.plain(state, step_state.arrays,
                                                         next(iterator))
+            step_state.keras_state = state
         except StopIteration:
             raise  # the end of the data: fit ends the epoch
         except BaseException:
@@ -127,7 +132,7 @@ class TrainFunctions:
         except BaseException:
             on_abort()
             raise
-        self._state.update(table)
+        self._state.update(table, state)
         return logs, state
 
     def run_instrumented(self, state, iterator, *, on_abort: Callable[[], None],
@@ -162,3 +167,5 @@ class TrainFunctions:
 
     def release(self) -> None:
         self.plain = self.instrumented = None
+        if self._state is not None:
+            self._state.keras_state = None

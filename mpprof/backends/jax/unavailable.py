@@ -4,61 +4,32 @@ reports its rules as "not measured" rather than judging from nothing."""
 
 from __future__ import annotations
 
+from mpprof.backends.float8_replay import NO_FLOAT8_LAYERS, float8_layers
 from mpprof.recording.collectors.base import Collector
 
 _NOT_YET = "not implemented on the JAX backend yet"
+_SHARES_REASON = (
+    "float8 shares of values on sampled steps are " + _NOT_YET + ": they need taps on the "
+    "quantized tensors inside the instrumented step; the float8 state (scales, amax "
+    "histories, each step's saturation and underflow from its amax) is recorded"
+)
 
 
-def _float8_layers(model) -> list:
-    return [layer for layer in model._flatten_layers(include_self=False, recursive=True)
-            if getattr(layer, "quantization_mode", None) == "float8"]
-
-
-class Float8State(Collector):
-    """Float8 scales and amax histories (TensorFlow: `backends/tensorflow/float8.py`)."""
-
-    name = "float8"
-
-    def __init__(self, model, loss_scales):
-        self._float8 = bool(_float8_layers(model))
-
-    def context(self) -> dict:
-        if not self._float8:
-            return {"state": "absent", "reason": "no float8 layers (model.quantize('float8'))"}
-        return {"state": "unavailable", "reason": f"float8 scaling records are {_NOT_YET}"}
-
-
-class Float8Shares(Float8State):
-    """Float8 saturation/underflow shares on sampled steps."""
+class Float8Shares(Collector):
+    """Float8 saturation/underflow shares on sampled steps (TensorFlow:
+    `backends/tensorflow/float8_shares.py`). The float8 state, with each
+    step's saturation and underflow judged from its amax, is recorded
+    (`mpprof.backends.jax.float8`)."""
 
     name = "float8_shares"
 
     def __init__(self, model, sampling: bool):
-        super().__init__(model, None)
+        self._float8 = bool(float8_layers(model))
 
     def instrument(self, on: bool) -> None:
         """(Nothing is tapped on JAX.)"""
 
-
-class ProfileWindow:
-    """An XProf window asked for (`profile_steps`) that the JAX backend does
-    not trace yet: it says so in the run context's "kernels"."""
-
-    state = "unavailable"
-
-    def __init__(self, start: int, stop: int, run_dir: str):
-        self.run_dir = run_dir
-        self._steps = (start, stop)
-
-    def begin(self, step, siblings, tensorboard_class) -> None:
-        """(Nothing to start.)"""
-
-    def after_steps(self, step):
-        return None
-
-    def finish(self):
-        return None
-
     def context(self) -> dict:
-        return {"state": "unavailable", "steps": list(self._steps),
-                "reason": f"XProf trace windows (profile_steps) are {_NOT_YET}"}
+        if not self._float8:
+            return dict(NO_FLOAT8_LAYERS)
+        return {"state": "unavailable", "reason": _SHARES_REASON}

@@ -76,23 +76,6 @@ class TensorFlowBackend(base.Backend):
 
         return keras.callbacks.TensorBoard
 
-    def candidate_optimizers(self, model) -> list[tuple[str, object]]:
-        """The optimizers a train step may use, each with the name it is known by.
-
-        The compiled `model.optimizer` ("optimizer") and every optimizer held
-        in an attribute of the model (a GAN's `self.g_opt`, `self.d_opt`):
-        which of them a step really uses is only known once it is traced
-        (`mpprof.recording.optimizer_usage.OptimizerUsage`).
-        """
-        found: list[tuple[str, object]] = []
-        if self.is_optimizer(model.optimizer):
-            found.append(("optimizer", model.optimizer))
-        for name, value in sorted(vars(model).items()):
-            if (self.is_optimizer(value) and not name.startswith("_")
-                    and all(value is not known for _, known in found)):
-                found.append((name, value))
-        return found
-
     def steps_per_execution(self, model) -> int:
         return tf_keras_support.steps_per_execution(model)
 

@@ -31,7 +31,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 
-from mpprof.backends.tensorflow.float8 import float8_layers
+from mpprof.backends.float8_replay import float8_layers
 from mpprof.dtypes import FLOAT8_RANGES
 from mpprof.recording.collectors.base import Collector
 from mpprof.recording.guard import TracedGuard

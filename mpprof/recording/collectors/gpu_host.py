@@ -23,7 +23,8 @@ class HostRecorder(Collector):
 
     Args:
         interval_s: seconds between NVML samples, or None for no sampler.
-        profile_window: the `kernels.ProfileWindow` of `profile_steps`, or None.
+        profile_window: the backend's `ProfileWindow` of `profile_steps`
+            (`mpprof.backends.profile_window`), or None.
         profiler: the profiling callback (its siblings may own the profiler).
         backend: the model's `mpprof.backends.base.Backend`.
     """
@@ -50,7 +51,7 @@ class HostRecorder(Collector):
         self.hardware = self._api.hardware_facts(self._sampler)
         if self._window is not None:
             siblings = sibling_callbacks(self._profiler, self._api.callback_list_class)
-            self._window.begin(fit.step, siblings, self._api.tensorboard_class)
+            self._window.begin(fit.step, siblings, self._api)
 
     @property
     def after_each_call(self) -> bool:

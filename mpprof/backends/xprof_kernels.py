@@ -1,0 +1,246 @@
+"""Tensor Core share of GPU kernel time from an XProf trace, and the trace
+window of `profile_steps`, for every backend (no framework imported here).
+
+XProf's kernel_stats tool lists, per (kernel, op), the kernel's total time,
+whether the op could use Tensor Cores (MatMul, Conv, Einsum, dot_general, ...
+in fp16 or bf16) and whether the kernel did. "Did" is a kernel-NAME heuristic
+inside XProf (h884, hmma, s1688, xmma_gemm, ...): it misses some kernels, e.g.
+`cutlass3x_sm90_tensorop_*`, so a low share is a hint to check, not proof.
+
+Two ways in:
+- `tensor_core_share(trace_dir)`: any directory holding a trace (a logdir,
+  its `plugins/profile`, or one session), e.g. one written by
+  `keras.callbacks.TensorBoard(profile_batch=...)` or `jax.profiler`.
+- `ProfileWindow`: the callback's opt-in `profile_steps=(start, stop)`
+  window, which captures a trace into the run directory and converts it
+  right after the window. Each backend subclasses it with its profiler's
+  start and stop (`backends/tensorflow/kernels.py`, `backends/jax/kernels.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from mpprof.records import filesystem
+
+# Eligible-but-not-using ops listed in the record, largest first.
+TOP_OPS = 10
+
+_XPLANE_SUFFIX = ".xplane.pb"
+
+
+class KernelStatsError(RuntimeError):
+    """The trace cannot be found or converted."""
+
+
+def tensor_core_share(trace_dir: str | os.PathLike, *, top_ops: int = TOP_OPS) -> dict:
+    """Tensor Core share of GPU kernel time in the newest trace under `trace_dir`.
+
+    Args:
+        trace_dir: a directory holding `*.xplane.pb` files, or any directory
+            above one (a TensorBoard logdir, its `train/`, `plugins/profile`):
+            the newest profiling session found below it is read.
+        top_ops: how many Tensor-Core-eligible ops that did NOT use Tensor
+            Cores to list.
+
+    Returns:
+        A JSON-ready dict (the `kernels/tensor_core_share` record):
+        `{"source", "tensor_core_share", "total_gpu_kernel_us",
+        "tensor_core_us", "eligible_us", "eligible_not_using_us", "top_ops":
+        [{"op_name", "layer", "total_us", "occurrences", "kernels"}...]}`, or
+        `{"source", "no_gpu_kernels": True, "reason"}` for a trace without GPU
+        kernels (a CPU-only run): "no data", never 0%.
+
+    Raises:
+        KernelStatsError: no trace under `trace_dir`, or XProf cannot convert it.
+    """
+    session = newest_session(trace_dir)
+    if session is None:
+        raise KernelStatsError(
+            f"No XProf trace (*{_XPLANE_SUFFIX}) under {os.fspath(trace_dir)!r}: "
+            "record one with MixedPrecisionProfiler(profile_steps=(start, stop)) or "
+            "keras.callbacks.TensorBoard(profile_batch=(start, stop))."
+        )
+    return summarize_kernel_stats(
+        _kernel_stats_rows(xplane_paths(session)), source=session, top_ops=top_ops
+    )
+
+
+def xplane_paths(session: str) -> list[str]:
+    """The `*.xplane.pb` files of one profiling session (one a host), sorted."""
+    return sorted(
+        filesystem.join(session, entry.name)
+        for entry in filesystem.scan(session)
+        if entry.name.endswith(_XPLANE_SUFFIX)
+    )
+
+
+def newest_session(trace_dir: str | os.PathLike) -> str | None:
+    """The newest directory under `trace_dir` (itself included) with xplane files.
+
+    Sessions are named by their start time (YYYY_MM_DD_HH_MM_SS), so the
+    largest name is the newest; the path breaks ties.
+
+    Args:
+        trace_dir: the directory to search (local or a remote URL).
+    """
+    trace_dir = os.fspath(trace_dir)
+    if not filesystem.isdir(trace_dir):
+        return None
+    sessions = [
+        directory
+        for directory, entries in filesystem.walk(trace_dir, on_error=lambda *_: None)
+        if any(entry.name.endswith(_XPLANE_SUFFIX) for entry in entries)
+    ]
+    if not sessions:
+        return None
+    return max(sessions, key=lambda d: (os.path.basename(d.rstrip("/" + os.sep)), d))
+
+
+def summarize_kernel_stats(
+    rows: list[dict], *, source: str, top_ops: int = TOP_OPS
+) -> dict:
+    """The share record from kernel_stats rows (dicts keyed by column id).
+
+    Args:
+        rows: XProf's kernel_stats rows.
+        source: the session they were read from.
+        top_ops: how many eligible ops that did not use Tensor Cores to list.
+    """
+    total = sum(float(r["total_duration_us"]) for r in rows)
+    if not rows or total <= 0:
+        return {
+            "source": source,
+            "no_gpu_kernels": True,
+            "tensor_core_share": None,
+            "reason": (
+                "the trace holds no GPU kernels (a CPU-only run, or the profiled "
+                "steps ran nothing on a GPU): no Tensor Core share to compute"
+            ),
+        }
+    using = sum(
+        float(r["total_duration_us"]) for r in rows if r["is_kernel_using_tensor_core"]
+    )
+    eligible = [r for r in rows if r["is_op_tensor_core_eligible"]]
+    missed = [r for r in eligible if not r["is_kernel_using_tensor_core"]]
+    return {
+        "source": source,
+        "no_gpu_kernels": False,
+        "tensor_core_share": using / total,
+        "total_gpu_kernel_us": total,
+        "tensor_core_us": using,
+        "eligible_us": sum(float(r["total_duration_us"]) for r in eligible),
+        "eligible_not_using_us": sum(float(r["total_duration_us"]) for r in missed),
+        "kernel_rows": len(rows),
+        "top_ops": _top_missed_ops(missed, top_ops),
+        "heuristic": (
+            "XProf decides 'uses Tensor Cores' from the kernel name; newer "
+            "kernels (e.g. cutlass3x_sm90_tensorop_*) can be missed"
+        ),
+    }
+
+
+# JAX name-stack frames that are no layer: a transformation wrapping a scope
+# ("transpose(jvp(dense))": the backward pass of "dense"), a jitted function
+# ("jit(step)", "jit(relu)"), control flow ("while/body", "cond/branch_1_fun"),
+# call frames, an einsum's equation ("query/abc,cde->abde/dot_general",
+# "vmap(BTNH,BSNH->BNTS)") and an empty scope ("jvp()").
+_WRAPPED = re.compile(r"^[A-Za-z_]\w*\((.*)\)$")
+_JITTED = re.compile(r"^p?jit\(.*\)$")
+_NOT_LAYERS = {"while", "cond", "closed_call", "core_call", "checkpoint", "remat",
+               "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+# Frames that only follow a control-flow frame ("while/body", "cond/branch_0_fun").
+_INSIDE = {"while": re.compile(r"^(body|cond)$"), "cond": re.compile(r"^branch_\d+_fun$")}
+
+
+def layer_of(op_name: str) -> str:
+    """The layer of an op, from its name scope.
+
+    TensorFlow: "seq/dense/MatMul" -> "seq/dense". JAX (XLA's op name is the
+    jit's name stack, Keras' layer scopes inside it):
+    "jit(step)/transpose(jvp(mha))/query/abc,cde->abde/dot_general" ->
+    "mha/query", "jit(step)/jvp(dense)/jit(relu)/max" -> "dense". An op in
+    no scope is its own layer.
+
+    Args:
+        op_name: the op's name, as XProf's kernel_stats gives it.
+    """
+    if "/" not in op_name:
+        return op_name
+    scopes = op_name.split("/")[:-1]
+    if not any("(" in scope for scope in scopes):  # TensorFlow: no "(" in a scope
+        return "/".join(scopes)
+    layers: list[str] = []
+    previous = ""
+    for scope in scopes:
+        while (match := _WRAPPED.match(scope)) and not _JITTED.match(scope):
+            scope = match.group(1)  # jvp(dense) -> dense
+        if _is_layer(scope, previous):
+            layers.append(scope)
+        previous = scope
+    return "/".join(layers) or op_name
+
+
+def _is_layer(scope: str, previous: str) -> bool:
+    """Whether a JAX name-stack frame (unwrapped) is a layer's scope."""
+    inside = _INSIDE.get(previous)
+    return not (not scope or _JITTED.match(scope) or scope in _NOT_LAYERS
+                or "->" in scope or (inside is not None and inside.match(scope)))
+
+
+def _top_missed_ops(missed: list[dict], top_ops: int) -> list[dict]:
+    by_op: dict[str, dict] = {}
+    for row in missed:
+        op_name = row.get("op_name") or "(unknown op)"
+        entry = by_op.setdefault(
+            op_name,
+            {
+                "op_name": op_name,
+                "layer": layer_of(op_name),
+                "total_us": 0.0,
+                "occurrences": 0,
+                "kernels": [],
+            },
+        )
+        entry["total_us"] += float(row["total_duration_us"])
+        entry["occurrences"] += int(row.get("occurrences") or 0)
+        if row.get("kernel_name") and row["kernel_name"] not in entry["kernels"]:
+            entry["kernels"].append(row["kernel_name"])
+    ranked = sorted(by_op.values(), key=lambda e: (-e["total_us"], e["op_name"]))
+    return ranked[:top_ops]
+
+
+def _kernel_stats_rows(paths: list[str]) -> list[dict]:
+    try:
+        from xprof.convert import raw_to_tool_data
+    except ImportError as e:
+        raise KernelStatsError(
+            f"xprof is not installed ({e}): pip install tensorboard-plugin-profile"
+        ) from e
+    try:
+        data, _ = raw_to_tool_data.xspace_to_tool_data(paths, "kernel_stats", {})
+    except Exception as e:  # the converter raises anything
+        raise KernelStatsError(f"XProf could not convert {paths}: {e}") from e
+    if not data:
+        raise KernelStatsError(f"XProf returned no kernel_stats for {paths}")
+    table = json.loads(data)
+    columns = [c["id"] for c in table.get("cols", [])]
+    required = {
+        "total_duration_us",
+        "is_op_tensor_core_eligible",
+        "is_kernel_using_tensor_core",
+    }
+    if table.get("rows") and not required <= set(columns):
+        raise KernelStatsError(
+            f"XProf's kernel_stats lacks columns {sorted(required - set(columns))}: "
+            "this xprof version is not supported"
+        )
+    return [
+        {
+            column: cell.get("v") if cell else None
+            for column, cell in zip(columns, row["c"], strict=False)
+        }
+        for row in table.get("rows", [])
+    ]
