@@ -91,3 +91,27 @@ class ScaleProbe(keras.callbacks.Callback):
         optimizer = self.model.optimizer
         self.scales.append(float(np.asarray(optimizer.dynamic_scale.value)))
         self.iterations.append(int(np.asarray(optimizer.iterations.value)))
+
+
+def fit_beside_a_twin(log_dir, make, x, y, **profiler):
+    """`make()` fitted without the profiler (the truth, read after every
+    batch), then a second `make()` under it on the same batches.
+
+    Returns:
+        (the truth: {"overflows": steps that skipped, "scale": the twin's
+        final scale, "weights": its weights}, the profiled model, its run).
+    """
+    probe = ScaleProbe()
+    twin = make()
+    twin.fit(x, y, batch_size=8, verbose=0, shuffle=False, callbacks=[probe])
+    skipped = np.flatnonzero(np.diff(np.concatenate([[0], probe.iterations])) == 0)
+    profiled = make()
+    run = fit(log_dir, profiled, x, y, **profiler)
+    truth = {"overflows": skipped.tolist(), "scale": probe.scales[-1],
+             "weights": [np.asarray(w.value) for w in twin.weights]}
+    return truth, profiled, run
+
+
+def same_weights(weights, model) -> bool:
+    return all(np.array_equal(a, np.asarray(b.value))
+               for a, b in zip(weights, model.weights, strict=True))

@@ -19,7 +19,7 @@ MODEL_PARALLEL = textwrap.dedent("""
     import json, os, sys
     os.environ["KERAS_BACKEND"] = "jax"
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    import jax, keras, numpy as np
+    import jax, keras
     sys.path.insert(0, sys.argv[2])
     import jax_runs
 
@@ -31,21 +31,16 @@ MODEL_PARALLEL = textwrap.dedent("""
     keras.distribution.set_distribution(
         keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
     x, y = jax_runs.ones(128, 1000.0)
-    probe = jax_runs.ScaleProbe()
-    twin = jax_runs.overflow_model()
-    twin.fit(x, y, batch_size=8, verbose=0, shuffle=False, callbacks=[probe])
-    truth = np.flatnonzero(np.diff(np.concatenate([[0], probe.iterations])) == 0)
-    profiled = jax_runs.overflow_model()
-    run = jax_runs.fit(sys.argv[1], profiled, x, y, numerics_every=4)
+    truth, profiled, run = jax_runs.fit_beside_a_twin(
+        sys.argv[1], jax_runs.overflow_model, x, y, numerics_every=4)
     kernel = profiled.get_layer("dense").kernel
     print(json.dumps({
         "kernel_spec": [str(axis) for axis in kernel.value.sharding.spec],
         "kernel_shards": len(kernel.value.addressable_shards),
         "dense_paths": [v.path for v in profiled.get_layer("dense").weights],
-        "truth": truth.tolist(), "recorded": run.loss_scale.overflow_steps.tolist(),
-        "scales": [probe.scales[-1], run.loss_scale.final_scale],
-        "same_weights": all(np.array_equal(np.asarray(a.value), np.asarray(b.value))
-                            for a, b in zip(twin.weights, profiled.weights, strict=True)),
+        "truth": truth["overflows"], "recorded": run.loss_scale.overflow_steps.tolist(),
+        "scales": [truth["scale"], run.loss_scale.final_scale],
+        "same_weights": jax_runs.same_weights(truth["weights"], profiled),
         "samples": run.numerics.steps.tolist(), "measured": run.numerics.layers,
         "context": {key: run.context.get(key) for key in
                     ("distribution_strategy", "num_replicas", "distribution")},
