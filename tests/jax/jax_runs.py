@@ -3,6 +3,11 @@ finding; the same recipes as tests/diagnosis_runs.py, which needs TensorFlow."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import keras
 import numpy as np
 
@@ -115,3 +120,15 @@ def fit_beside_a_twin(log_dir, make, x, y, **profiler):
 def same_weights(weights, model) -> bool:
     return all(np.array_equal(a, np.asarray(b.value))
                for a, b in zip(weights, model.weights, strict=True))
+
+
+def run_script(script: str, log_dir) -> dict:
+    """Runs `script` (Python source) in a fresh interpreter with the log dir
+    and this folder as its arguments (a JAX that starts with other XLA_FLAGS);
+    returns the JSON object its last line prints."""
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(log_dir), os.path.dirname(__file__)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.splitlines()[-1])

@@ -403,12 +403,7 @@ DATA_PARALLEL = textwrap.dedent("""
 
 
 def test_data_parallel_over_two_cpu_devices(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-c", DATA_PARALLEL, str(tmp_path), str(pathlib.Path(__file__).parent)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    found = json.loads(result.stdout.splitlines()[-1])
+    found = jax_runs.run_script(DATA_PARALLEL, tmp_path)
     assert found["devices"] == 2 and found["replicas"] == 2
     assert len(found["truth"]) > 5 and found["recorded"] == found["truth"]
     assert found["scales"][0] == found["scales"][1]

@@ -7,10 +7,6 @@ distribution, its mesh, what it shards and what is not measured per device.
 Runs in a subprocess: XLA_FLAGS must make two host devices before JAX starts.
 """
 
-import json
-import pathlib
-import subprocess
-import sys
 import textwrap
 
 import jax_runs
@@ -50,12 +46,7 @@ MODEL_PARALLEL = textwrap.dedent("""
 
 
 def test_model_parallel_fit_records_exactly_and_says_what_was_not_measured(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-c", MODEL_PARALLEL, str(tmp_path), str(pathlib.Path(__file__).parent)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    found = json.loads(result.stdout.splitlines()[-1])
+    found = jax_runs.run_script(MODEL_PARALLEL, tmp_path)
     # The layout took: the kernel lives in two shards, split on its units.
     assert found["kernel_spec"] == ["None", "model"] and found["kernel_shards"] == 2
     assert len(found["truth"]) > 5 and found["recorded"] == found["truth"]
