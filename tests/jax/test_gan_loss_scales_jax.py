@@ -7,10 +7,11 @@ followed, a non-finite loss on a skipped step excused as on TensorFlow."""
 
 from __future__ import annotations
 
+import jax
 import jax_runs
 import keras
 import numpy as np
-from custom_step_models import Gan, gan_data
+from custom_step_models import CustomStepRegressor, Gan, _stateless_metrics, gan_data
 
 from mpprof import diagnosis
 from mpprof.records import schema
@@ -182,3 +183,44 @@ def test_gan_nonfinite_loss_on_a_step_only_the_generator_skipped_is_excused(tmp_
     assert run.health["first_nonfinite_loss_step"] == 5
     assert run.health["nonfinite_loss_steps"] == 1
     assert not _found(run, "MP012")
+
+
+class NestedApplyRegressor(CustomStepRegressor):
+    """Applies its optimizer inside a `lax.cond` (only when the loss is
+    finite): the update lives in the cond's own trace."""
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y = data
+        (_, (loss, non_trainable)), grads = jax.value_and_grad(self._loss, has_aux=True)(
+            trainable, non_trainable, x, y, optimizer_variables)
+        trainable, optimizer_variables = jax.lax.cond(
+            keras.ops.isfinite(loss),
+            lambda: tuple(self.optimizer.stateless_apply(optimizer_variables, grads, trainable)),
+            lambda: (list(trainable), list(optimizer_variables)))
+        logs, metrics_variables = _stateless_metrics(self, metrics_variables, {"loss": loss})
+        return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+
+def test_an_update_inside_a_cond_is_said_not_followed(tmp_path):
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = NestedApplyRegressor()
+    model.compile(optimizer="adam")
+    rng = np.random.default_rng(0)
+    x, y = rng.random((16, 8), dtype=np.float32), rng.random((16, 1), dtype=np.float32)
+    run = jax_runs.fit(tmp_path, model, x, y, batch_size=BATCH)
+    loss_scale = run.context["collectors"]["loss_scale"]
+    assert loss_scale["state"] == "absent" and "nested transformation" in loss_scale["reason"]
+    assert run.loss_scale is None and not run.loss_scales
+    # Its skips unseen, a non-finite loss could not be told from one: not judged.
+    assert not run.health["loss_watched"]
+    assert "optimizer" in run.context["collectors"]["loss_health"]["reason"]
+    assert run.health["checked_step"] == len(x) // BATCH  # the host's count of steps
+    # A look-alike applying at the step's top level is followed.
+    keras.utils.set_random_seed(0)
+    plain = CustomStepRegressor()
+    plain.compile(optimizer="adam")
+    run = jax_runs.fit(tmp_path / "plain", plain, x, y, batch_size=BATCH)
+    assert run.context["collectors"]["loss_scale"]["state"] == "ok"
+    assert run.health["loss_watched"] and run.loss_scale.steps_run == len(x) // BATCH
