@@ -18,7 +18,6 @@ import numpy as np
 import tensorflow as tf
 
 from mpprof.backends.float8_shares import (
-    COLUMN,
     COUNTS,
     TENSOR,
     Float8SharesCollector,
