@@ -71,21 +71,27 @@ def quantization_counts(values: jax.Array, scale: jax.Array, fmt: str) -> jax.Ar
     ])
 
 
-@jax.custom_vjp
-def _tap(x, probe, scale):
-    return x
+def _gradient_counter(traced):
+    """An identity with a custom VJP, `tap(x, probe, scale)`, whose backward
+    rule passes the gradient on unchanged and returns, as the probe's
+    cotangent, the gradient's counts against `scale` (zeros, and the
+    failure reported through `traced`, if counting fails)."""
 
+    @jax.custom_vjp
+    def tap(x, probe, scale):
+        return x
 
-def _tap_fwd(x, probe, scale):
-    return x, scale
+    def tap_fwd(x, probe, scale):
+        return x, scale
 
+    def tap_bwd(scale, gradient):
+        counts = traced(lambda: quantization_counts(gradient, scale, _GRADIENT_FORMAT))
+        if counts is None:
+            counts = jnp.zeros((_COLUMNS,), jnp.float32)
+        return gradient, counts, jnp.zeros_like(scale)
 
-def _tap_bwd(scale, gradient):
-    # The gradient flows on unchanged; the probe's "gradient" is its counts.
-    return gradient, quantization_counts(gradient, scale, _GRADIENT_FORMAT), jnp.zeros_like(scale)
-
-
-_tap.defvjp(_tap_fwd, _tap_bwd)
+    tap.defvjp(tap_fwd, tap_bwd)
+    return tap
 
 
 def _in_step_trace(value, marker) -> bool:
@@ -131,6 +137,7 @@ class Float8Shares(Float8SharesCollector):
         self._trace: _Trace | None = None
         self._outputs = None
         self._first_calls_only: set[int] = set()
+        self._tap = _gradient_counter(self.traced)
 
     def install(self, fit, patches: Patches) -> None:
         if not self._layers or not self._sampling or self._custom_step:
@@ -209,7 +216,7 @@ class Float8Shares(Float8SharesCollector):
         from keras import ops
 
         scale = jax.lax.stop_gradient(ops.convert_to_tensor(layer.outputs_grad_scale))
-        return _tap(tensor, self._trace.probes[row][self._call(row)], scale)
+        return self._tap(tensor, self._trace.probes[row][self._call(row)], scale)
 
     # After each sampled call.
 
