@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import sys
 
+# The flavours, as `Backend.flavor` and the run context name them.
+KERAS_3 = "keras"
+TF_KERAS = "tf_keras"
+
 
 def is_tf_keras(model) -> bool:
     """Whether `model` is a tf-keras (Keras 2) model. tf-keras is looked up,

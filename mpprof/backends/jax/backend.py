@@ -27,7 +27,6 @@ What differs from TensorFlow (`mpprof.backends.tensorflow.backend`):
 
 from __future__ import annotations
 
-from mpprof.backends import base
 from mpprof.backends.jax import (
     call_alarm,
     context,
@@ -47,6 +46,7 @@ from mpprof.backends.jax.precision_tracer import PrecisionTracer
 from mpprof.backends.jax.run_health import LossWatch, RunHealth
 from mpprof.backends.jax.step_state import StepState
 from mpprof.backends.jax.train_functions import TrainFunctions
+from mpprof.backends.keras3 import Keras3Backend
 
 
 class SingleProcess:
@@ -57,12 +57,11 @@ class SingleProcess:
     extended = None
 
 
-class JaxBackend(base.Backend):
+class JaxBackend(Keras3Backend):
     """What mpprof needs from Keras 3 on JAX. One instance per fit: it holds
     the fit's `StepState`."""
 
     name = "jax"
-    flavor = "keras"
     loss_scale_series = LossScaleSeries
     loss_watch = LossWatch
     LossScales = LossScales
@@ -132,27 +131,10 @@ class JaxBackend(base.Backend):
         """fit calls `train_function(state, iterator)` and gets `(logs, state)`."""
         return result[0] if isinstance(result, tuple) else result
 
-    def is_optimizer(self, value) -> bool:
-        import keras
-
-        return isinstance(value, keras.optimizers.Optimizer)
-
     def is_loss_scale_optimizer(self, optimizer) -> bool:
         import keras
 
         return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-
-    @property
-    def callback_list_class(self) -> type:
-        import keras
-
-        return keras.callbacks.CallbackList
-
-    @property
-    def tensorboard_class(self) -> type:
-        import keras
-
-        return keras.callbacks.TensorBoard
 
     def steps_per_execution(self, model) -> int:
         return int(getattr(model, "steps_per_execution", 1) or 1)

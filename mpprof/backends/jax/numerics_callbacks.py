@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpprof.backends.jax.numerics_taps import MAX_CALLS, SAMPLE_KEY, NumericsTaps
+from mpprof.backends.jax.numerics_taps import SAMPLE_KEY, NumericsTaps, float_output
 from mpprof.backends.jax.tensor_statistics import (
     RAW_COLUMNS,
     SUMMARY_COLUMNS,
@@ -89,17 +89,11 @@ class CallbackTaps(NumericsTaps):
         row = self._rows.get(id(layer))
         if not self._tracing or row is None or row not in self._measured_rows:
             return outputs
-        flat, tree = jax.tree_util.tree_flatten(outputs)
-        position = next((i for i, t in enumerate(flat) if isinstance(t, jax.Array)
-                         and jnp.issubdtype(t.dtype, jnp.floating)), None)
-        if position is None:
+        found = float_output(outputs)
+        call = None if found is None else self._count_call(self._calls, row)
+        if call is None:
             return outputs
-        call = self._calls.get(row, 0)
-        self._calls[row] = call + 1
-        if call >= MAX_CALLS:
-            self._skipped.setdefault(row, f"called more than {MAX_CALLS} times in a step: "
-                                          f"its first {MAX_CALLS} calls are measured")
-            return outputs
+        flat, tree, position = found
         if row not in self._call_order:
             self._call_order.append(row)
         output = flat[position]

@@ -81,6 +81,15 @@ def _tap_bwd(_, gradient):
 _tap.defvjp(_tap_fwd, _tap_bwd)
 
 
+def float_output(outputs) -> tuple[list, object, int] | None:
+    """A layer's outputs flat, their tree, and where the first float array
+    is (the one measured), or None without one."""
+    flat, tree = jax.tree_util.tree_flatten(outputs)
+    position = next((i for i, t in enumerate(flat) if isinstance(t, jax.Array)
+                     and jnp.issubdtype(t.dtype, jnp.floating)), None)
+    return None if position is None else (flat, tree, position)
+
+
 class _Trace:
     """What one trace of the instrumented step gathers."""
 
@@ -152,11 +161,10 @@ class NumericsTaps:
         row = self._rows.get(id(layer))
         if trace is None or row is None or row not in self._measured_rows:
             return outputs
-        flat, tree = jax.tree_util.tree_flatten(outputs)
-        position = next((i for i, t in enumerate(flat) if isinstance(t, jax.Array)
-                         and jnp.issubdtype(t.dtype, jnp.floating)), None)
-        if position is None:
+        found = float_output(outputs)
+        if found is None:
             return outputs
+        flat, tree, position = found
         output = flat[position]
         if getattr(output, "_trace", None) is not getattr(trace.marker, "_trace", None):
             # Its values belong to an inner trace (lax.scan, cond, while):
@@ -164,17 +172,25 @@ class NumericsTaps:
             self._skipped.setdefault(row, "called inside JAX control flow (lax.scan, "
                                           "cond or while_loop), whose values cannot leave it")
             return outputs
-        call = trace.calls.get(row, 0)
-        trace.calls[row] = call + 1
-        if call >= MAX_CALLS:
-            self._skipped.setdefault(row, f"called more than {MAX_CALLS} times in a step: "
-                                          f"its first {MAX_CALLS} calls are measured")
+        call = self._count_call(trace.calls, row)
+        if call is None:
             return outputs
         trace.forward.setdefault(row, []).append(raw_statistics(jax.lax.stop_gradient(output)))
         if row not in self._call_order:
             self._call_order.append(row)
         flat[position] = _tap(output, trace.probes[row][call])
         return jax.tree_util.tree_unflatten(tree, flat)
+
+    def _count_call(self, calls: dict[int, int], row: int) -> int | None:
+        """This call's index among the layer's calls in the step (counted in
+        `calls`), or None past `MAX_CALLS` (then noted as skipped)."""
+        call = calls.get(row, 0)
+        calls[row] = call + 1
+        if call >= MAX_CALLS:
+            self._skipped.setdefault(row, f"called more than {MAX_CALLS} times in a step: "
+                                          f"its first {MAX_CALLS} calls are measured")
+            return None
+        return call
 
     def instrumented_train_step(self, state, data):
         """Keras' JAX `train_step` (keras/src/backend/jax/trainer.py) with

@@ -8,7 +8,7 @@ tf-keras backend builds on this one.
 
 from __future__ import annotations
 
-from mpprof.backends import base
+from mpprof.backends.keras3 import Keras3Backend
 from mpprof.backends.tensorflow import call_alarm, context, hardware, kernels, replay_capture
 from mpprof.backends.tensorflow.float8 import Float8State
 from mpprof.backends.tensorflow.float8_shares import Float8Shares
@@ -23,11 +23,10 @@ from mpprof.backends.tensorflow.train_functions import TrainFunctions
 from mpprof.backends.tf_keras import support as tf_keras_support
 
 
-class TensorFlowBackend(base.Backend):
+class TensorFlowBackend(Keras3Backend):
     """What mpprof needs from Keras 3 on TensorFlow."""
 
     name = "tensorflow"
-    flavor = tf_keras_support.KERAS_3
     loss_scale_series = LossScaleSeries
     loss_watch = LossWatch
     numerics_taps = NumericsTaps
@@ -56,25 +55,8 @@ class TensorFlowBackend(base.Backend):
     fits_across_workers = False
     traced_train_function_attribute: str | None = None
 
-    def is_optimizer(self, value) -> bool:
-        import keras
-
-        return isinstance(value, keras.optimizers.Optimizer)
-
     def is_loss_scale_optimizer(self, optimizer) -> bool:
         return is_loss_scale_optimizer(optimizer)
-
-    @property
-    def callback_list_class(self) -> type:
-        import keras
-
-        return keras.callbacks.CallbackList
-
-    @property
-    def tensorboard_class(self) -> type:
-        import keras
-
-        return keras.callbacks.TensorBoard
 
     def steps_per_execution(self, model) -> int:
         return tf_keras_support.steps_per_execution(model)

@@ -21,10 +21,7 @@ import sys
 
 import tensorflow as tf
 
-from mpprof.backends.flavor import is_tf_keras
-
-KERAS_3 = "keras"
-TF_KERAS = "tf_keras"
+from mpprof.backends.flavor import KERAS_3, TF_KERAS, is_tf_keras
 
 
 def tf_keras_module():

@@ -1,0 +1,62 @@
+"""The same runs on TensorFlow and on JAX give the same records and findings.
+
+`tests/parity_runs.py` trains each Keras 3 scenario (a healthy run, a loss
+scale that collapses, an overflow storm and its growth-probe look-alike, a
+float16 head, no loss scaling, a non-finite loss, a forward overflow and its
+float32-island look-alike, a gradient underflow and its scaled look-alike)
+in one process per backend; here each scenario's summary (findings with
+their layer and step, every rule's status, the loss-scale events, the loss
+health, the per-layer numerics the findings rest on) must be equal across
+the two, and the findings those the scenario was built to show.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(__file__)
+
+EXPECTED = {
+    "healthy": {"MP011"},
+    "collapse": {"MP001", "MP002", "MP011"},
+    "storm": {"MP002", "MP011"},
+    "growth_probes": {"MP011"},
+    "float16_head": {"MP006", "MP011"},
+    "no_loss_scaling": {"MP008", "MP011"},
+    "nan_loss": {"MP012"},
+    "forward_overflow": {"MP003", "MP011"},
+    "float32_island": {"MP004", "MP011"},
+    "gradient_underflow": {"MP005", "MP011"},
+    "gradient_scaled": {"MP011"},
+}
+
+
+@pytest.fixture(scope="module")
+def summaries(tmp_path_factory):
+    """Both backends' summaries, their processes run side by side."""
+    processes = {}
+    for backend in ("tensorflow", "jax"):
+        out = tmp_path_factory.mktemp(backend)
+        env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        processes[backend] = (out, subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "parity_runs.py"), str(out)], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    found = {}
+    for backend, (out, process) in processes.items():
+        output, _ = process.communicate(timeout=600)
+        assert process.returncode == 0, output[-3000:]
+        with open(out / "summaries.json") as f:
+            found[backend] = json.load(f)
+        assert found[backend].pop("backend") == backend
+    return found
+
+
+@pytest.mark.parametrize("scenario", sorted(EXPECTED))
+def test_both_backends_record_and_find_the_same(summaries, scenario):
+    tensorflow, jax = summaries["tensorflow"][scenario], summaries["jax"][scenario]
+    assert {code for code, _, _ in tensorflow["findings"]} == EXPECTED[scenario]
+    for key in sorted(set(tensorflow) | set(jax)):
+        assert tensorflow.get(key) == jax.get(key), (scenario, key)
