@@ -10,6 +10,8 @@ batch at a time."""
 
 import json
 
+import jax
+import jax.numpy as jnp
 import jax_runs
 import keras
 import numpy as np
@@ -54,25 +56,41 @@ def _keras_counts(values: np.ndarray, scale: float, fmt: str) -> np.ndarray:
 class _Twin:
     """The model trained unprofiled, one `train_on_batch` a step; before
     each step, the FLOAT8_SHARE_COLUMNS Keras' quantizer gives each float8
-    tensor: the batch and kernel as they are, and the head's output gradient
-    (mse of a linear float32 head: 2 (prediction - target) / batch) with the
-    scales the step quantizes with."""
+    tensor with the scales the step quantizes with: the batch and the
+    normalised activations each layer receives, the kernels, and the
+    gradients flowing into each layer's activation, by `jax.grad` of the
+    mse through Keras' own float8 layers (the head's backward quantizes the
+    gradient it passes on)."""
 
     def __init__(self, x, y, **model):
         self.model = _model(**model)
         self.expected = []
         for i in range(STEPS):
             xb, yb = x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]
-            hidden, head = (self.model.get_layer(name) for name in LAYERS)
-            rows = np.zeros((len(LAYERS), len(schema.FLOAT8_TENSORS),
-                             len(schema.FLOAT8_SHARE_COLUMNS)))
-            rows[0, 0] = _keras_counts(xb, hidden.inputs_scale.value, E4M3)
-            for row, layer in enumerate((hidden, head)):
-                rows[row, 1] = _keras_counts(layer._kernel.value, layer.kernel_scale.value, E4M3)
-            gradient = 2 * (np.asarray(self.model(xb, training=False)) - yb) / BATCH
-            rows[1, 2] = _keras_counts(gradient, head.outputs_grad_scale.value, E5M2)
-            self.expected.append(rows)
+            self.expected.append(self._rows(xb, yb))
             self.model.train_on_batch(xb, yb)
+
+    def _rows(self, xb, yb) -> np.ndarray:
+        hidden, norm, head = (self.model.get_layer(name) for name in ("hidden", "norm", "head"))
+        relu = hidden.activation
+        hidden.activation = keras.activations.linear  # its pre-activation output
+        try:
+            z = jnp.asarray(hidden(xb))
+        finally:
+            hidden.activation = relu
+
+        normalised = norm(relu(z))
+        # The head's output gradient: that of a linear float32 head's mse.
+        head_gradient = 2 * (np.asarray(head(normalised)) - yb) / BATCH
+        hidden_gradient = jax.grad(lambda z: jnp.mean(jnp.square(head(norm(relu(z))) - yb)))(z)
+        rows = np.zeros((len(LAYERS), len(schema.FLOAT8_TENSORS),
+                         len(schema.FLOAT8_SHARE_COLUMNS)))
+        for row, (layer, inputs, gradient) in enumerate(
+                ((hidden, xb, hidden_gradient), (head, normalised, head_gradient))):
+            rows[row, 0] = _keras_counts(inputs, layer.inputs_scale.value, E4M3)
+            rows[row, 1] = _keras_counts(layer._kernel.value, layer.kernel_scale.value, E4M3)
+            rows[row, 2] = _keras_counts(gradient, layer.outputs_grad_scale.value, E5M2)
+        return rows
 
 
 def _fit(log_dir, x, y, numerics_every=1, **model):
@@ -94,10 +112,10 @@ def _shares_record(run) -> np.ndarray:
     return np.stack([np.asarray(r.value) for r in records])
 
 
-@pytest.mark.parametrize("growth", [4.0, 0.5])
+@pytest.mark.parametrize("growth", [4.0, 1.0])
 def test_sampled_shares_are_keras_quantizer_on_the_steps_values_and_scales(tmp_path, growth):
     """Growth 4: the hidden layer's inputs outgrow their delayed scale and
-    saturate; growth 0.5 (the healthy look-alike): they shrink within it."""
+    saturate; growth 1 (the healthy look-alike): they stay within it."""
     x, y = float8_data(growth)
     profiled, run = _fit(tmp_path, x, y)
     twin = _Twin(x, y)
@@ -116,23 +134,26 @@ def test_sampled_shares_are_keras_quantizer_on_the_steps_values_and_scales(tmp_p
     exact = [column.count, column.nonzero, column.saturated, column.underflowed, column.scale]
     for sample, step in enumerate(float8.sample_steps):
         expected = twin.expected[int(step)]
-        for layer, tensor in ((0, 0), (0, 1), (1, 1), (1, 2)):
+        for layer, tensor in np.ndindex(expected.shape[:2]):
             got, want = rows[sample, layer, tensor], expected[layer, tensor]
             where = f"step {step}, {LAYERS[layer]} {schema.FLOAT8_TENSORS[tensor]}"
             np.testing.assert_array_equal(got[exact], want[exact], err_msg=where)
             np.testing.assert_allclose(got[column.abs_max], want[column.abs_max], rtol=1e-5,
                                        err_msg=where)
-    # The hidden layer's output gradient: every value of its 16 units, its
-    # scale the step's (the flush at step 4 read the scale Keras held then).
-    assert np.all(rows[:, 0, 2, column.count] == BATCH * 16)
-    np.testing.assert_array_equal(rows[3, 0, 2, column.scale],
-                                  float8.state["scale"][list(float8.steps).index(4), 0, 2])
-    saturated = float8.shares["saturated"][1:, 0, 0]  # after warm-up
+    # The scales are those the float8 state recorded (the flush at step 4
+    # read the scales Keras held then).
+    np.testing.assert_array_equal(rows[3, :, :, column.scale],
+                                  float8.state["scale"][list(float8.steps).index(4)])
+    # After warm-up, the hidden layer's inputs:
+    saturated = float8.shares["saturated"][1:, 0, 0]
+    peaks = float8.shares["peak_over_max"][1:]
     if growth == 4.0:
-        assert np.all(saturated > 0.5)  # most of the hidden layer's inputs clip
+        assert np.all(saturated > 0.5)  # most of them clip
+        assert np.all(peaks[:, 0, 0] > diagnosis.SATURATION_FACTOR)
     else:
-        assert np.all(float8.shares["saturated"] == 0)
-        assert np.all(float8.shares["underflowed"][:, :, :2] == 0)
+        # Delayed scaling clips a few values a little: no finding's peak.
+        assert np.nanmax(peaks) < diagnosis.SATURATION_FACTOR
+        assert np.all(float8.shares["underflowed"][1:] == 0)
 
 
 def test_mp015_and_mp016_are_judged_from_the_shares_and_their_look_alikes_are_quiet(
