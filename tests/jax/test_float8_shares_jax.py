@@ -20,6 +20,7 @@ from custom_step_models import CustomStepRegressor
 from float8_runs import BATCH, STEPS, float8_data, float8_model
 
 from mpprof import cli, diagnosis
+from mpprof.backends.float8_replay import float8_layers
 from mpprof.backends.jax import float8_shares
 from mpprof.dtypes import FLOAT8_RANGES
 from mpprof.records import schema
@@ -222,3 +223,34 @@ def test_a_custom_train_step_says_its_shares_are_not_measured(tmp_path):
     shares = collectors["float8_shares"]
     assert shares["state"] == "unavailable" and "own train_step" in shares["reason"]
     assert schema.FLOAT8_SHARES not in run.records
+
+
+def test_the_plain_step_is_the_layers_own_and_only_a_sampled_trace_measures():
+    """The defaults stay cheap: with every float8 layer's `quantized_call`
+    wrapped, Keras' train step traces to the same jaxpr as unwrapped; only
+    while the instrumented step's trace is on does it count."""
+    model = _model()
+    model.optimizer.build(model.trainable_variables)
+    x, y = float8_data()
+    state = tuple([v.value for v in variables] for variables in (
+        model.trainable_variables, model.non_trainable_variables,
+        model.optimizer.variables, model.metrics_variables))
+    shares = float8_shares.Float8Shares(model, True, backend=None)
+
+    def traced(on: bool) -> str:
+        def step(probes, state, data):
+            if on:
+                shares.start(probes)
+            try:
+                return model.train_step(state, data), shares.forward() if on else None
+            finally:
+                shares.stop()
+
+        return str(jax.make_jaxpr(step)(shares.probes(), state, (x[:BATCH], y[:BATCH])))
+
+    unwrapped = traced(on=False)
+    for row, layer in enumerate(float8_layers(model)):
+        layer.quantized_call = shares.wrap(layer, row, layer.quantized_call)
+    assert traced(on=False) == unwrapped
+    # On: the counts' sums are in the step.
+    assert traced(on=True).count("reduce_sum") > unwrapped.count("reduce_sum")
