@@ -43,17 +43,9 @@ _CUSTOM_STEP = ("a model with its own train_step is sampled with host callbacks 
 
 
 def quantization_counts(values: jax.Array, scale: jax.Array, fmt: str) -> jax.Array:
-    """`schema.FLOAT8_SHARE_COLUMNS` of one tensor quantized as Keras does
-    (`mpprof.backends.float8_shares`), in one pass that XLA fuses.
-
-    Args:
-        values: the tensor Keras quantizes, in the layer's compute dtype.
-        scale: the scale it quantizes with (Keras: `x / scale`).
-        fmt: the float8 format, a key of `mpprof.dtypes.FLOAT8_RANGES`.
-
-    Returns:
-        float32 [len(FLOAT8_SHARE_COLUMNS)].
-    """
+    """`schema.FLOAT8_SHARE_COLUMNS` (float32) of `values` quantized as Keras
+    does with `scale` to `fmt` (`mpprof.backends.float8_shares`), in one pass
+    that XLA fuses: TensorFlow's `quantization_counts`, in JAX."""
     x = jnp.ravel(values)
     fmax, half_smallest = quantization_limits(fmt)
     quotient = jnp.abs(x / jnp.asarray(scale, x.dtype))
