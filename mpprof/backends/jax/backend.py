@@ -5,8 +5,9 @@ What differs from TensorFlow (`mpprof.backends.tensorflow.backend`):
 - the train function is `train_function(state, iterator) -> (logs, state)`
   with the state donated; the profiled one is mpprof's own jit of Keras'
   `train_step` with a small state of mpprof's beside it
-  (`step_state.StepState`), which records overflows, growths and the loss
-  check inside the step, read only at flush points;
+  (`step_state.StepState`), which records each optimizer's overflows and
+  growths (seen through its `stateless_apply`) and the loss check inside the
+  step, read only at flush points;
 - the optimizer updates through `stateless_apply`; the model's variables hold
   the state only at epoch ends (Keras writes it back then), so nothing reads
   them during an epoch;
@@ -114,14 +115,14 @@ class JaxBackend(Keras3Backend):
 
     def _alarm_start(self) -> int | None:
         state = self.step_state
-        return None if state is None else state.start_skipped + state.start_nonfinite
+        return None if state is None else (sum(state.start_skipped.values())
+                                           + state.start_nonfinite)
 
-    def make_step_state(self, capacity: int) -> StepState:
-        """The fit's step state (made once, by the loss-scale collectors)."""
+    def make_step_state(self, capacity: int, usage) -> StepState:
+        """The fit's step state (made once, by the loss-scale collectors),
+        following each of `usage`'s optimizers."""
         if self.step_state is None:
-            model = self._model
-            self.step_state = StepState(
-                model, capacity, self.is_loss_scale_optimizer(model.optimizer))
+            self.step_state = StepState(usage, capacity, self.is_loss_scale_optimizer)
         return self.step_state
 
     def distribute_strategy(self, model):

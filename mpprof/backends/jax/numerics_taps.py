@@ -95,10 +95,25 @@ class _Trace:
 
     def __init__(self, probes: list[list]):
         self.probes = probes
-        # A value of the step's own trace (the probes are differentiated).
-        self.marker = next((p[0] for p in probes if p), None)
         self.forward: dict[int, list] = {}
         self.calls: dict[int, int] = {}
+        # The probes' trace (they are differentiated) and those it runs
+        # inside (the jitted step's).
+        self._outer = []
+        marker = next((p[0] for p in probes if p), None)
+        outer = getattr(marker, "_trace", None)
+        while outer is not None:
+            self._outer.append(outer)
+            outer = getattr(outer, "parent_trace", None)
+
+    def can_leave(self, value) -> bool:
+        """Whether `value` may leave the step: a constant, or a value of the
+        probes' trace or of one around it (a layer whose output does not
+        depend on the weights, as a Rescaling of the input, gives the jitted
+        step's own tracer). One of an inner trace (lax.scan, cond, while)
+        cannot."""
+        trace = getattr(value, "_trace", None)
+        return trace is None or any(trace is outer for outer in self._outer)
 
 
 class NumericsTaps:
@@ -166,9 +181,7 @@ class NumericsTaps:
             return outputs
         flat, tree, position = found
         output = flat[position]
-        if getattr(output, "_trace", None) is not getattr(trace.marker, "_trace", None):
-            # Its values belong to an inner trace (lax.scan, cond, while):
-            # they cannot leave it.
+        if not trace.can_leave(output):
             self._skipped.setdefault(row, "called inside JAX control flow (lax.scan, "
                                           "cond or while_loop), whose values cannot leave it")
             return outputs
