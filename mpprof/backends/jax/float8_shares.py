@@ -29,7 +29,7 @@ import numpy as np
 
 from mpprof.backends.float8_shares import Float8SharesCollector, merge_rows, quantization_limits
 from mpprof.backends.jax.custom_step import overrides_train_step
-from mpprof.backends.jax.numerics_taps import MAX_CALLS
+from mpprof.backends.jax.numerics_taps import MAX_CALLS, StepTrace
 from mpprof.recording.patching import Patches
 from mpprof.records import schema
 
@@ -86,28 +86,11 @@ def _gradient_counter(traced):
     return tap
 
 
-def _in_step_trace(value, marker) -> bool:
-    """Whether `value` belongs to the trace of `marker` (a differentiated
-    input of the step's loss function) or to one around it (the jit's: the
-    batch), not to one inside it (a `lax.scan` body's)."""
-    found = getattr(value, "_trace", None)
-    trace = getattr(marker, "_trace", None)
-    while trace is not None:
-        if found is trace:
-            return True
-        trace = getattr(trace, "parent_trace", None)
-    return found is None
+class _Trace(StepTrace):
+    """What one trace of the instrumented step gathers: the forward rows by
+    (layer row, call)."""
 
-
-class _Trace:
-    """What one trace of the instrumented step gathers."""
-
-    def __init__(self, probes: list[list]):
-        self.probes = probes
-        # A value of the step's own trace (the probes are differentiated).
-        self.marker = probes[0][0]
-        self.forward: dict[tuple[int, int], jax.Array] = {}
-        self.calls: dict[int, int] = {}
+    forward: dict[tuple[int, int], jax.Array]
 
 
 class Float8Shares(Float8SharesCollector):
@@ -179,7 +162,7 @@ class Float8Shares(Float8SharesCollector):
         trace = self._trace
         if trace is None:
             return False  # the plain step
-        if not _in_step_trace(inputs, trace.marker):
+        if not trace.can_leave(inputs):
             return False  # inside lax.scan, cond or while_loop: values cannot leave it
         call = trace.calls.get(row, 0)
         trace.calls[row] = call + 1

@@ -90,7 +90,7 @@ def float_output(outputs) -> tuple[list, object, int] | None:
     return None if position is None else (flat, tree, position)
 
 
-class _Trace:
+class StepTrace:
     """What one trace of the instrumented step gathers."""
 
     def __init__(self, probes: list[list]):
@@ -165,7 +165,7 @@ class NumericsTaps:
             self._applied_index = next(i for i, v in enumerate(optimizer.variables)
                                        if v is applied_steps(optimizer))
         self._call_order: list[int] = []
-        self._trace: _Trace | None = None
+        self._trace: StepTrace | None = None
         self._sample = None
         backend.numerics = self
 
@@ -218,7 +218,7 @@ class NumericsTaps:
         step_taps = list(self._step_taps)
 
         def loss_function(trainable, probes, tap_probes):
-            self._trace = _Trace(probes)
+            self._trace = StepTrace(probes)
             for tap, its_probes in zip(step_taps, tap_probes, strict=True):
                 tap.start(its_probes)
             try:
