@@ -300,27 +300,28 @@ def test_a_lone_overflow_in_the_first_call_arms_a_forensic_sample(tmp_path):
     assert run.numerics.forensic.all()
 
 
-# --- What the JAX backend does not measure says so.
+# --- The collectors that once said "unavailable" on JAX record.
 
 
-def test_unimplemented_collectors_say_unavailable(tmp_path):
+def test_replay_capture_and_float8_collectors_record(tmp_path):
     x, y = jax_runs.classes()
     run = jax_runs.fit(tmp_path, jax_runs.classifier("mixed_float16"), x, y)
     collectors = run.context["collectors"]
-    # (Replay captures are implemented: a healthy run captures nothing; XProf
-    # windows too: tests/jax/test_kernels_jax.py.)
+    # (A healthy run captures nothing; XProf windows:
+    # tests/jax/test_kernels_jax.py.)
     assert collectors["replay_capture"]["state"] == "ok"
     assert collectors["replay_capture"]["captures"] == []
-    # Float8 scales and amax histories are recorded (tests/jax/test_float8_jax.py);
-    # the shares of values on sampled steps are not.
+    # Float8 scales and amax histories, and the shares on sampled steps (what
+    # they hold: tests/jax/test_float8_jax.py, test_float8_shares_jax.py).
     keras.mixed_precision.set_dtype_policy("float32")
     model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(8)])
     model.quantize("float8")
     model.compile(optimizer="sgd",
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    collectors = jax_runs.fit(tmp_path / "float8", model, x, y).context["collectors"]
+    collectors = jax_runs.fit(tmp_path / "float8", model, x, y,
+                              numerics_every=4).context["collectors"]
     assert collectors["float8"] == {"state": "ok"}
-    assert collectors["float8_shares"]["state"] == "unavailable"
+    assert collectors["float8_shares"] == {"state": "ok", "samples": 1}
 
 
 # --- Without TensorFlow.

@@ -20,8 +20,8 @@ What differs from TensorFlow (`mpprof.backends.tensorflow.backend`):
   (`replay_capture`);
 - float8 scales and amax histories are read at flush points from the Keras
   state the last call returned, not from the variables (`float8`); float8
-  shares on sampled steps are not implemented yet: their collector says
-  "unavailable" (`unavailable`);
+  shares on sampled steps leave the instrumented step as outputs, as the
+  per-layer numerics do (`float8_shares`);
 - the XProf window waits for the device before it starts and stops its
   trace (`kernels`).
 """
@@ -32,10 +32,10 @@ from mpprof.backends.jax import (
     call_alarm,
     context,
     float8,
+    float8_shares,
     hardware,
     kernels,
     replay_capture,
-    unavailable,
 )
 from mpprof.backends.jax.custom_step import overrides_train_step
 from mpprof.backends.jax.layer_calls import LayerCallPatch
@@ -67,7 +67,6 @@ class JaxBackend(Keras3Backend):
     loss_watch = LossWatch
     LossScales = LossScales
     RunHealth = RunHealth
-    Float8Shares = unavailable.Float8Shares
     ReplayCapture = replay_capture.ReplayCapture
     TrainFunctions = TrainFunctions
     PrecisionTracer = PrecisionTracer
@@ -88,6 +87,9 @@ class JaxBackend(Keras3Backend):
         self.numerics: NumericsTaps | None = None
         # The replay capture, while one is on (it registers itself).
         self.replay: replay_capture.ReplayCapture | None = None
+        # Collectors that measure in the instrumented step (they register
+        # themselves; `numerics_taps.NumericsTaps` runs them).
+        self.step_taps: list = []
 
     @property
     def numerics_taps(self):
@@ -105,6 +107,11 @@ class JaxBackend(Keras3Backend):
         """The float8 collector (a factory, as `CallAlarm`): it reads the
         Keras state from this fit's step state."""
         return float8.Float8State(model, loss_scales, self)
+
+    def Float8Shares(self, model, sampling: bool) -> float8_shares.Float8Shares:
+        """The float8 shares collector (a factory, as `CallAlarm`): its taps
+        run in this fit's instrumented step."""
+        return float8_shares.Float8Shares(model, sampling, self)
 
     def _alarm_start(self) -> int | None:
         state = self.step_state
