@@ -38,6 +38,7 @@ from bench_overhead import EpochTimer
 
 import mpprof
 from mpprof.backends import float8_replay
+from mpprof.backends import float8_shares as shares_core
 from mpprof.backends.tensorflow import float8 as float8_collector
 from mpprof.backends.tensorflow import float8_shares
 
@@ -59,7 +60,7 @@ _TIMED = (
     (float8_collector.Float8State, "install"),
     (float8_collector.Float8State, "flush"),
     (float8_shares.Float8Shares, "install"),
-    (float8_shares.Float8Shares, "after_call"),
+    (float8_shares.Float8Shares, "after_sample"),
 )
 
 
@@ -104,12 +105,12 @@ def run(config: str, x, y, epochs: int, flush_every_steps: int,
             numerics_every=numerics_every,
         ))
     if config == "mpprof_no_float8":
-        float8_replay.float8_layers = float8_shares.float8_layers = lambda model: []
+        float8_replay.float8_layers = shares_core.float8_layers = lambda model: []
     try:
         with _CollectorClock() as clock:
             model.fit(x, y, batch_size=32, epochs=epochs + 1, verbose=0, callbacks=callbacks)
     finally:
-        float8_replay.float8_layers = float8_shares.float8_layers = find_layers
+        float8_replay.float8_layers = shares_core.float8_layers = find_layers
     return timer.times[1:], clock.seconds
 
 

@@ -78,17 +78,6 @@ def overflow_data(samples: int = 128):
     return np.ones((samples, 8), np.float32), np.full((samples, 1), 1000.0, np.float32)
 
 
-class BatchLogs(keras.callbacks.Callback):
-    """The logs Keras hands every callback after each batch."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen.append(dict(logs))
-
-
 class ScaleProbe(keras.callbacks.Callback):
     """Ground truth of a fit: the optimizer's loss scale and iterations after
     every batch."""

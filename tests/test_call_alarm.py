@@ -4,7 +4,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import BatchLogs, overflow_data, overflow_model
+from batch_logs import BatchLogs
+from conftest import overflow_data, overflow_model
 
 import mpprof
 from mpprof.backends.tensorflow.call_alarm import CallAlarm

@@ -4,7 +4,7 @@ delayed scales (MP017) of Keras' float8 layers (`model.quantize("float8")`).
 Where the numerics schedule sampled steps, MP015/MP016 judge the shares of
 values measured in those steps (FLOAT8_SHARES: how many of a tensor's values
 Keras clipped, how many of its non-zero values quantized to zero, with the
-scale the step used; see `mpprof.backends.tensorflow.float8_shares`). Without samples
+scale the step used; see `mpprof.backends.float8_shares`). Without samples
 they judge the FLOAT8_STATE record: each float8 tensor's scale and amax
 history at each flush, and the steps between flushes replayed with Keras'
 scale rule (see `mpprof.backends.float8_replay`); a step's verdict is then about

@@ -73,7 +73,18 @@ def loss_scale_collapse(view: RunView) -> list:
     unscaled, so no loss scale can help. Names the layer where the gradient
     overflow starts when numerics were recorded (MP019)."""
     view.require_mixed()
-    loss_scale = view.require_loss_scale()
+    series = view.require_loss_scales()
+    return [found for name, loss_scale in series
+            for found in _collapse(view, name, loss_scale, several=len(series) > 1)]
+
+
+def _named(title: str, name: str, several: bool) -> str:
+    """A finding's title, naming its optimizer when the run has several series."""
+    return f"{title} (optimizer {name})" if several else title
+
+
+def _collapse(view: RunView, name: str, loss_scale, *, several: bool) -> list:
+    """MP001 for one optimizer's series."""
     overflows = loss_scale.overflows
     before, after = overflows[:, _EVENT.scale_before], overflows[:, _EVENT.scale_after]
     below = overflows[after < MIN_HEALTHY_LOSS_SCALE]
@@ -100,6 +111,7 @@ def loss_scale_collapse(view: RunView) -> list:
         what = f"{len(at_floor)} overflows with the loss scale at its floor of 1"
     else:
         return []
+    evidence["optimizer"] = name
     origin = gradient_overflow_origin(view)
     if origin is not None:
         evidence["gradient_overflow_starts_at"] = origin["name"]
@@ -117,7 +129,8 @@ def loss_scale_collapse(view: RunView) -> list:
         "has float32's range:\n"
         f"    {view.syntax.set_policy('mixed_bfloat16')}"
     )
-    title = f"Loss scale collapsed: {what}; gradients overflow float16 even unscaled"
+    title = _named(f"Loss scale collapsed: {what}; gradients overflow float16 even unscaled",
+                   name, several)
     return [finding("MP001", title, step=step, evidence=evidence, fix=fix)]
 
 
@@ -129,10 +142,18 @@ def overflow_share(view: RunView) -> list:
     `MIN_EXCESS_OVERFLOWS`. A suggested initial scale is never below 1: when
     the scale descends without settling, the fix defers to MP001/MP003/MP019."""
     view.require_mixed()
-    loss_scale = view.require_loss_scale()
+    series = view.require_loss_scales()
+    if all(ls.steps_run - ls.first_step <= 0 for _, ls in series):
+        raise NotMeasured("no train step was recorded")
+    return [found for name, loss_scale in series
+            for found in _overflow_share(view, name, loss_scale, several=len(series) > 1)]
+
+
+def _overflow_share(view: RunView, name: str, loss_scale, *, several: bool) -> list:
+    """MP002 for one optimizer's series."""
     steps = loss_scale.steps_run - loss_scale.first_step
     if steps <= 0:
-        raise NotMeasured("no train step was recorded")
+        return []
     excess = _excess_overflows(loss_scale)
     probes = loss_scale.skipped_steps - len(excess)
     if len(excess) < MIN_EXCESS_OVERFLOWS or len(excess) / steps < EXCESS_OVERFLOW_SHARE:
@@ -141,6 +162,7 @@ def overflow_share(view: RunView) -> list:
     settled = (float(loss_scale.overflows[descent - 1, _EVENT.scale_after]) if descent
                else loss_scale.final_scale)
     evidence = {
+        "optimizer": name,
         "steps": steps,
         "overflows": loss_scale.skipped_steps,
         "probe_overflows": probes,
@@ -155,7 +177,8 @@ def overflow_share(view: RunView) -> list:
     origin = gradient_overflow_origin(view)
     if origin is not None:
         evidence["gradient_overflow_starts_at"] = origin["name"]
-    growth_steps = view.context.collector("loss_scale").get("dynamic_growth_steps")
+    settings = view.context.collector("loss_scale")
+    growth_steps = (settings.get("series") or {}).get(name, settings).get("dynamic_growth_steps")
     if growth_steps is not None:
         evidence["dynamic_growth_steps"] = growth_steps
     if descent >= len(excess) / 2 and settled >= MIN_HEALTHY_LOSS_SCALE:
@@ -164,8 +187,9 @@ def overflow_share(view: RunView) -> list:
             f"Most skipped steps ({descent}) are the scale halving down from its "
             f"initial value {loss_scale.initial_scale:g} to {settled:g}. Start it "
             "there:\n"
-            "    optimizer = "
-            + view.syntax.loss_scale_optimizer("optimizer", initial_scale=f"2.0**{exponent}")
+            f"    {name} = "
+            + view.syntax.loss_scale_optimizer(_inner(view, name),
+                                               initial_scale=f"2.0**{exponent}")
         )
     elif descent >= len(excess) / 2:
         fix = (
@@ -188,11 +212,19 @@ def overflow_share(view: RunView) -> list:
             f"\nAlso: dynamic_growth_steps={growth_steps} probes a higher scale (and "
             "skips a step when it fails) very often; the default is 2000."
         )
-    title = (
+    title = _named(
         f"{len(excess)} of {steps} steps ({len(excess) / steps:.0%}) skipped by "
-        "float16 overflows, beyond the normal probe after each growth"
-    )
+        "float16 overflows, beyond the normal probe after each growth", name, several)
     return [finding("MP002", title, step=int(excess[0]), evidence=evidence, fix=fix)]
+
+
+def _inner(view: RunView, name: str) -> str:
+    """What a fix wraps for optimizer `name`: the compiled one's variable, or
+    a new optimizer of its inner class."""
+    if name == "optimizer":
+        return "optimizer"
+    inner = next((o.get("inner") for o in view.optimizers if o.get("name") == name), None)
+    return view.syntax.optimizer(inner or "Adam")
 
 
 def _excess_overflows(loss_scale) -> np.ndarray:

@@ -76,7 +76,7 @@ def _nonfinite_loss(view: RunView, health, numerics):
     health record dates it to a call of several steps under
     steps_per_execution)."""
     guarded = view.loss_scale is not None
-    overflow_steps = set(view.loss_scale.overflow_steps.tolist()) if guarded else set()
+    overflow_steps = _guarding_overflow_steps(view) if guarded else set()
     if health and health.get("first_nonfinite_loss_step") is not None:
         step = int(health["first_nonfinite_loss_step"])
         last = health.get("first_nonfinite_loss_step_last")
@@ -114,6 +114,17 @@ def _nonfinite_loss(view: RunView, health, numerics):
                     "gradients_finite": grads is not None,
                 }
     return None
+
+
+def _guarding_overflow_steps(view: RunView) -> set[int]:
+    """The steps skipped by the loss scales that guard the watched loss: the
+    series the health record names (`loss_guarded_by`: a JAX step's losses
+    are checked as their sum, which any of its LossScaleOptimizers catches),
+    else the primary one (the optimizer whose loss was watched)."""
+    names = (view.health or {}).get("loss_guarded_by")
+    series = view.run.loss_scales if names else {}
+    guards = [series[name] for name in names or () if name in series] or [view.loss_scale]
+    return {int(s) for guard in guards for s in guard.overflow_steps.tolist()}
 
 
 def _fix(view: RunView, *, weights: bool) -> str:

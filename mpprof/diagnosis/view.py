@@ -169,6 +169,12 @@ class RunView:
             raise NotApplicable(reason)
         return self.half_dtype
 
+    def require_loss_scales(self) -> list[tuple[str, object]]:
+        """Every loss-scale series by optimizer name, the primary one first
+        (a GAN's optimizers each have one); NotApplicable without any."""
+        self.require_loss_scale()
+        return list(self.run.loss_scales.items())
+
     def require_loss_scale(self):
         if self.loss_scale is None:
             state = self.context.collector("loss_scale")

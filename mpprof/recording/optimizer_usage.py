@@ -111,9 +111,14 @@ class OptimizerUsage:
         """The step has run (so has been traced) at least once: which
         optimizers it applied is known, and asked after every step."""
         self.traced = True
+        self._used = self.applied()
+
+    def applied(self) -> list[OptimizerUse]:
+        """The optimizers applied so far (while a step is traced: by the
+        trace up to now), the compiled one first, then in the order the step
+        used them."""
         used = [use for use in self.uses if use.apply_called]
-        # The compiled optimizer first, then in the order the step used them.
-        self._used = sorted(used, key=lambda u: (u.name != "optimizer", u.first_called))
+        return sorted(used, key=lambda u: (u.name != "optimizer", u.first_called))
 
     def primary(self) -> OptimizerUse | None:
         """The optimizer whose steps are the run's step axis: the compiled one

@@ -116,6 +116,8 @@ NUMERICS_UNSCALED_GRADIENTS = "numerics/unscaled_gradients"
 #  [...], "checked_step"}: the first non-finite loss came at a step from the
 # first to the last (equal: exact; a record without "..._last" is exact), and
 # that many of those steps had one (a record without it: at least one).
+# "loss_guarded_by" (optional): the loss-scale series whose skipped steps
+# catch the watched loss (without it: the primary series).
 HEALTH = "health"
 # One JSON object: {"layers": [{"name", "policy", "amax_history_length"}],
 #  "tensors": FLOAT8_TENSORS, "formats": {tensor: format}, "format_max":

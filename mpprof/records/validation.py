@@ -235,6 +235,7 @@ _HEALTH = _typed(
     nonfinite_loss_steps=_count,
     nonfinite_weights=_TEXTS,
     checked_step=_count,
+    loss_guarded_by=_TEXTS,
 )
 
 _KERNEL_STATS = _typed(

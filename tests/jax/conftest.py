@@ -6,6 +6,8 @@ import sys
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 sys.path.insert(0, os.path.dirname(__file__))  # jax_runs
+# The real-model suite's families and checks, shared with TensorFlow.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "models"))
 
 import keras
 

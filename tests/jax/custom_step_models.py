@@ -75,10 +75,18 @@ class CustomStepRegressor(keras.Model):
 class Gan(keras.Model):
     """A GAN: a generator, a discriminator, one optimizer each
     (`model.optimizer` unused). `g_kernel` initialises the generator's
-    float16 layers (a large constant overflows `g_out`)."""
+    float16 layers (a large constant overflows `g_out`), `d_kernel` the
+    discriminator's hidden layer. At the discriminator optimizer's apply
+    count `nonfinite_d_loss_at` the d_loss the step reports is +inf (its
+    gradients stay finite: the case no loss scale catches); at
+    `nonfinite_g_loss_at` the generator's loss is multiplied by +inf before
+    its gradients are taken (they are non-finite: g_opt skips the step)."""
 
-    def __init__(self, g_kernel="glorot_uniform", **kwargs):
+    def __init__(self, g_kernel="glorot_uniform", d_kernel="glorot_uniform",
+                 nonfinite_d_loss_at=None, nonfinite_g_loss_at=None, **kwargs):
         super().__init__(**kwargs)
+        self.nonfinite_d_loss_at = nonfinite_d_loss_at
+        self.nonfinite_g_loss_at = nonfinite_g_loss_at
         self.seeds = keras.random.SeedGenerator(1)
         self.generator = keras.Sequential([
             keras.layers.Input((4,)),
@@ -88,7 +96,8 @@ class Gan(keras.Model):
         ], name="generator")
         self.discriminator = keras.Sequential([
             keras.layers.Input((6,)),
-            keras.layers.Dense(8, activation="relu", name="d_hidden"),
+            keras.layers.Dense(8, activation="relu", kernel_initializer=d_kernel,
+                               name="d_hidden"),
             keras.layers.Dense(1, dtype="float32", name="d_out"),
         ], name="discriminator")
         self.d_tracker = keras.metrics.Mean(name="d_loss")
@@ -135,6 +144,8 @@ class Gan(keras.Model):
     def train_step(self, state, real):
         trainable, non_trainable, optimizer_variables, metrics_variables = state
         all_trainable, all_non_trainable = self.trainable_variables, self.non_trainable_variables
+        if isinstance(real, tuple):  # train_on_batch hands (x, y, sample_weight)
+            real = real[0]
         batch = real.shape[0]
         # Drawn as Keras draws in a stateless step: the seed's state is in
         # the step's state, and its new value goes back into it.
@@ -159,6 +170,9 @@ class Gan(keras.Model):
         (_, d_loss), d_grads = jax.value_and_grad(d_loss_fn, has_aux=True)(
             self._values(trainable, d_weights, all_trainable), non_trainable)
         d_state = self._values(non_trainable, self.d_opt.variables, all_non_trainable)
+        d_applied = d_state[self._positions([self.d_opt.iterations], self.d_opt.variables)[0]]
+        if self.nonfinite_d_loss_at is not None:
+            d_loss = d_loss + keras.ops.where(d_applied == self.nonfinite_d_loss_at, np.inf, 0.0)
         d_new, d_state = self.d_opt.stateless_apply(
             d_state, d_grads, self._values(trainable, d_weights, all_trainable))
         trainable = self._put(trainable, d_new, d_weights, all_trainable)
@@ -170,6 +184,8 @@ class Gan(keras.Model):
             logits, _ = self.discriminator.stateless_call(
                 self._values(trainable, d_weights, all_trainable), [], fake)
             loss = self.bce(keras.ops.ones((batch, 1)), logits)
+            if self.nonfinite_g_loss_at is not None:
+                loss = loss * keras.ops.where(d_applied == self.nonfinite_g_loss_at, np.inf, 1.0)
             return self._scaled(self.g_opt, non_trainable, loss), loss
 
         (_, g_loss), g_grads = jax.value_and_grad(g_loss_fn, has_aux=True)(

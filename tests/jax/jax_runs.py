@@ -3,6 +3,11 @@ finding; the same recipes as tests/diagnosis_runs.py, which needs TensorFlow."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import keras
 import numpy as np
 
@@ -91,3 +96,39 @@ class ScaleProbe(keras.callbacks.Callback):
         optimizer = self.model.optimizer
         self.scales.append(float(np.asarray(optimizer.dynamic_scale.value)))
         self.iterations.append(int(np.asarray(optimizer.iterations.value)))
+
+
+def fit_beside_a_twin(log_dir, make, x, y, **profiler):
+    """`make()` fitted without the profiler (the truth, read after every
+    batch), then a second `make()` under it on the same batches.
+
+    Returns:
+        (the truth: {"overflows": steps that skipped, "scale": the twin's
+        final scale, "weights": its weights}, the profiled model, its run).
+    """
+    probe = ScaleProbe()
+    twin = make()
+    twin.fit(x, y, batch_size=8, verbose=0, shuffle=False, callbacks=[probe])
+    skipped = np.flatnonzero(np.diff(np.concatenate([[0], probe.iterations])) == 0)
+    profiled = make()
+    run = fit(log_dir, profiled, x, y, **profiler)
+    truth = {"overflows": skipped.tolist(), "scale": probe.scales[-1],
+             "weights": [np.asarray(w.value) for w in twin.weights]}
+    return truth, profiled, run
+
+
+def same_weights(weights, model) -> bool:
+    return all(np.array_equal(a, np.asarray(b.value))
+               for a, b in zip(weights, model.weights, strict=True))
+
+
+def run_script(script: str, log_dir) -> dict:
+    """Runs `script` (Python source) in a fresh interpreter with the log dir
+    and this folder as its arguments (a JAX that starts with other XLA_FLAGS);
+    returns the JSON object its last line prints."""
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(log_dir), os.path.dirname(__file__)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.splitlines()[-1])

@@ -300,27 +300,28 @@ def test_a_lone_overflow_in_the_first_call_arms_a_forensic_sample(tmp_path):
     assert run.numerics.forensic.all()
 
 
-# --- What the JAX backend does not measure says so.
+# --- The collectors that once said "unavailable" on JAX record.
 
 
-def test_unimplemented_collectors_say_unavailable(tmp_path):
+def test_replay_capture_and_float8_collectors_record(tmp_path):
     x, y = jax_runs.classes()
     run = jax_runs.fit(tmp_path, jax_runs.classifier("mixed_float16"), x, y)
     collectors = run.context["collectors"]
-    # (Replay captures are implemented: a healthy run captures nothing; XProf
-    # windows too: tests/jax/test_kernels_jax.py.)
+    # (A healthy run captures nothing; XProf windows:
+    # tests/jax/test_kernels_jax.py.)
     assert collectors["replay_capture"]["state"] == "ok"
     assert collectors["replay_capture"]["captures"] == []
-    # Float8 scales and amax histories are recorded (tests/jax/test_float8_jax.py);
-    # the shares of values on sampled steps are not.
+    # Float8 scales and amax histories, and the shares on sampled steps (what
+    # they hold: tests/jax/test_float8_jax.py, test_float8_shares_jax.py).
     keras.mixed_precision.set_dtype_policy("float32")
     model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(8)])
     model.quantize("float8")
     model.compile(optimizer="sgd",
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    collectors = jax_runs.fit(tmp_path / "float8", model, x, y).context["collectors"]
+    collectors = jax_runs.fit(tmp_path / "float8", model, x, y,
+                              numerics_every=4).context["collectors"]
     assert collectors["float8"] == {"state": "ok"}
-    assert collectors["float8_shares"]["state"] == "unavailable"
+    assert collectors["float8_shares"] == {"state": "ok", "samples": 1}
 
 
 # --- Without TensorFlow.
@@ -383,40 +384,35 @@ DATA_PARALLEL = textwrap.dedent("""
     import json, os, sys
     os.environ["KERAS_BACKEND"] = "jax"
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    import jax, keras, numpy as np
+    import jax, keras
     sys.path.insert(0, sys.argv[2])
     import jax_runs
     from mpprof.records import reader
 
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
     x, y = jax_runs.ones(128, 1000.0)
-    probe = jax_runs.ScaleProbe()
-    model = jax_runs.overflow_model()
-    model.fit(x, y, batch_size=8, verbose=0, shuffle=False, callbacks=[probe])
-    truth = np.flatnonzero(np.diff(np.concatenate([[0], probe.iterations])) == 0)
-    profiled = jax_runs.overflow_model()
-    run = jax_runs.fit(sys.argv[1], profiled, x, y, numerics_every=4)
-    same = all(np.array_equal(np.asarray(a.value), np.asarray(b.value))
-               for a, b in zip(model.weights, profiled.weights))
-    print(json.dumps({"devices": len(jax.devices()), "truth": truth.tolist(),
+    truth, profiled, run = jax_runs.fit_beside_a_twin(
+        sys.argv[1], jax_runs.overflow_model, x, y, numerics_every=4)
+    print(json.dumps({"devices": len(jax.devices()), "truth": truth["overflows"],
                       "recorded": run.loss_scale.overflow_steps.tolist(),
-                      "scales": [probe.scales[-1], run.loss_scale.final_scale],
-                      "samples": run.numerics.steps.tolist(), "same_weights": same,
-                      "replicas": run.context["num_replicas"]}))
+                      "scales": [truth["scale"], run.loss_scale.final_scale],
+                      "samples": run.numerics.steps.tolist(),
+                      "same_weights": jax_runs.same_weights(truth["weights"], profiled),
+                      "replicas": run.context["num_replicas"],
+                      "distribution": run.context["distribution"]}))
 """)
 
 
 def test_data_parallel_over_two_cpu_devices(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-c", DATA_PARALLEL, str(tmp_path), str(pathlib.Path(__file__).parent)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    found = json.loads(result.stdout.splitlines()[-1])
+    found = jax_runs.run_script(DATA_PARALLEL, tmp_path)
     assert found["devices"] == 2 and found["replicas"] == 2
     assert len(found["truth"]) > 5 and found["recorded"] == found["truth"]
     assert found["scales"][0] == found["scales"][1]
     assert found["same_weights"] and 4 in found["samples"]
+    # Named, with its mesh; it shards no variable (the look-alike of ModelParallel's).
+    distribution = found["distribution"]
+    assert (distribution["name"], distribution["mesh"]["shape"]) == ("DataParallel", [2])
+    assert distribution["sharded_variables"] == {}
 
 
 def test_gpu_check_script_runs_on_cpu_with_tiny_sizes(tmp_path):

@@ -13,7 +13,7 @@ import collections
 import json
 
 import keras
-from conftest import BatchLogs
+from batch_logs import BatchLogs
 
 import mpprof
 from mpprof import cli
@@ -89,6 +89,33 @@ def assert_inventory_matches(run: reader.Run, model) -> dict[str, dict]:
     return by_name
 
 
+def expected_skipped(model) -> dict[str, str]:
+    """The layers numerics cannot measure, from Keras' own view: every layer
+    nested in a recurrent layer (`keras.layers.RNN`) runs inside its loop
+    (a TensorFlow while loop, JAX's lax.scan), so it is measured at the
+    boundary of the nearest one. Qualified name -> that RNN's name."""
+    found = {}
+
+    def visit(layer, path, rnn):
+        for child in sublayers(layer):
+            name = f"{path}/{child.name}" if path else child.name
+            if rnn is not None:
+                found[name] = rnn
+            visit(child, name, name if isinstance(child, keras.layers.RNN) else rnn)
+
+    visit(model, "", None)
+    return found
+
+
+def assert_skipped_as_expected(run: reader.Run, model) -> list[dict]:
+    """The numerics layout lists exactly the layers `expected_skipped` names,
+    each with the recurrent layer measured instead."""
+    skipped = run.latest(schema.NUMERICS_LAYOUT)["skipped"]
+    assert {s["layer"]: s["measured_at"] for s in skipped} == expected_skipped(model)
+    assert all("runs inside the recurrent layer" in s["reason"] for s in skipped), skipped
+    return skipped
+
+
 def expected_numerics_rows(model) -> collections.Counter:
     """Short names of the layers whose numerics should be recorded: every leaf
     layer, but a recurrent layer's cell runs inside the RNN's loop: the RNN
@@ -154,6 +181,17 @@ def check_model(run: reader.Run, model, logdir, capsys) -> dict:
     """All of the suite's checks; returns what was measured, for messages."""
     inventory = assert_inventory_matches(run, model)
     measured = assert_numerics_recorded(run, model, inventory)
+    skipped = assert_skipped_as_expected(run, model)
     findings = diagnose_json(logdir, capsys)
-    return {"layers": len(inventory), "measured": measured,
+    return {"layers": len(inventory), "measured": measured, "skipped": skipped,
             "codes": sorted({f["code"] for f in findings})}
+
+
+def run_family(family, logdir, capsys) -> dict:
+    """Fits a `model_families.Family` under the profiler, applies every
+    check of the suite and the family's own; returns `check_model`'s summary."""
+    run = fit_profiled(family.model, family.x, family.y, logdir=logdir, **family.fit_kwargs)
+    summary = check_model(run, family.model, logdir, capsys)
+    if family.check is not None:
+        family.check(run, summary)
+    return summary

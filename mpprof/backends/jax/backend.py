@@ -5,8 +5,9 @@ What differs from TensorFlow (`mpprof.backends.tensorflow.backend`):
 - the train function is `train_function(state, iterator) -> (logs, state)`
   with the state donated; the profiled one is mpprof's own jit of Keras'
   `train_step` with a small state of mpprof's beside it
-  (`step_state.StepState`), which records overflows, growths and the loss
-  check inside the step, read only at flush points;
+  (`step_state.StepState`), which records each optimizer's overflows and
+  growths (seen through its `stateless_apply`) and the loss check inside the
+  step, read only at flush points;
 - the optimizer updates through `stateless_apply`; the model's variables hold
   the state only at epoch ends (Keras writes it back then), so nothing reads
   them during an epoch;
@@ -19,8 +20,8 @@ What differs from TensorFlow (`mpprof.backends.tensorflow.backend`):
   (`replay_capture`);
 - float8 scales and amax histories are read at flush points from the Keras
   state the last call returned, not from the variables (`float8`); float8
-  shares on sampled steps are not implemented yet: their collector says
-  "unavailable" (`unavailable`);
+  shares on sampled steps leave the instrumented step as outputs, as the
+  per-layer numerics do (`float8_shares`);
 - the XProf window waits for the device before it starts and stops its
   trace (`kernels`).
 """
@@ -31,10 +32,10 @@ from mpprof.backends.jax import (
     call_alarm,
     context,
     float8,
+    float8_shares,
     hardware,
     kernels,
     replay_capture,
-    unavailable,
 )
 from mpprof.backends.jax.custom_step import overrides_train_step
 from mpprof.backends.jax.layer_calls import LayerCallPatch
@@ -66,7 +67,6 @@ class JaxBackend(Keras3Backend):
     loss_watch = LossWatch
     LossScales = LossScales
     RunHealth = RunHealth
-    Float8Shares = unavailable.Float8Shares
     ReplayCapture = replay_capture.ReplayCapture
     TrainFunctions = TrainFunctions
     PrecisionTracer = PrecisionTracer
@@ -87,6 +87,9 @@ class JaxBackend(Keras3Backend):
         self.numerics: NumericsTaps | None = None
         # The replay capture, while one is on (it registers itself).
         self.replay: replay_capture.ReplayCapture | None = None
+        # Collectors that measure in the instrumented step (they register
+        # themselves; `numerics_taps.NumericsTaps` runs them).
+        self.step_taps: list = []
 
     @property
     def numerics_taps(self):
@@ -105,16 +108,21 @@ class JaxBackend(Keras3Backend):
         Keras state from this fit's step state."""
         return float8.Float8State(model, loss_scales, self)
 
+    def Float8Shares(self, model, sampling: bool) -> float8_shares.Float8Shares:
+        """The float8 shares collector (a factory, as `CallAlarm`): its taps
+        run in this fit's instrumented step."""
+        return float8_shares.Float8Shares(model, sampling, self)
+
     def _alarm_start(self) -> int | None:
         state = self.step_state
-        return None if state is None else state.start_skipped + state.start_nonfinite
+        return None if state is None else (sum(state.start_skipped.values())
+                                           + state.start_nonfinite)
 
-    def make_step_state(self, capacity: int) -> StepState:
-        """The fit's step state (made once, by the loss-scale collectors)."""
+    def make_step_state(self, capacity: int, usage) -> StepState:
+        """The fit's step state (made once, by the loss-scale collectors),
+        following each of `usage`'s optimizers."""
         if self.step_state is None:
-            model = self._model
-            self.step_state = StepState(
-                model, capacity, self.is_loss_scale_optimizer(model.optimizer))
+            self.step_state = StepState(usage, capacity, self.is_loss_scale_optimizer)
         return self.step_state
 
     def distribute_strategy(self, model):

@@ -1,5 +1,5 @@
 """The run context on JAX: versions (jax, jaxlib; no TensorFlow), policies,
-optimizer, devices."""
+optimizer, devices, and the `keras.distribution` the fit runs under."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def run_context(
         "steps_per_execution": int(getattr(model, "steps_per_execution", 1) or 1),
         "distribution_strategy": (type(distribution).__name__ if distribution is not None
                                   else "none"),
-        "num_replicas": len(distribution.device_mesh.devices.flatten())
-        if distribution is not None else 1,
+        "num_replicas": _model_replicas(distribution),
+        "distribution": distribution_facts(model, distribution),
         "devices": [{"name": str(d), "type": d.platform.upper()} for d in devices],
         "gpus_visible_to_jax": sum(d.platform == "gpu" for d in devices),
         "collectors": collectors,
@@ -49,3 +49,52 @@ def run_context(
     if hardware is not None:
         context["hardware"] = hardware
     return context
+
+
+# What mpprof cannot say under a keras.distribution: it reads each global
+# array, which JAX assembles from its shards.
+NOT_MEASURED_PER_DEVICE = [
+    "numerics statistics are of each whole (global) tensor: which device or shard held a "
+    "value, an overflow included, is not recorded",
+    "the Tensor Core shape lint (MP007) checks each layer's global dimensions: the "
+    "per-device shards of the sharded variables are not checked",
+]
+
+
+def _model_replicas(distribution) -> int:
+    """Copies of the model the batch is split over: the mesh's batch axis
+    (1 under a ModelParallel mesh with a batch axis of 1), every device under
+    DataParallel; Keras before `num_model_replicas`: every device."""
+    if distribution is None:
+        return 1
+    replicas = getattr(distribution, "num_model_replicas", None)
+    return int(replicas if replicas is not None else distribution.device_mesh.devices.size)
+
+
+def distribution_facts(model, distribution) -> dict | None:
+    """The distribution by name, its device mesh, the variables it shards and
+    what is not measured per device; None without one.
+
+    Args:
+        model: the built model (its variables' shardings are read).
+        distribution: `keras.distribution.distribution()`.
+    """
+    if distribution is None:
+        return None
+    mesh = distribution.device_mesh
+    sharded = {}
+    for variable in model.weights:
+        # The layout the distribution gives it (its arrays may be donated
+        # to the jitted step by now: their shardings are not read).
+        axes = distribution.get_variable_layout(variable).axes
+        if any(axis is not None for axis in axes):
+            sharded[variable.path] = [axis if axis is None or isinstance(axis, str)
+                                      else list(axis) for axis in axes]
+    return {
+        "name": type(distribution).__name__,
+        "mesh": {"shape": [int(n) for n in mesh.shape], "axis_names": list(mesh.axis_names),
+                 "devices": [str(d) for d in mesh.devices.flatten()]},
+        "batch_dim_name": getattr(distribution, "batch_dim_name", None),
+        "sharded_variables": sharded,
+        "not_measured": NOT_MEASURED_PER_DEVICE,
+    }

@@ -2,10 +2,11 @@
 
 On JAX the optimizer runs `stateless_apply`: a skipped step leaves the apply
 count alone and halves the scale, inside the jitted step, with no Python
-method to wrap. The step itself records each overflow and growth in
-mpprof's ring (`mpprof.backends.jax.step_state`); this collector reads it at
-flush points. The step axis counts every step, skipped ones included: apply
-calls plus skipped steps, as on TensorFlow.
+method to wrap. The step itself records each overflow and growth of each
+followed optimizer in that optimizer's ring (`mpprof.backends.jax.step_state`);
+this collector reads one optimizer's at flush points. The step axis counts
+every step, skipped ones included: apply calls plus skipped steps, as on
+TensorFlow.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class LossScaleSeries:
     """Records one LossScaleOptimizer's scale from the step's own state.
 
     Args:
-        optimizer: the model's (built) LossScaleOptimizer.
+        optimizer: a (built) LossScaleOptimizer the step follows.
         step_state: the fit's `StepState` (replaced by `attach` each fit).
         capacity: events the ring holds between two reads.
     """
@@ -49,7 +50,7 @@ class LossScaleSeries:
         """Counts on in a new fit's step state (its ring starts empty)."""
         self._state = step_state
         self._events_read = 0
-        step_state.start_skipped = self._skipped
+        step_state.start_skipped[id(self.optimizer)] = self._skipped
 
     def nothing_ran(self) -> bool:
         """Whether no train step ran this optimizer yet (read from the
@@ -61,7 +62,7 @@ class LossScaleSeries:
     def start_from(self, origin: Origin) -> None:
         self.origin = origin
         self._skipped = origin.skipped or 0
-        self._state.start_skipped = self._skipped
+        self._state.start_skipped[id(self.optimizer)] = self._skipped
 
     def settings(self) -> dict:
         opt = self.optimizer
@@ -78,29 +79,29 @@ class LossScaleSeries:
     def skipped_steps(self) -> int:
         if self._state.arrays is None:
             return self._skipped
-        self._skipped = self._state.skipped()
+        self._skipped = self._state.skipped(self.optimizer)
         return self._skipped
 
     def current_step(self) -> int:
         if self._state.arrays is None:
             return self.steps_given_skipped(self._skipped)
-        return self._state.steps_run()
+        return self._state.steps_run(self.optimizer)
 
     def steps_given_skipped(self, skipped: int) -> int:
         """Apply calls plus `skipped` (before the fit's state exists: from
         the variables)."""
         if self._state.arrays is None:
             return int(np.asarray(applied_steps(self.optimizer).value)) + skipped
-        return self._state.applied() + skipped
+        return self._state.applied(self.optimizer) + skipped
 
     def scale(self) -> float:
         if self._state.arrays is None:
             return float(np.asarray(self.optimizer.dynamic_scale.value))
-        return self._state.scale()
+        return self._state.scale(self.optimizer)
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
         """New events since the last read, and the progress row now."""
-        count, ring = self._state.events()
+        count, ring = self._state.events(self.optimizer)
         new = count - self._events_read
         lost = max(0, new - self.capacity)
         self.dropped_events += lost

@@ -1,13 +1,17 @@
-"""The loss-scale series of a JAX fit: the compiled optimizer's, when it is
-a LossScaleOptimizer.
+"""The loss scale of every LossScaleOptimizer a JAX train step uses, one
+series each.
 
-Keras' JAX train step passes the compiled optimizer's variables in
-`state[2]`: that is the optimizer whose skips the step state sees, so a JAX
-fit has one series at most (written under the plain loss-scale tags). A
-custom step's own LossScaleOptimizers (a GAN's, whose variables the step
-keeps wherever its author put them) are recorded as used, but their scales
-and skips are not followed: the run context says so, and the step axis is
-the host's count of steps run.
+Each optimizer the step may apply is followed through its `stateless_apply`
+(`mpprof.backends.jax.step_state`), wherever the step keeps its variables:
+the compiled optimizer's in Keras' `state[2]`, a GAN's `g_opt` and `d_opt`
+wherever its author put them. As on TensorFlow, once the step was traced
+only the optimizers it really applied are kept; the primary one (the
+compiled optimizer when used, else the first used) is written under the
+plain tags, every other one under a series named after its attribute
+(`schema.tag_for(record, series)`). An optimizer the step applies where its
+update cannot be seen (inside a `lax.scan`) is not followed: the run
+context says so, and when it is the primary one the step axis is the host's
+count of steps run.
 """
 
 from __future__ import annotations
@@ -18,15 +22,14 @@ import numpy as np
 
 from mpprof.recording import step_origin
 from mpprof.recording.collectors.base import Collector
-from mpprof.recording.distributed import keras_3_skip_decided_by
+from mpprof.recording.loss_scale_records import series_context, write_series
 from mpprof.recording.optimizer_usage import OptimizerUsage, applied_steps
 from mpprof.recording.patching import Patches
 from mpprof.recording.step_origin import EarlierRecords
-from mpprof.records import schema
 
 
 class LossScales(Collector):
-    """The loss-scale collector of the compiled LossScaleOptimizer, if any.
+    """One loss-scale collector per followed LossScaleOptimizer.
 
     Args: as `mpprof.backends.tensorflow.loss_scales.LossScales` (`strategy`
         is the JAX backend's stand-in: one replica per process).
@@ -41,10 +44,9 @@ class LossScales(Collector):
         self._overflows_seen = 0
         self._start: dict[str, object] = {}
         self.by_name = {}
-        model_optimizer = usage.uses[0].optimizer if usage.uses else None
-        step_state = self._step_state = keras_api.make_step_state(capacity)
+        step_state = self._step_state = keras_api.make_step_state(capacity, usage)
         for use in usage.uses:
-            if not use.loss_scale or use.optimizer is not model_optimizer:
+            if not use.loss_scale or not step_state.follows(use.optimizer):
                 continue
             collector = reuse.get(id(use.optimizer))
             if collector is None:
@@ -63,7 +65,8 @@ class LossScales(Collector):
     def install(self, fit, patches: Patches) -> None:
         # (After `TrainFunctions.install`, which starts the step state.)
         self._overflows_seen = self.skipped_steps()
-        # Where each scale starts; written at the first flush.
+        # Where each scale starts; written at the first flush, once the step
+        # was traced and shows which optimizers it uses.
         self._start = {name: c.read()[1] for name, c in self.by_name.items()}
 
     def note_overflows(self, fit) -> None:
@@ -77,23 +80,25 @@ class LossScales(Collector):
         self._overflows_seen = skipped
 
     def flush(self, fit) -> None:
-        for name, collector in self.active().items():
-            start = self._start.pop(name, None)
-            if start is not None:
-                fit.writer.write_array(schema.LOSS_SCALE_PROGRESS, start, int(start[0]))
-            events, progress = collector.read()
-            step = int(progress[schema.LOSS_SCALE_PROGRESS_COLUMN.steps_run])
-            if len(events):
-                fit.writer.write_array(schema.LOSS_SCALE_EVENTS, events, step)
-            fit.writer.write_array(schema.LOSS_SCALE_PROGRESS, progress, step)
+        write_series(fit, self.active(), self.primary(), self._start)
 
     def active(self) -> dict[str, object]:
-        used = {use.name for use in self._usage.used()}
+        """The series of the optimizers the step applied (all of them until
+        it was traced), unless an update was applied out of sight."""
+        unfollowed = self._step_state.unfollowed
+        used = {use.name for use in self._usage.used() if id(use.optimizer) not in unfollowed}
         return {name: c for name, c in self.by_name.items() if name in used}
+
+    def unfollowed(self) -> dict[str, str]:
+        """The used LossScaleOptimizers whose scale and skips are not
+        followed, with the reason, by name."""
+        reasons = self._step_state.unfollowed
+        return {u.name: reasons[id(u.optimizer)] for u in self._usage.used()
+                if u.loss_scale and id(u.optimizer) in reasons}
 
     def primary(self):
         primary = self._usage.primary()
-        return self.by_name.get(primary.name) if primary is not None else None
+        return self.active().get(primary.name) if primary is not None else None
 
     def skipped_counters(self) -> list:
         """(The JAX alarm is made by the step itself: no counters to sum.)"""
@@ -103,17 +108,17 @@ class LossScales(Collector):
         return sum(c.skipped_steps() for c in self.active().values())
 
     def step_of(self, use) -> int | None:
-        """Steps `use` has run: from the step state once the fit has one;
-        None for an optimizer other than the compiled one (its steps are not
-        followed: the caller counts steps run itself)."""
-        if not self._usage.uses or use.optimizer is not self._usage.uses[0].optimizer:
+        """Steps `use` has run: its apply calls, plus its skipped steps under
+        loss scaling; None for an optimizer whose steps are not followed
+        (the caller counts steps run itself)."""
+        state = self._step_state
+        if not state.follows(use.optimizer) or id(use.optimizer) in state.unfollowed:
             return None
         collector = self.by_name.get(use.name)
         if collector is not None:
             return collector.current_step()
-        state = self._step_state
         if state.arrays is not None:
-            return state.applied()
+            return state.applied(use.optimizer)
         return int(np.asarray(applied_steps(use.optimizer).value))
 
     def scale_value(self) -> float:
@@ -121,16 +126,12 @@ class LossScales(Collector):
         return primary.scale() if primary is not None else 1.0
 
     def context(self) -> dict:
-        active = self.active()
+        active, unfollowed = self.active(), self.unfollowed()
         if not active:
+            if unfollowed:
+                return {"state": "absent", "reason": "; ".join(
+                    f"{name}: {reason}" for name, reason in unfollowed.items())}
             used = self._usage.used()
-            scaled = [u.name for u in used if u.loss_scale]
-            if scaled:
-                return {"state": "absent", "reason": (
-                    f"the step applies its own LossScaleOptimizers ({', '.join(scaled)}), "
-                    "not the compiled one: on JAX only the compiled optimizer's scale and "
-                    "skips are followed (its variables are the state Keras passes in "
-                    "state[2]; a custom step keeps its own optimizers' state elsewhere)")}
             names = ", ".join(f"{u.name} ({type(u.optimizer).__name__})" for u in used)
             return {
                 "state": "absent",
@@ -140,12 +141,9 @@ class LossScales(Collector):
                     else "the train step applied no optimizer: no loss scale to record"
                 ),
             }
-        context = {"state": "ok"}
-        for name, collector in active.items():
-            settings = collector.settings()
-            settings.setdefault("skip_decided_by", keras_3_skip_decided_by(self._replicas))
-            settings["step_axis_origin"] = collector.origin.describe()
-            context.update(settings, primary=name)
+        context = series_context(active, self.primary(), self._replicas)
+        if unfollowed:
+            context["not_followed"] = unfollowed
         return context
 
     def graph_step_of(self, name: str):
@@ -154,4 +152,5 @@ class LossScales(Collector):
         return lambda: None
 
     def scale_of(self, name: str):
-        return self.scale_value
+        collector = self.by_name.get(name)
+        return collector.scale if collector is not None else (lambda: 1.0)

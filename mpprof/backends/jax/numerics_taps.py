@@ -17,6 +17,11 @@ backward statistics: no host callback, no extra pass. Variable gradients
 both rows). Everything leaves the step as one output the host copies
 after the sampled call.
 
+Other collectors measure in the same step the same way (the backend's
+`step_taps`: the float8 shares, `mpprof.backends.jax.float8_shares`): each
+gives probes of its own, is told when the loss function's trace starts and
+ends, and gets its outputs back from the sample under its `key`.
+
 Measured: every leaf layer; a recurrent layer (its cell runs in a
 `lax.scan`) at its boundary; a layer called inside other control flow (its
 values belong to an inner trace) is skipped and listed with the reason. A
@@ -85,15 +90,30 @@ def float_output(outputs) -> tuple[list, object, int] | None:
     return None if position is None else (flat, tree, position)
 
 
-class _Trace:
+class StepTrace:
     """What one trace of the instrumented step gathers."""
 
     def __init__(self, probes: list[list]):
         self.probes = probes
-        # A value of the step's own trace (the probes are differentiated).
-        self.marker = next((p[0] for p in probes if p), None)
         self.forward: dict[int, list] = {}
         self.calls: dict[int, int] = {}
+        # The probes' trace (they are differentiated) and those it runs
+        # inside (the jitted step's).
+        self._outer = []
+        marker = next((p[0] for p in probes if p), None)
+        outer = getattr(marker, "_trace", None)
+        while outer is not None:
+            self._outer.append(outer)
+            outer = getattr(outer, "parent_trace", None)
+
+    def can_leave(self, value) -> bool:
+        """Whether `value` may leave the step: a constant, or a value of the
+        probes' trace or of one around it (a layer whose output does not
+        depend on the weights, as a Rescaling of the input, gives the jitted
+        step's own tracer). One of an inner trace (lax.scan, cond, while)
+        cannot."""
+        trace = getattr(value, "_trace", None)
+        return trace is None or any(trace is outer for outer in self._outer)
 
 
 class NumericsTaps:
@@ -108,6 +128,9 @@ class NumericsTaps:
     def __init__(self, model, backend):
         self.instrumenting = False
         self._model = model
+        # Objects with `key`, `probes()`, `start(probes)`, `forward()`,
+        # `stop()`, `outputs(forward, probe_gradients)` and `receive(outputs)`.
+        self._step_taps: list = backend.step_taps
         entries = walk_layers(model)
         self.layer_names = [name for name, _, _ in entries]
         self._rows = {id(layer): row for row, (_, layer, _) in enumerate(entries)}
@@ -142,7 +165,7 @@ class NumericsTaps:
             self._applied_index = next(i for i, v in enumerate(optimizer.variables)
                                        if v is applied_steps(optimizer))
         self._call_order: list[int] = []
-        self._trace: _Trace | None = None
+        self._trace: StepTrace | None = None
         self._sample = None
         backend.numerics = self
 
@@ -158,9 +181,7 @@ class NumericsTaps:
             return outputs
         flat, tree, position = found
         output = flat[position]
-        if getattr(output, "_trace", None) is not getattr(trace.marker, "_trace", None):
-            # Its values belong to an inner trace (lax.scan, cond, while):
-            # they cannot leave it.
+        if not trace.can_leave(output):
             self._skipped.setdefault(row, "called inside JAX control flow (lax.scan, "
                                           "cond or while_loop), whose values cannot leave it")
             return outputs
@@ -194,27 +215,35 @@ class NumericsTaps:
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         rows = len(self.layer_names)
 
-        def loss_function(trainable, probes):
-            self._trace = _Trace(probes)
+        step_taps = list(self._step_taps)
+
+        def loss_function(trainable, probes, tap_probes):
+            self._trace = StepTrace(probes)
+            for tap, its_probes in zip(step_taps, tap_probes, strict=True):
+                tap.start(its_probes)
             try:
                 loss, aux = model.compute_loss_and_updates(
                     trainable, non_trainable, metrics_variables, x, y, sample_weight,
                     training=True, optimizer_variables=optimizer_variables)
                 forward = self._trace.forward
+                tap_forward = [tap.forward() for tap in step_taps]
             finally:
                 self._trace = None
+                for tap in step_taps:
+                    tap.stop()
             unseen = jnp.zeros((RAW_COLUMNS,), jnp.float32)
             table = jnp.stack([merge_rows(forward[row]) if row in forward else unseen
                                for row in range(rows)])
-            return loss, (aux, table)
+            return loss, (aux, table, tap_forward)
 
         # One probe per measured call, each its own input: a gradient for
         # one slice of a single table would be padded to the whole table,
         # and added up layer after layer.
         probes = [[jnp.zeros((RAW_COLUMNS,), jnp.float32) for _ in range(MAX_CALLS)]
                   if row in self._measured_rows else [] for row in range(rows)]
-        (loss, (aux, forward)), (grads, probe_grads) = jax.value_and_grad(
-            loss_function, argnums=(0, 1), has_aux=True)(trainable, probes)
+        (loss, (aux, forward, tap_forward)), (grads, probe_grads, tap_grads) = jax.value_and_grad(
+            loss_function, argnums=(0, 1, 2), has_aux=True)(
+                trainable, probes, [tap.probes() for tap in step_taps])
         unused = jnp.zeros((MAX_CALLS, RAW_COLUMNS), jnp.float32)
         probe_grads = jnp.stack([jnp.stack(calls) if calls else unused
                                  for calls in probe_grads])
@@ -227,6 +256,8 @@ class NumericsTaps:
             scale = jnp.asarray(optimizer_variables[index], jnp.float32)
         sample = {"forward": forward, "backward": probe_grads,
                   "loss": jnp.sum(jnp.asarray(unscaled_loss, jnp.float32))}
+        for tap, its_forward, its_grads in zip(step_taps, tap_forward, tap_grads, strict=True):
+            sample[tap.key] = tap.outputs(its_forward, its_grads)
         new_trainable, new_optimizer_variables = optimizer.stateless_apply(
             optimizer_variables, grads, trainable)
         all_finite = None
@@ -245,6 +276,9 @@ class NumericsTaps:
 
     def receive(self, sample) -> None:
         """The sample the instrumented call returned (device arrays)."""
+        for tap in self._step_taps:
+            if tap.key in sample:
+                tap.receive(sample.pop(tap.key))
         self._sample = sample
 
     # The core's interface (`mpprof.recording.collectors.numerics_samples`).

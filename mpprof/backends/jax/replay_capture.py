@@ -32,7 +32,6 @@ import numpy as np
 
 from mpprof.backends import keras_capture
 from mpprof.backends.jax.custom_step import overrides_train_step
-from mpprof.backends.jax.step_state import APPLIED, COUNT_ROW, SCALE, SCALE_ROW, SKIPPED
 from mpprof.recording.collectors.base import Collector
 from mpprof.replay import files
 
@@ -115,15 +114,16 @@ class ReplayCapture(Collector):
         table_before, non_trainable_before, data, trainable_before = before
         table_before = np.asarray(jax.device_get(table_before))
         table_after = self._api.step_state.read()
-        skipped = int(table_after[COUNT_ROW, SKIPPED] - table_before[COUNT_ROW, SKIPPED])
+        state = self._api.step_state
+        skipped = state.all_skipped(table_after) - state.all_skipped(table_before)
         watched = self._health.watched() is not None if fit.guard.ok(self._health.name) \
             else False
         loss = self._health.last_loss() if watched else math.nan
         loss_finite = math.isfinite(loss) if watched else None
         if skipped == 0 and loss_finite is not False:
             return
-        applied_before = int(table_before[SCALE_ROW, APPLIED])
-        step = applied_before + int(table_before[COUNT_ROW, SKIPPED])
+        applied_before, skipped_before, scale = state.primary_in(table_before)
+        step = applied_before + skipped_before
         if loss_finite and skipped and applied_before == 0:
             self.initial_descent_skipped += 1
             return
@@ -132,8 +132,6 @@ class ReplayCapture(Collector):
             reasons.append("overflow: the loss scale skipped the step")
         if loss_finite is False:
             reasons.append("non-finite loss")
-        scale = float(table_before[SCALE_ROW, SCALE]) if self._api.step_state.loss_scale \
-            else 1.0
         if trainable_before is not None:
             after = (trainable_before, *after[1:])
         self._write(fit, step, data, after, non_trainable_before, reasons, skipped > 0,

@@ -8,6 +8,12 @@ steps with a non-finite loss and the first such step, exact to the step
 (also under `steps_per_execution > 1`), read at flush points. The weights
 are checked on the host at epoch ends and when fit ends, once Keras has
 written the step's state back to the variables.
+
+A step with several losses (a GAN's) is checked on their sum. The record
+names the LossScaleOptimizers whose skipped steps catch it
+(`loss_guarded_by`: every one the step applies), and the diagnosis excuses
+a non-finite loss on a step one of them skipped, as TensorFlow's record is
+excused on a step its optimizer skipped.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from mpprof.records import schema
 
 
 class LossWatch:
-    """The non-finite losses of the compiled optimizer's steps, across fits."""
+    """The non-finite losses of the steps, across fits."""
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
@@ -60,7 +66,7 @@ class LossWatch:
 
 
 class RunHealth(Collector):
-    """The loss watch of the compiled optimizer, and the weight check.
+    """The loss watch of the step, and the weight check.
 
     Args: as `mpprof.backends.tensorflow.run_health.RunHealth`.
     """
@@ -71,8 +77,10 @@ class RunHealth(Collector):
                  instrumenting: Callable[[], bool]):
         self._usage = usage
         self.watchers = {}
-        state = keras_api.step_state
-        for use in usage.uses[:1]:  # the compiled optimizer: the one in state[2]
+        state = self._state = keras_api.step_state
+        # The loss check is the step's, not an optimizer's: kept by the
+        # first candidate, whose watcher the next fit reuses.
+        for use in usage.uses[:1]:
             watcher = reuse.get(id(use.optimizer)) or keras_api.loss_watch(use.optimizer)
             watcher.attach(state)
             self.watchers[use.name] = watcher
@@ -88,21 +96,29 @@ class RunHealth(Collector):
         self.check_weights(fit.model)
 
     def _unfollowed_scales(self) -> list[str]:
-        """The step's LossScaleOptimizers other than the compiled one (a
-        GAN's): their skips are not followed (`loss_scales`)."""
-        compiled = self._usage.uses[0].optimizer if self._usage.uses else None
+        """The step's LossScaleOptimizers whose skips are not followed
+        (`step_state.StepState.unfollowed`)."""
+        unfollowed = self._state.unfollowed
         return [u.name for u in self._usage.used()
-                if u.loss_scale and u.optimizer is not compiled] if self._usage.traced else []
+                if u.loss_scale and id(u.optimizer) in unfollowed]
+
+    def _guards(self) -> list[str]:
+        """The LossScaleOptimizers whose skipped steps catch the watched
+        loss: every one the step applies (the loss checked is the sum of
+        the step's losses, so a step any of them skipped had its
+        non-finite loss caught)."""
+        return [u.name for u in self._usage.used() if u.loss_scale]
 
     def context(self) -> dict:
         unfollowed = self._unfollowed_scales()
         if unfollowed:
             return {"state": "absent", "reason": (
-                f"the step's own LossScaleOptimizers ({', '.join(unfollowed)}) are not "
-                "followed on JAX: a non-finite loss cannot be told from a step they "
-                "skipped, so the loss is not judged")}
+                f"the step's LossScaleOptimizers {', '.join(unfollowed)} are not "
+                "followed (see the loss_scale collector): a non-finite loss cannot be "
+                "told from a step they skipped, so the loss is not judged")}
         if self.watched() is not None:
-            return {"state": "ok", "loss_checked": "in the step (exact to the step)"}
+            return {"state": "ok", "loss_checked": "in the step (exact to the step)",
+                    "loss_guarded_by": self._guards()}
         return {"state": "absent", "reason": (
             "the train step handed no loss to Keras' metrics update nor to a loss "
             "metric (a custom train_step whose metrics are not named 'loss' or "
@@ -142,7 +158,7 @@ class RunHealth(Collector):
     def record(self, step: int) -> dict:
         watcher = self.watched()
         if watcher is not None:
-            loss = {"loss_watched": True, **watcher.read()}
+            loss = {"loss_watched": True, **watcher.read(), "loss_guarded_by": self._guards()}
         else:
             loss = {
                 "loss_watched": False,

@@ -1,74 +1,131 @@
-"""mpprof's own state inside the JAX train step: counters and an event ring.
+"""mpprof's own state inside the JAX train step: counters and event rings.
 
 Keras' JAX `fit` runs `train_step(state, data)` jitted with the state
-donated; the LossScaleOptimizer decides inside it (`stateless_apply`, an
-`ops.cond`) whether a step is applied or skipped, and logs nothing. The
-profiled step is Keras' own `train_step` traced in a function of mpprof's
-(`StepState.step_function`) that also takes and returns a small state of
-its own, one array donated like Keras' state:
-skipped steps, events written, steps with a non-finite loss, the first such
-step (-1: none); the loss scale, its growth counter, the last loss and the
-optimizer's apply calls; and a ring of loss-scale events [step, scale
-before, scale after, kind] (one float32 table, below).
+donated; a LossScaleOptimizer decides inside it (`stateless_apply`, an
+`ops.cond`) whether its update is applied or skipped, and logs nothing. The
+profiled step is the model's own `train_step` traced in a function of
+mpprof's (`StepState.step_function`) that also takes and returns a small
+state of its own, one array donated like Keras' state.
 
-Each step compares the optimizer variables it was given (`state[2]`) with
-those it returns: a LossScaleOptimizer step that left the apply count alone
-was skipped (an overflow, at step applied + skipped), one whose scale grew
-is a growth. Every number is computed in the step and read by the host only
-at flush points (one device-to-host copy for every collector), so the step
-is dated exactly, also under `steps_per_execution > 1`, without a sync.
-Counts are float32: exact up to 2**24 steps.
+Each optimizer the step may apply (the compiled one, a GAN's `g_opt` and
+`d_opt`) is followed through its `stateless_apply`, wrapped at instance
+level: the wrapper sees the optimizer variables going in and coming out, as
+traced values, wherever the step keeps them (Keras' `state[2]`, a GAN's
+`state[1]`). An update that left the apply count alone was skipped (an
+overflow, at that optimizer's step: applied + skipped), one whose scale grew
+is a growth. Per optimizer the state holds its skipped steps, events
+written, apply calls, loss scale and growth counter, and (for a
+LossScaleOptimizer) a ring of events [step, scale before, scale after,
+kind]; for the step, the steps with a non-finite loss, the first such step
+(-1: none) and the last loss. Every number is computed in the step and read
+by the host only at flush points (one device-to-host copy for every
+collector), so each event is dated exactly, also under
+`steps_per_execution > 1`, without a sync. Counts are float32: exact up to
+2**24 steps.
+
+An update applied inside a nested transformation of the step (`lax.scan`,
+`lax.cond`) cannot leave it: that optimizer is not followed, and says why.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpprof.recording.optimizer_usage import applied_steps
+from mpprof.recording.optimizer_usage import OptimizerUsage, applied_steps
+from mpprof.recording.patching import Patches
 from mpprof.records import schema
 
-# mpprof's state is ONE float32 array [capacity + 3, 4] (each array a jitted
+# mpprof's state is ONE float32 array [rows, 4] (each array a jitted
 # function takes and returns costs dispatch time; each op an XLA:CPU thunk):
-# row 0 takes the writes of steps without an event, rows 1-2 the counters,
-# rows 3.. the ring. Counts are exact in float32 up to 2**24.
-SCRATCH_ROW, COUNT_ROW, SCALE_ROW, RING_START = 0, 1, 2, 3
-# Columns of COUNT_ROW and SCALE_ROW.
-SKIPPED, EVENTS, NONFINITE, FIRST_NONFINITE = range(4)
-SCALE, COUNTER, LAST_LOSS, APPLIED = range(4)
+# row 0 takes the ring writes of steps without an event, row 1 the loss
+# check, then two rows per followed optimizer, then the rings of the
+# LossScaleOptimizers. The counter rows are contiguous: one write a step.
+SCRATCH_ROW, LOSS_ROW, BLOCK_START = 0, 1, 2
+# Columns of LOSS_ROW.
+NONFINITE, FIRST_NONFINITE, LAST_LOSS = range(3)
+# Columns of an optimizer's first row, and of its second.
+SKIPPED, EVENTS, APPLIED = range(3)
+SCALE, COUNTER = range(2)
 # The key of the call alarm in the step's logs (taken out before Keras sees them).
 ALARM_KEY = "_mpprof_alarm"
+
+NESTED = ("applied inside a nested transformation of the train step (lax.scan, "
+          "lax.cond, a vmap): its updates cannot leave it, so its scale and skips "
+          "are not followed")
 
 
 def _index_of(variables: list, variable) -> int | None:
     return next((i for i, v in enumerate(variables) if v is variable), None)
 
 
+@dataclass
+class _Block:
+    """Where one followed optimizer's counters live, and its variables' places."""
+
+    optimizer: object
+    row: int  # its first counter row
+    ring: int | None  # its ring's first row (a LossScaleOptimizer's only)
+    applied: int  # positions in `optimizer.variables`
+    scale: int | None
+    counter: int | None
+
+
+class _Trace:
+    """What one trace of the step carries between the optimizers' wrappers."""
+
+    def __init__(self, table):
+        self.table = table
+        self.jax_trace = getattr(table, "_trace", None)
+        # By optimizer id: its two counter rows as the step leaves them, and
+        # its step before the step's first update.
+        self.rows: dict[int, list] = {}
+        self.step_of: dict[int, object] = {}
+        self.loss = None
+
+
 class StepState:
     """The counters of one fit's steps, on the device, and their host copy.
 
     Args:
-        model: the compiled model (its `optimizer` is the one whose
-            variables the step passes in `state[2]`).
-        capacity: events the ring holds between two reads.
-        loss_scale: whether the optimizer is a LossScaleOptimizer.
+        usage: the fit's `OptimizerUsage` (every candidate optimizer that is
+            built is followed; the primary one dates the loss check).
+        capacity: events each ring holds between two reads.
+        is_loss_scale: tells a LossScaleOptimizer.
     """
 
-    def __init__(self, model, capacity: int, loss_scale: bool):
+    def __init__(self, usage: OptimizerUsage, capacity: int,
+                 is_loss_scale: Callable[[object], bool]):
         self.capacity = int(capacity)
-        self.loss_scale = loss_scale
-        self._optimizer = model.optimizer
-        variables = list(self._optimizer.variables)
-        self._applied_index = _index_of(variables, applied_steps(self._optimizer))
-        self._scale_index = self._counter_index = None
-        if loss_scale:
-            self._scale_index = _index_of(variables, self._optimizer.dynamic_scale)
-            self._counter_index = _index_of(variables, self._optimizer.step_counter)
+        self._usage = usage
+        self._blocks: dict[int, _Block] = {}
+        # Why an optimizer is not followed, by optimizer id.
+        self.unfollowed: dict[int, str] = {}
+        row = BLOCK_START
+        for use in usage.uses:
+            optimizer = use.optimizer
+            variables = list(optimizer.variables)
+            applied = _index_of(variables, applied_steps(optimizer)) \
+                if getattr(optimizer, "built", True) else None
+            if applied is None:
+                self.unfollowed[id(optimizer)] = "not built before the fit"
+                continue
+            scale = counter = None
+            if is_loss_scale(optimizer):
+                scale = _index_of(variables, optimizer.dynamic_scale)
+                counter = _index_of(variables, optimizer.step_counter)
+            self._blocks[id(optimizer)] = _Block(optimizer, row, None, applied, scale, counter)
+            row += 2
+        for block in self._blocks.values():
+            if block.scale is not None:
+                block.ring, row = row, row + self.capacity
+        self._rows = row
         # Where the counts start (the collectors of earlier fits set them).
-        self.start_skipped = 0
+        self.start_skipped: dict[int, int] = {}
         self.start_nonfinite = 0
         self.start_first_nonfinite = -1
         # The device table the last call returned (the one given to it is
@@ -81,39 +138,55 @@ class StepState:
         # first call): what flushes read the model's variables from during
         # an epoch (`mpprof.backends.jax.float8`). Donated to the next call.
         self.keras_state = None
-        # The unscaled loss of the step being traced (`capture_loss`), and
-        # whether the traced step had one (None: not traced yet).
-        self._loss = None
+        # Whether the traced step had a loss (None: not traced yet).
         self.loss_watched: bool | None = None
-        # The trace of the step being traced: a loss from an inner trace
-        # (inside a user's value_and_grad) cannot leave it, and is ignored.
-        self._step_trace = None
+        self._trace: _Trace | None = None
+
+    def follows(self, optimizer) -> bool:
+        return id(optimizer) in self._blocks
+
+    def install(self, patches: Patches) -> None:
+        """Wraps each followed optimizer's `stateless_apply` (undone by
+        `patches.restore`): the update it returns is counted in the step
+        being traced."""
+        for block in self._blocks.values():
+            original = block.optimizer.stateless_apply
+
+            def stateless_apply(optimizer_variables, grads, trainable_variables,
+                                _original=original, _block=block):
+                trainable, new = _original(optimizer_variables, grads, trainable_variables)
+                if self._trace is not None:
+                    self._count(_block, optimizer_variables, new)
+                return trainable, new
+
+            patches.set(block.optimizer, "stateless_apply", stateless_apply)
 
     def start(self) -> None:
         """The device state at the start of the fit (before the first step:
         the model's variables still hold the values)."""
-        table = np.zeros((RING_START + self.capacity, 4), np.float32)
-        table[COUNT_ROW] = [self.start_skipped, 0, self.start_nonfinite,
-                            self.start_first_nonfinite]
-        counter = int(np.asarray(self._optimizer.step_counter.value)) if self.loss_scale else 0
-        table[SCALE_ROW] = [self.variable_scale(), counter, np.nan,
-                            int(np.asarray(applied_steps(self._optimizer).value))]
+        table = np.zeros((self._rows, 4), np.float32)
+        table[LOSS_ROW, :3] = [self.start_nonfinite, self.start_first_nonfinite, np.nan]
+        for key, block in self._blocks.items():
+            optimizer = block.optimizer
+            table[block.row, :3] = [self.start_skipped.get(key, 0), 0,
+                                    int(np.asarray(applied_steps(optimizer).value))]
+            if block.scale is not None:
+                table[block.row + 1, :2] = [float(np.asarray(optimizer.dynamic_scale.value)),
+                                            int(np.asarray(optimizer.step_counter.value))]
+            else:
+                table[block.row + 1, SCALE] = 1.0
         self.arrays = jnp.asarray(table)
         self._host, self._host_of = table, self.arrays
-
-    def variable_scale(self) -> float:
-        if not self.loss_scale:
-            return 1.0
-        return float(np.asarray(self._optimizer.dynamic_scale.value))
 
     def capture_loss(self, loss) -> None:
         """Called while the step is traced with its unscaled loss. Several
         losses in one step (a GAN's) are checked as their sum: non-finite
         when any of them is."""
-        if getattr(loss, "_trace", None) is not self._step_trace:
-            return
+        trace = self._trace
+        if trace is None or getattr(loss, "_trace", None) is not trace.jax_trace:
+            return  # a loss from an inner trace (a user's value_and_grad) cannot leave it
         loss = jnp.sum(jnp.asarray(loss, jnp.float32))
-        self._loss = loss if self._loss is None else self._loss + loss
+        trace.loss = loss if trace.loss is None else trace.loss + loss
 
     def update(self, arrays: tuple, keras_state) -> None:
         """The states a call returned (those given to it are donated)."""
@@ -129,87 +202,142 @@ class StepState:
             self._host_of = self.arrays
         return self._host
 
+    # The traced step.
+
+    def _count(self, block: _Block, before: list, after: list) -> None:
+        """One update of `block`'s optimizer, inside the step being traced."""
+        trace, key = self._trace, id(block.optimizer)
+        applied_after = after[block.applied]
+        if getattr(applied_after, "_trace", None) is not trace.jax_trace:
+            self.unfollowed[key] = NESTED
+            return
+        applied_before = jnp.asarray(before[block.applied], jnp.float32)
+        applied_after = jnp.asarray(applied_after, jnp.float32)
+        table = trace.table
+        counts, scales = trace.rows.get(key) or (table[block.row], table[block.row + 1])
+        this_step = applied_before + counts[SKIPPED]
+        trace.step_of.setdefault(key, this_step)
+        skipped = events = jnp.float32(0)
+        if block.scale is not None:
+            scale_before = jnp.asarray(before[block.scale], jnp.float32)
+            scale_after = jnp.asarray(after[block.scale], jnp.float32)
+            # An update that left the apply count alone was skipped.
+            skipped = (applied_after == applied_before).astype(jnp.float32)
+            grew = (scale_after > scale_before).astype(jnp.float32) * (1 - skipped)
+            events = skipped + grew
+            kind = skipped * schema.EVENT_OVERFLOW + grew * schema.EVENT_GROWTH
+            # Updates without an event write to the scratch row.
+            slot = jnp.where(events > 0, block.ring + jnp.mod(
+                counts[EVENTS], self.capacity).astype(jnp.int32), SCRATCH_ROW)
+            trace.table = jax.lax.dynamic_update_slice(
+                table, jnp.stack([this_step, scale_before, scale_after, kind])[None], (slot, 0))
+            scales = jnp.stack([scale_after, jnp.asarray(after[block.counter], jnp.float32),
+                                scales[2], scales[3]])
+        counts = jnp.stack([counts[SKIPPED] + skipped, counts[EVENTS] + events,
+                            applied_after, counts[3]])
+        trace.rows[key] = [counts, scales]
+
+    def _loss_step(self, trace: _Trace):
+        """The step the loss check dates: the primary optimizer's (as the
+        step axis), before this step's update."""
+        table = trace.table
+        for use in self._usage.applied():
+            if id(use.optimizer) in trace.step_of:
+                return trace.step_of[id(use.optimizer)]
+        block = next(iter(self._blocks.values()), None)
+        if block is None:
+            return jnp.float32(0)
+        return table[block.row, APPLIED] + table[block.row, SKIPPED]
+
     def step_function(self, train_step: Callable) -> Callable:
         """`train_step(state, data)` as `step(state, table, data) ->
         (logs, state, table)`, with this state's updates traced in."""
-        applied_index, scale_index = self._applied_index, self._scale_index
-        counter_index, capacity = self._counter_index, self.capacity
+        blocks = list(self._blocks.values())
 
         def step(state, table, data):
-            self._loss, self._step_trace = None, getattr(table, "_trace", None)
-            logs, new_state = train_step(state, data)
-            before, after = state[2], new_state[2]
-            applied_before = jnp.asarray(before[applied_index], jnp.float32)
-            applied_after = jnp.asarray(after[applied_index], jnp.float32)
-            counts, scales = table[COUNT_ROW], table[SCALE_ROW]
-            skipped = events = jnp.float32(0)
-            this_step = applied_before + counts[SKIPPED]
-            scale_after, counter = scales[SCALE], scales[COUNTER]
-            if scale_index is not None:
-                scale_before = jnp.asarray(before[scale_index], jnp.float32)
-                scale_after = jnp.asarray(after[scale_index], jnp.float32)
-                counter = jnp.asarray(after[counter_index], jnp.float32)
-                # A step that left the apply count alone was skipped.
-                skipped = (applied_after == applied_before).astype(jnp.float32)
-                grew = (scale_after > scale_before).astype(jnp.float32) * (1 - skipped)
-                events = skipped + grew
-                kind = skipped * schema.EVENT_OVERFLOW + grew * schema.EVENT_GROWTH
-                # Steps without an event write to the scratch row.
-                slot = jnp.where(events > 0,
-                                 RING_START + jnp.mod(counts[EVENTS], capacity).astype(jnp.int32),
-                                 SCRATCH_ROW)
-                table = jax.lax.dynamic_update_slice(
-                    table, jnp.stack([this_step, scale_before, scale_after, kind])[None],
-                    (slot, 0))
-            nonfinite, first, last_loss = jnp.float32(0), counts[FIRST_NONFINITE], scales[LAST_LOSS]
-            loss, self._loss = self._loss, None
-            self.loss_watched = loss is not None
-            if loss is not None:
-                last_loss = jnp.sum(jnp.asarray(loss, jnp.float32))
+            trace = self._trace = _Trace(table)
+            try:
+                logs, new_state = train_step(state, data)
+            finally:
+                self._trace = None
+            table = trace.table
+            loss_row = table[LOSS_ROW]
+            nonfinite, first, last_loss = (jnp.float32(0), loss_row[FIRST_NONFINITE],
+                                           loss_row[LAST_LOSS])
+            self.loss_watched = trace.loss is not None
+            if trace.loss is not None:
+                last_loss = trace.loss
                 nonfinite = jnp.logical_not(jnp.isfinite(last_loss)).astype(jnp.float32)
-                first = jnp.where((first < 0) & (nonfinite > 0), this_step, first)
-            counts = jnp.stack([counts[SKIPPED] + skipped, counts[EVENTS] + events,
-                                counts[NONFINITE] + nonfinite, first])
-            scales = jnp.stack([scale_after, counter, last_loss, applied_after])
-            table = jax.lax.dynamic_update_slice(table, jnp.stack([counts, scales]),
-                                                 (COUNT_ROW, 0))
+                first = jnp.where((first < 0) & (nonfinite > 0), self._loss_step(trace),
+                                  first)
+            rows = [jnp.stack([loss_row[NONFINITE] + nonfinite, first, last_loss,
+                               loss_row[3]])]
+            skipped = rows[0][NONFINITE]
+            for block in blocks:
+                counts, scales = trace.rows.get(id(block.optimizer)) or (
+                    table[block.row], table[block.row + 1])
+                rows += [counts, scales]
+                skipped = skipped + counts[SKIPPED]
+            table = jax.lax.dynamic_update_slice(table, jnp.stack(rows), (LOSS_ROW, 0))
             if isinstance(logs, dict):
-                # The call alarm, read by the host when its step is done
+                # The call alarm: every skipped step and non-finite loss so
+                # far, read by the host when its step is done
                 # (`mpprof.backends.jax.call_alarm`); not donated.
-                logs = {**logs, ALARM_KEY: counts[SKIPPED] + counts[NONFINITE]}
+                logs = {**logs, ALARM_KEY: skipped}
             return logs, new_state, table
 
         return step
 
     # Host reads (one copy per call, `read`).
 
-    def skipped(self) -> int:
-        return int(self.read()[COUNT_ROW, SKIPPED])
+    def _block(self, optimizer) -> _Block:
+        return self._blocks[id(optimizer)]
 
-    def applied(self) -> int:
-        return int(self.read()[SCALE_ROW, APPLIED])
+    def skipped(self, optimizer) -> int:
+        return int(self.read()[self._block(optimizer).row, SKIPPED])
 
-    def steps_run(self) -> int:
-        """Steps run so far: apply calls plus skipped steps."""
-        return self.applied() + self.skipped()
+    def applied(self, optimizer) -> int:
+        return int(self.read()[self._block(optimizer).row, APPLIED])
 
-    def scale(self) -> float:
-        return float(self.read()[SCALE_ROW, SCALE])
+    def steps_run(self, optimizer) -> int:
+        """Steps `optimizer` has run so far: apply calls plus skipped steps."""
+        row = self.read()[self._block(optimizer).row]
+        return int(row[APPLIED]) + int(row[SKIPPED])
 
-    def counter(self) -> int:
-        return int(self.read()[SCALE_ROW, COUNTER])
+    def scale(self, optimizer) -> float:
+        return float(self.read()[self._block(optimizer).row + 1, SCALE])
+
+    def counter(self, optimizer) -> int:
+        return int(self.read()[self._block(optimizer).row + 1, COUNTER])
+
+    def events(self, optimizer) -> tuple[int, np.ndarray]:
+        """(events written so far, the ring [capacity, 4])."""
+        table, block = self.read(), self._block(optimizer)
+        ring = table[block.ring:block.ring + self.capacity]
+        return int(table[block.row, EVENTS]), ring.astype(np.float64)
+
+    def all_skipped(self, table: np.ndarray | None = None) -> int:
+        """Skipped steps of every followed optimizer (in `table`, default
+        the last call's)."""
+        table = self.read() if table is None else table
+        return int(sum(table[b.row, SKIPPED] for b in self._blocks.values()))
 
     def last_loss(self) -> float:
-        return float(self.read()[SCALE_ROW, LAST_LOSS])
+        return float(self.read()[LOSS_ROW, LAST_LOSS])
 
     def nonfinite(self) -> int:
-        return int(self.read()[COUNT_ROW, NONFINITE])
+        return int(self.read()[LOSS_ROW, NONFINITE])
 
     def first_nonfinite(self) -> int | None:
-        first = int(self.read()[COUNT_ROW, FIRST_NONFINITE])
+        first = int(self.read()[LOSS_ROW, FIRST_NONFINITE])
         return None if first < 0 else first
 
-    def events(self) -> tuple[int, np.ndarray]:
-        """(events written so far, the ring [capacity, 4])."""
-        table = self.read()
-        return int(table[COUNT_ROW, EVENTS]), table[RING_START:].astype(np.float64)
+    def primary_in(self, table: np.ndarray) -> tuple[int, int, float]:
+        """(apply calls, skipped steps, loss scale) in `table` of the primary
+        optimizer, the step axis ((0, 0, 1.0) when it is not followed)."""
+        primary = self._usage.primary()
+        block = self._blocks.get(id(primary.optimizer)) if primary is not None else None
+        if block is None:
+            return 0, 0, 1.0
+        row = table[block.row]
+        return int(row[APPLIED]), int(row[SKIPPED]), float(table[block.row + 1, SCALE])

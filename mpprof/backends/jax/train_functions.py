@@ -57,6 +57,7 @@ class TrainFunctions:
         `model.train_function` (undone by `patches.restore`)."""
         model = self._model
         self._state = self._api.step_state
+        self._state.install(patches)
         self._state.start()
         update_metrics = getattr(model, "_update_metrics_variables", None)
         if callable(update_metrics):

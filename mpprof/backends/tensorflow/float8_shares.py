@@ -1,17 +1,6 @@
-"""Float8 saturation and underflow shares, measured in-graph on sampled steps.
-
-On the steps the numerics schedule samples, each float8 layer's three
-quantized tensors are measured as Keras quantizes them
-(`keras.quantizers.quantize_and_dequantize`: `x / scale` in the compute
-dtype, clipped to the format's max, cast to float8, rounding to nearest
-even), with the scale the step quantizes with:
-
-- inputs (e4m3): the `inputs` its `quantized_call` receives (already in the
-  compute dtype), with `inputs_scale`;
-- kernel (e4m3): the kernel, with `kernel_scale`;
-- output gradient (e5m2): the gradient flowing into the layer's activation,
-  with `outputs_grad_scale`. Keras quantizes the gradient of the matmul's
-  output; the bias add between the two passes it through unchanged.
+"""Float8 saturation and underflow shares, measured in-graph on sampled steps,
+on TensorFlow (what is measured, and how the layers are wrapped:
+`mpprof.backends.float8_shares`).
 
 The scales are read in the step, before its update: TensorFlow orders the
 reads and writes of one variable as the step's code makes them, and Keras
@@ -25,32 +14,22 @@ why), never the user's step.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import numpy as np
 import tensorflow as tf
 
-from mpprof.backends.float8_replay import float8_layers
-from mpprof.dtypes import FLOAT8_RANGES
-from mpprof.recording.collectors.base import Collector
-from mpprof.recording.guard import TracedGuard
+from mpprof.backends.float8_shares import (
+    COUNTS,
+    TENSOR,
+    Float8SharesCollector,
+    quantization_limits,
+)
 from mpprof.recording.patching import Patches
 from mpprof.records import schema
 
-_COLUMN = schema.FLOAT8_SHARE_COLUMN
-_COUNTS = len(schema.FLOAT8_SHARE_COUNT_COLUMNS)
-_TENSOR = {name: index for index, name in enumerate(schema.FLOAT8_TENSORS)}
-
 
 def quantization_counts(values: tf.Tensor, scale: tf.Tensor, fmt: str) -> tf.Tensor:
-    """`schema.FLOAT8_SHARE_COLUMNS` of one tensor quantized as Keras does.
-
-    Keras divides in the compute dtype, clips to the format's max and casts
-    to float8, rounding to nearest even: a value saturates where its quotient
-    is beyond the max, and a non-zero value quantizes to zero where its
-    quotient is at most half the smallest subnormal (a float16 quotient that
-    underflows float16 itself included). Compared, not cast: the same verdict
+    """`schema.FLOAT8_SHARE_COLUMNS` of one tensor quantized as Keras does
+    (`mpprof.backends.float8_shares`). Compared, not cast: the same verdict
     for one pass less.
 
     Args:
@@ -63,9 +42,9 @@ def quantization_counts(values: tf.Tensor, scale: tf.Tensor, fmt: str) -> tf.Ten
     """
     # Flattened, and the limits passed as tensors: one trace per dtype.
     x = tf.reshape(values, [-1])
-    limits = FLOAT8_RANGES[fmt]
-    return _counts(x, tf.cast(scale, x.dtype), tf.constant(limits.max, x.dtype),
-                   tf.constant(limits.smallest_subnormal / 2, x.dtype), tf.cast(scale, tf.float32))
+    fmax, half_smallest = quantization_limits(fmt)
+    return _counts(x, tf.cast(scale, x.dtype), tf.constant(fmax, x.dtype),
+                   tf.constant(half_smallest, x.dtype), tf.cast(scale, tf.float32))
 
 
 # XLA fuses the element-wise passes into one (without it they cost more than
@@ -90,35 +69,23 @@ def _count(mask: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(tf.cast(mask, tf.float32))
 
 
-class Float8Shares(Collector):
-    """Writes a FLOAT8_SHARES record for each sampled step of a float8 model.
+class Float8Shares(Float8SharesCollector):
+    """FLOAT8_SHARES on TensorFlow: the taps add into a table variable.
 
-    Keras calls a quantized layer through its `quantized_call`, not its
-    `call` (so mpprof's layer-call hooks never see it): each float8 layer's
-    `quantized_call` is wrapped at instance level for the fit. While the
-    instrumented train step is traced (`instrument(True)`), the wrapper
-    measures the layer's inputs and kernel, and wraps the layer's activation
-    for the length of that call so that the gradient Keras quantizes is
-    measured on its way back.
+    While the instrumented train step is traced (`instrument(True)`: the
+    flag is read as `tf.function` traces, lazily), the wrapped
+    `quantized_call`s measure into the table.
 
     Args:
         model: the model being fit.
         sampling: whether the fit samples steps at all (`numerics_every`).
     """
 
-    name = "float8_shares"
-
     def __init__(self, model, sampling: bool):
-        self._layers = float8_layers(model)
-        self._sampling = sampling
+        super().__init__(model, sampling)
         self._strategy = model.distribute_strategy
         self.instrumenting = False
-        self.traced = TracedGuard()
-        self._ok = lambda: True
         self._table = None
-        self._samples = 0
-        self._tapping_lock = threading.Lock()
-        self._tapping_calls: dict[int, int] = {}
 
     def install(self, fit, patches: Patches) -> None:
         if not self._layers or not self._sampling:
@@ -127,69 +94,27 @@ class Float8Shares(Collector):
         with self._strategy.scope():
             self._table = tf.Variable(tf.zeros(shape), trainable=False,
                                       name="mpprof_float8_shares")
-        self.traced.on_error = lambda error: fit.guard.fail(self.name, error)
-        self._ok = lambda: fit.guard.ok(self.name)
+        self._guard(fit)
         for row, layer in enumerate(self._layers):
-            patches.set(layer, "quantized_call", self._wrap(layer, row, layer.quantized_call))
+            patches.set(layer, "quantized_call", self.wrap(layer, row, layer.quantized_call))
 
     def instrument(self, on: bool) -> None:
         """Switches the taps on for the sampled call about to run, or off after it."""
         self.instrumenting = on and self._table is not None
 
-    def _wrap(self, layer, row: int, quantized_call):
-        activation = getattr(layer, "activation", None)
-        tapped_activation = None
-        if callable(activation):
-            # One tapped activation per layer, whichever replica calls it: the
-            # tap reads the scale and the replica context where it runs.
-            def tapped_activation(x):
-                tapped = self.traced(lambda: self._gradient_tap(x, row, layer.outputs_grad_scale))
-                return activation(x if tapped is None else tapped)
+    def _begin_call(self, row: int, inputs) -> bool:
+        return self.instrumenting
 
-        def measured_quantized_call(*args, **kwargs):
-            if not self.instrumenting or not self._ok():
-                return quantized_call(*args, **kwargs)
-            self.traced(lambda: self._record(row, [
-                ("inputs", args[0] if args else kwargs["inputs"], layer.inputs_scale),
-                ("kernel", tf.cast(layer._kernel, layer.compute_dtype), layer.kernel_scale),
-            ]))
-            if tapped_activation is None:
-                # No activation to wrap: the output is the matmul's (plus the bias).
-                outputs = quantized_call(*args, **kwargs)
-                tapped = self.traced(
-                    lambda: self._gradient_tap(outputs, row, layer.outputs_grad_scale))
-                return outputs if tapped is None else tapped
-            with self._tapping(layer, row, activation, tapped_activation):
-                return quantized_call(*args, **kwargs)
+    def _measure_forward(self, row: int, layer, inputs) -> None:
+        self._record(row, [
+            ("inputs", inputs, layer.inputs_scale),
+            ("kernel", tf.cast(layer._kernel, layer.compute_dtype), layer.kernel_scale),
+        ])
 
-        return measured_quantized_call
-
-    @contextlib.contextmanager
-    def _tapping(self, layer, row: int, activation, tapped_activation):
-        """`layer.activation` is `tapped_activation` for the length of the call.
-
-        Set for the call alone, so that a checkpoint saving the layer's config
-        never sees the wrapper. MirroredStrategy traces each replica in its
-        own thread, and an all-reduce in a hook inside the call (the layer's
-        numerics) hands over to the next replica mid-call: the layer's own
-        activation is put back only when the last replica's call ends, and
-        never read back from the layer (where it may be the tapped one).
-        """
-        with self._tapping_lock:
-            self._tapping_calls[row] = self._tapping_calls.get(row, 0) + 1
-            layer.activation = tapped_activation
-        try:
-            yield
-        finally:
-            with self._tapping_lock:
-                self._tapping_calls[row] -= 1
-                if not self._tapping_calls[row]:
-                    layer.activation = activation
-
-    def _gradient_tap(self, tensor: tf.Tensor, row: int, scale_variable) -> tf.Tensor:
-        """`tensor`, whose gradient is measured against `scale_variable` as it
-        is before the step's update."""
-        scale = tf.convert_to_tensor(scale_variable)
+    def _gradient_tap(self, tensor: tf.Tensor, row: int, layer) -> tf.Tensor:
+        """`tensor`, whose gradient is measured against `outputs_grad_scale`
+        as it is before the step's update."""
+        scale = tf.convert_to_tensor(layer.outputs_grad_scale)
 
         @tf.custom_gradient
         def identity(x):
@@ -203,12 +128,12 @@ class Float8Shares(Collector):
 
     def _record(self, row: int, tensors: list) -> None:
         """Adds the counts of (tensor name, values, scale) into the table."""
-        positions = [(row, _TENSOR[name]) for name, _, _ in tensors]
+        positions = [(row, TENSOR[name]) for name, _, _ in tensors]
         rows = tf.stack([
             quantization_counts(values, scale, schema.FLOAT8_FORMATS[name])
             for name, values, scale in tensors
         ])
-        counts, maxima = rows[:, :_COUNTS], rows[:, _COUNTS:]
+        counts, maxima = rows[:, :COUNTS], rows[:, COUNTS:]
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
             # MirroredStrategy all-reduces only SUM and MEAN: the maxima come
@@ -223,8 +148,8 @@ class Float8Shares(Collector):
         table = tf.reshape(self._table, [cells, -1])
         added = tf.matmul(one_hot, counts)
         largest = tf.reduce_max(one_hot[:, :, None] * maxima[None, :, :], axis=1)
-        updated = tf.concat([table[:, :_COUNTS] + added,
-                             tf.maximum(table[:, _COUNTS:], largest)], axis=1)
+        updated = tf.concat([table[:, :COUNTS] + added,
+                             tf.maximum(table[:, COUNTS:], largest)], axis=1)
         self._table.assign(tf.reshape(updated, self._table.shape))
 
     # After each call.
@@ -240,15 +165,4 @@ class Float8Shares(Collector):
         """Writes the shares of the call just sampled."""
         if self._table is None:
             return
-        rows = self._read_and_reset().numpy().astype(np.float64)
-        if not rows[..., _COLUMN.count].any():
-            return  # no float8 layer was measured in this call
-        fit.writer.write_array(schema.FLOAT8_SHARES, rows, fit.sample_step)
-        self._samples += 1
-
-    def context(self) -> dict:
-        if not self._layers:
-            return {"state": "absent", "reason": "no float8 layers (model.quantize('float8'))"}
-        if not self._sampling:
-            return {"state": "off", "reason": "numerics_every=None: no step is sampled"}
-        return {"state": "ok", "samples": self._samples}
+        self.write(fit, self._read_and_reset().numpy().astype(np.float64))

@@ -18,11 +18,10 @@ import tensorflow as tf
 from mpprof.backends.tensorflow.loss_scale_series import MODE_HOST
 from mpprof.recording import step_origin
 from mpprof.recording.collectors.base import Collector
-from mpprof.recording.distributed import keras_3_skip_decided_by
+from mpprof.recording.loss_scale_records import series_context, write_series
 from mpprof.recording.optimizer_usage import OptimizerUsage, applied_steps
 from mpprof.recording.patching import Patches
 from mpprof.recording.step_origin import EarlierRecords
-from mpprof.records import schema
 
 
 class LossScales(Collector):
@@ -96,20 +95,8 @@ class LossScales(Collector):
 
     def flush(self, fit) -> None:
         """Reads every used series and writes its new events and progress."""
-        if not self:
-            return
-        primary = self.primary()
-        for name, collector in self.active().items():
-            series = None if collector is primary else name
-            start = self._start.pop(name, None)
-            if start is not None:
-                fit.writer.write_array(schema.LOSS_SCALE_PROGRESS, start, int(start[0]),
-                                       series=series)
-            events, progress = collector.read()
-            step = int(progress[schema.LOSS_SCALE_PROGRESS_COLUMN.steps_run])
-            if len(events):
-                fit.writer.write_array(schema.LOSS_SCALE_EVENTS, events, step, series=series)
-            fit.writer.write_array(schema.LOSS_SCALE_PROGRESS, progress, step, series=series)
+        if self:
+            write_series(fit, self.active(), self.primary(), self._start)
 
     def active(self) -> dict[str, object]:
         """The series of optimizers the step uses (all of them until traced;
@@ -193,16 +180,4 @@ class LossScales(Collector):
                     else "the train step applied no optimizer: no loss scale to record"
                 ),
             }
-        primary = self.primary()
-        context = {"state": "ok"}
-        series = {}
-        for name, collector in active.items():
-            settings = collector.settings()
-            settings.setdefault("skip_decided_by", keras_3_skip_decided_by(self._replicas))
-            settings["step_axis_origin"] = collector.origin.describe()
-            if collector is primary or primary is None and not series:
-                context.update(settings, primary=name)
-            series[name] = settings
-        if len(series) > 1:
-            context["series"] = series
-        return context
+        return series_context(active, self.primary(), self._replicas)

@@ -1,0 +1,60 @@
+"""What every backend's loss-scale collector writes: one series per
+LossScaleOptimizer the step used, the primary one under the plain tags,
+every other under a series named after its attribute
+(`schema.tag_for(record, series)`), and their settings in the run context.
+
+A series here is a backend's `LossScaleSeries`: `read()` gives its new
+events and progress row, `settings()` and `origin` describe it.
+"""
+
+from __future__ import annotations
+
+from mpprof.recording.distributed import keras_3_skip_decided_by
+from mpprof.records import schema
+
+
+def write_series(fit, active: dict[str, object], primary, start: dict[str, object]) -> None:
+    """Writes each active series' new events and progress.
+
+    Args:
+        fit: the fit's `FitState` (its `writer`).
+        active: the series of the optimizers the step used, by name.
+        primary: the primary optimizer's series (written under the plain tags).
+        start: each series' first progress row not written yet, by name
+            (taken out as it is written).
+    """
+    for name, collector in active.items():
+        series = None if collector is primary else name
+        first = start.pop(name, None)
+        if first is not None:
+            fit.writer.write_array(schema.LOSS_SCALE_PROGRESS, first, int(first[0]),
+                                   series=series)
+        events, progress = collector.read()
+        step = int(progress[schema.LOSS_SCALE_PROGRESS_COLUMN.steps_run])
+        if len(events):
+            fit.writer.write_array(schema.LOSS_SCALE_EVENTS, events, step, series=series)
+        fit.writer.write_array(schema.LOSS_SCALE_PROGRESS, progress, step, series=series)
+
+
+def series_context(active: dict[str, object], primary, replicas: int) -> dict:
+    """The run context's "loss_scale" state for active series: the primary
+    one's settings at the top, and every series' under "series" when there
+    are several.
+
+    Args:
+        active: the series of the optimizers the step used, by name (not empty).
+        primary: the primary optimizer's series, or None.
+        replicas: replicas in sync (who decides a skip).
+    """
+    context = {"state": "ok"}
+    series = {}
+    for name, collector in active.items():
+        settings = collector.settings()
+        settings.setdefault("skip_decided_by", keras_3_skip_decided_by(replicas))
+        settings["step_axis_origin"] = collector.origin.describe()
+        if collector is primary or primary is None and not series:
+            context.update(settings, primary=name)
+        series[name] = settings
+    if len(series) > 1:
+        context["series"] = series
+    return context
