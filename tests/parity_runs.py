@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "jax"))
 import jax_runs
 import keras
 import numpy as np
+from float8_runs import float8_data, float8_model
 
 from mpprof import diagnosis
 
@@ -34,6 +35,21 @@ def _inf_in_batch_5():
     x, y = jax_runs.classes()
     x[5 * 8 + 3, 0] = np.inf
     return x, y
+
+
+def _float8(gradient_amax: float | None = None) -> keras.Model:
+    model = float8_model()
+    if gradient_amax is not None:
+        # Holds the gradient scale far above the gradients: all quantize to 0.
+        model.get_layer("hidden").outputs_grad_amax_history.assign(
+            np.full(1024, gradient_amax, np.float32))
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+    return model
+
+
+# Float8 scenarios start from random kernels, which the two backends draw
+# differently: their findings and statuses are compared, not their values.
+FLOAT8 = ("float8_saturating", "float8_underflowing", "float8_healthy")
 
 
 def _scenarios():
@@ -62,10 +78,13 @@ def _scenarios():
         "gradient_scaled": (lambda: jax_runs.regression(
             constant(0.1), head=constant(0.5), loss=_tiny_mse),
             jax_runs.ones(8 * 4, 1.0), {"numerics_every": 1}),
+        "float8_saturating": (_float8, float8_data(4.0), {"numerics_every": 1}),
+        "float8_underflowing": (lambda: _float8(1e12), float8_data(), {"numerics_every": 1}),
+        "float8_healthy": (_float8, float8_data(), {"numerics_every": 1}),
     }
 
 
-def _summary(run) -> dict:
+def _summary(run, values: bool = True) -> dict:
     evaluation = diagnosis.evaluate(run)
     summary = {
         "findings": sorted({(f.code, f.layer, f.step) for f in evaluation.findings},
@@ -74,6 +93,8 @@ def _summary(run) -> dict:
         "health": {key: run.health.get(key) for key in
                    ("loss_watched", "first_nonfinite_loss_step", "nonfinite_loss_steps")},
     }
+    if not values:
+        return summary
     if run.loss_scale is not None:
         summary["overflows"] = run.loss_scale.overflows.tolist()
         summary["growths"] = run.loss_scale.growths.tolist()
@@ -90,7 +111,7 @@ def main(out_dir: str) -> None:
     summaries = {}
     for name, (make, (x, y), profiler) in _scenarios().items():
         run = jax_runs.fit(os.path.join(out_dir, name), make(), x, y, **profiler)
-        summaries[name] = _summary(run)
+        summaries[name] = _summary(run, values=name not in FLOAT8)
     summaries["backend"] = keras.backend.backend()
     with open(os.path.join(out_dir, "summaries.json"), "w") as f:
         json.dump(summaries, f, default=str)

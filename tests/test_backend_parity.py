@@ -3,7 +3,8 @@
 `tests/parity_runs.py` trains each Keras 3 scenario (a healthy run, a loss
 scale that collapses, an overflow storm and its growth-probe look-alike, a
 float16 head, no loss scaling, a non-finite loss, a forward overflow and its
-float32-island look-alike, a gradient underflow and its scaled look-alike)
+float32-island look-alike, a gradient underflow and its scaled look-alike,
+float8 layers that saturate or underflow and their healthy look-alike)
 in one process per backend; here each scenario's summary (findings with
 their layer and step, every rule's status, the loss-scale events, the loss
 health, the per-layer numerics the findings rest on) must be equal across
@@ -31,6 +32,9 @@ EXPECTED = {
     "float32_island": {"MP004", "MP011"},
     "gradient_underflow": {"MP005", "MP011"},
     "gradient_scaled": {"MP011"},
+    "float8_saturating": {"MP007", "MP015"},
+    "float8_underflowing": {"MP007", "MP016"},
+    "float8_healthy": {"MP007"},
 }
 
 
