@@ -55,7 +55,7 @@ def test_text_has_one_section_per_run_grouped_by_severity(two_runs, capsys):
     assert lines[1] == "WARNING (2)"
     mp002 = next(i for i, line in enumerate(lines) if "MP002" in line)
     assert lines[mp002 + 1].strip() == "step 0"
-    assert lines[mp002 + 2].strip().startswith("evidence: steps=24")
+    assert lines[mp002 + 2].strip().startswith("evidence: optimizer=optimizer, steps=24")
     assert lines[mp002 + 3].strip() == "fix:"
     assert "LossScaleOptimizer(optimizer, initial_scale=2.0**" in lines[mp002 + 5]
     assert "\033[" not in out  # not a terminal: no colour
