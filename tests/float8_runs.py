@@ -27,6 +27,19 @@ def float8_model(policy: str = "float32") -> keras.Model:
     return model
 
 
+def compiled_float8_model(gradient_amax: float | None = None) -> keras.Model:
+    """`float8_model()` compiled with SGD and mse; `gradient_amax` fills the
+    hidden layer's output-gradient amax history: far beyond the gradients, it
+    holds their scale up for the whole history and every gradient value of
+    the layer quantizes to 0."""
+    model = float8_model()
+    if gradient_amax is not None:
+        model.get_layer("hidden").outputs_grad_amax_history.assign(
+            np.full(1024, gradient_amax, np.float32))
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+    return model
+
+
 def float8_data(growth: float = 1.0):
     """STEPS batches of normal inputs, batch i scaled by growth**i, and targets."""
     rng = np.random.default_rng(0)

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "jax"))
 import jax_runs
 import keras
 import numpy as np
-from float8_runs import float8_data, float8_model
+from float8_runs import compiled_float8_model, float8_data
 
 from mpprof import diagnosis
 
@@ -35,16 +35,6 @@ def _inf_in_batch_5():
     x, y = jax_runs.classes()
     x[5 * 8 + 3, 0] = np.inf
     return x, y
-
-
-def _float8(gradient_amax: float | None = None) -> keras.Model:
-    model = float8_model()
-    if gradient_amax is not None:
-        # Holds the gradient scale far above the gradients: all quantize to 0.
-        model.get_layer("hidden").outputs_grad_amax_history.assign(
-            np.full(1024, gradient_amax, np.float32))
-    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
-    return model
 
 
 # Float8 scenarios start from random kernels, which the two backends draw
@@ -78,9 +68,10 @@ def _scenarios():
         "gradient_scaled": (lambda: jax_runs.regression(
             constant(0.1), head=constant(0.5), loss=_tiny_mse),
             jax_runs.ones(8 * 4, 1.0), {"numerics_every": 1}),
-        "float8_saturating": (_float8, float8_data(4.0), {"numerics_every": 1}),
-        "float8_underflowing": (lambda: _float8(1e12), float8_data(), {"numerics_every": 1}),
-        "float8_healthy": (_float8, float8_data(), {"numerics_every": 1}),
+        "float8_saturating": (compiled_float8_model, float8_data(4.0), {"numerics_every": 1}),
+        "float8_underflowing": (lambda: compiled_float8_model(1e12), float8_data(),
+                                {"numerics_every": 1}),
+        "float8_healthy": (compiled_float8_model, float8_data(), {"numerics_every": 1}),
     }
 
 

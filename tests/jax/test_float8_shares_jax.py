@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import pytest
 from custom_step_models import CustomStepRegressor
-from float8_runs import BATCH, STEPS, float8_data, float8_model
+from float8_runs import BATCH, STEPS, compiled_float8_model, float8_data
 
 from mpprof import cli, diagnosis
 from mpprof.backends.float8_replay import float8_layers
@@ -28,17 +28,6 @@ from mpprof.records import schema
 FLOAT8_CODES = ("MP015", "MP016", "MP017")
 LAYERS = ("hidden", "head")
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
-
-
-def _model(gradient_amax: float | None = None) -> keras.Model:
-    model = float8_model()
-    if gradient_amax is not None:
-        # An amax far beyond the gradients' holds the gradient scale up for
-        # the whole history: every gradient value of the layer quantizes to 0.
-        model.get_layer("hidden").outputs_grad_amax_history.assign(
-            np.full(1024, gradient_amax, np.float32))
-    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
-    return model
 
 
 def _keras_counts(values: np.ndarray, scale: float, fmt: str) -> np.ndarray:
@@ -64,7 +53,7 @@ class _Twin:
     gradient it passes on)."""
 
     def __init__(self, x, y, **model):
-        self.model = _model(**model)
+        self.model = compiled_float8_model(**model)
         self.expected = []
         for i in range(STEPS):
             xb, yb = x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]
@@ -95,14 +84,14 @@ class _Twin:
 
 
 def _fit(log_dir, x, y, numerics_every=1, **model):
-    profiled = _model(**model)
+    profiled = compiled_float8_model(**model)
     run = jax_runs.fit(log_dir, profiled, x, y, batch_size=BATCH, flush_every_steps=2,
                        numerics_every=numerics_every)
     return profiled, run
 
 
 def _plain_weights(x, y, **model) -> list:
-    plain = _model(**model)
+    plain = compiled_float8_model(**model)
     plain.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
     return plain.get_weights()
 
@@ -229,7 +218,7 @@ def test_the_plain_step_is_the_layers_own_and_only_a_sampled_trace_measures():
     """The defaults stay cheap: with every float8 layer's `quantized_call`
     wrapped, Keras' train step traces to the same jaxpr as unwrapped; only
     while the instrumented step's trace is on does it count."""
-    model = _model()
+    model = compiled_float8_model()
     model.optimizer.build(model.trainable_variables)
     x, y = float8_data()
     state = tuple([v.value for v in variables] for variables in (
