@@ -1,4 +1,5 @@
-"""`make demo`: train a healthy model and a faulty one, diagnose, fix, check.
+"""`make demo`: train a healthy model and a faulty one, diagnose, fix, check;
+then the faulty one again on Keras 3's JAX backend.
 
 Runs each step as its own process and prints the command before its output,
 so the transcript shows what to type yourself. TensorFlow's C++ log lines
@@ -16,7 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-RUNS = ("mnist_mixed_float16", "attention_overflow", "attention_fixed")
+RUNS = ("mnist_mixed_float16", "attention_overflow", "attention_fixed",
+        "attention_overflow_jax")
 # absl's "before InitializeLog" notice and its glog-style lines
 # ("I0000 00:00:1796416302.191610    4722 cudart_stub.cc:31] ...").
 TF_NOISE = re.compile(
@@ -25,11 +27,16 @@ TF_NOISE = re.compile(
 )
 
 
-def run(*command: str) -> None:
-    """Runs one step, echoing it; exits with its status if it fails."""
+def run(*command: str, backend: str | None = None) -> None:
+    """Runs one step, echoing it; exits with its status if it fails.
+    `backend` sets KERAS_BACKEND for it."""
     shown = [Path(command[0]).name, *command[1:]]
+    if backend:
+        shown.insert(0, f"KERAS_BACKEND={backend}")
     print(f"$ {' '.join(shown)}", flush=True)
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONUNBUFFERED": "1"}
+    if backend:
+        env["KERAS_BACKEND"] = backend
     # The plain CPU kernels: oneDNN emulates float16 (see the Makefile).
     env.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     process = subprocess.Popen(command, env=env, stdout=None, stderr=subprocess.PIPE,
@@ -65,6 +72,13 @@ def main() -> None:
     run(python, "examples/attention_overflow.py", "--verbose", "0", "--fix",
         "--log-dir", str(logdir / "attention_fixed"))
     run(mpprof, "diagnose", str(logdir / "attention_fixed"))
+    print("\n4. The faulty model on Keras 3's JAX backend: the same finding, replayed"
+          " through the step's jaxpr.\n   JAX's device runs ahead of the host, so a"
+          " forensic sample comes a step or two after an\n   overflow, past this"
+          " two-batch burst: this short run samples every step instead")
+    run(python, "examples/attention_overflow.py", "--verbose", "0", "--numerics-every", "1",
+        "--log-dir", str(logdir / "attention_overflow_jax"), backend="jax")
+    run(mpprof, "diagnose", str(logdir / "attention_overflow_jax"), "--replay")
     run(mpprof, "report", str(logdir), "-o", str(logdir / "report.html"), "--quiet")
     print(f"\nNext: the mpprof tab in TensorBoard (tensorboard --logdir {logdir}, "
           f"http://127.0.0.1:{args.port}/#mpprof),\n"
