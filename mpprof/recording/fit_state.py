@@ -28,6 +28,10 @@ class FitState:
         sample_step: for the call just made, the step its numerics sample
             starts at (None: the call was not sampled).
         forensic: whether that sample was taken because of an overflow.
+        replayed_sample: for a forensic sample evaluated on an earlier,
+            overflowed step's batch, beside the call (`sample_step` is that
+            step): which step's state it ran with
+            (`mpprof.backends.jax.train_functions.ReplayedSample.note`); else None.
         replay_outputs: what an instrumented call returned for a replay
             capture (`mpprof.backends.tensorflow.replay_capture`), if anything.
     """
@@ -42,4 +46,5 @@ class FitState:
     calls: int = 0
     sample_step: int | None = None
     forensic: bool = False
+    replayed_sample: dict | None = None
     replay_outputs: object = field(default=None, repr=False)

@@ -256,11 +256,19 @@ class ProfiledFit:
         for collector in sampling:
             collector.instrument(True)  # sets a flag the traced taps read
         try:
-            return self._functions.run_instrumented(*args, on_abort=self._abort,
-                                                    on_failure=self._instrumented_failed)
+            result = self._functions.run_instrumented(*args, on_abort=self._abort,
+                                                      on_failure=self._instrumented_failed,
+                                                      forensic=fit.forensic)
         finally:
             for collector in sampling:
                 collector.instrument(False)
+        # A forensic sample of an earlier, overflowed step's batch (where the
+        # backend dispatches ahead of the host; None elsewhere).
+        replayed = self._functions.replayed
+        fit.replayed_sample = None if replayed is None else replayed.note()
+        if replayed is not None:
+            fit.sample_step = replayed.step
+        return result
 
     def _instrumented_failed(self, reason: str) -> None:
         self._guard.fail(self._collectors.numerics.name, reason)

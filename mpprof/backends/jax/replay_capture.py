@@ -9,7 +9,10 @@ instrumented step runs, the train functions hand this collector
 small step table (the counters as the step found them) and device copies of
 the non-trainable variables (moving statistics change in the forward pass,
 also on a skipped step); after it (`after_sampled`), the state the step
-returned, which stays valid until fit passes it to the next call. The host
+returned, which stays valid until fit passes it to the next call (for a
+forensic sample of an earlier step's kept batch, `train_functions`, the
+batch is that step's, the weights the current ones, and the state and step
+table those the undonated evaluation returned). The host
 reads the step table once the call is done (the sampled call waits for its
 numerics anyway): the step was skipped when its skipped count moved. Only
 then does anything reach the host: the batch, the trainable weights the step
@@ -32,6 +35,7 @@ import numpy as np
 
 from mpprof.backends import keras_capture
 from mpprof.backends.jax.custom_step import overrides_train_step
+from mpprof.backends.jax.step_state import LAST_LOSS, LOSS_ROW
 from mpprof.recording.collectors.base import Collector
 from mpprof.replay import files
 
@@ -86,7 +90,10 @@ class ReplayCapture(Collector):
 
     # Around the sampled step (called by `TrainFunctions.run_instrumented`).
 
-    def before_sampled(self, state, table, data) -> None:
+    def before_sampled(self, state, table, data, step: int | None = None) -> None:
+        """`step`: the step `data` is the batch of, when the sampled step runs
+        on an earlier, overflowed step's batch (a forensic sample; the state
+        is then the current one); None: the step the table says."""
         self._after = None
         if len(self.captured) >= self.budget or self._api.step_state is None:
             self._before = None
@@ -98,11 +105,13 @@ class ReplayCapture(Collector):
         trainable = ([jnp.array(v, copy=True) for v in state[0]]
                      if self._custom_step else None)
         self._before = (jnp.array(table, copy=True),
-                        [jnp.array(v, copy=True) for v in state[1]], data, trainable)
+                        [jnp.array(v, copy=True) for v in state[1]], data, trainable, step)
 
-    def after_sampled(self, state) -> None:
+    def after_sampled(self, state, table=None) -> None:
+        """`table`: the step table the sampled step returned, when it is not
+        the one the call leaves (a forensic sample of an earlier step)."""
         if self._before is not None:
-            self._after = state
+            self._after = (state, table)
 
     # The core's hook.
 
@@ -111,19 +120,22 @@ class ReplayCapture(Collector):
         before, after, self._before, self._after = self._before, self._after, None, None
         if before is None or after is None or len(self.captured) >= self.budget:
             return
-        table_before, non_trainable_before, data, trainable_before = before
+        table_before, non_trainable_before, data, trainable_before, step = before
+        after, table_after = after
         table_before = np.asarray(jax.device_get(table_before))
-        table_after = self._api.step_state.read()
         state = self._api.step_state
+        table_after = state.read() if table_after is None else np.asarray(
+            jax.device_get(table_after))
         skipped = state.all_skipped(table_after) - state.all_skipped(table_before)
         watched = self._health.watched() is not None if fit.guard.ok(self._health.name) \
             else False
-        loss = self._health.last_loss() if watched else math.nan
+        loss = float(table_after[LOSS_ROW, LAST_LOSS]) if watched else math.nan
         loss_finite = math.isfinite(loss) if watched else None
         if skipped == 0 and loss_finite is not False:
             return
         applied_before, skipped_before, scale = state.primary_in(table_before)
-        step = applied_before + skipped_before
+        if step is None:
+            step = applied_before + skipped_before
         if loss_finite and skipped and applied_before == 0:
             self.initial_descent_skipped += 1
             return

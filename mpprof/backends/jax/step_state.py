@@ -341,3 +341,17 @@ class StepState:
             return 0, 0, 1.0
         row = table[block.row]
         return int(row[APPLIED]), int(row[SKIPPED]), float(table[block.row + 1, SCALE])
+
+    def primary_overflows(self) -> tuple[int, set[int]] | None:
+        """(steps run, the steps still in its ring that overflowed) of the
+        primary optimizer, in the last call's table; None when it has no
+        followed loss scale."""
+        primary = self._usage.primary()
+        block = self._blocks.get(id(primary.optimizer)) if primary is not None else None
+        if block is None or block.ring is None:
+            return None
+        written, ring = self.events(block.optimizer)
+        rows = ring if written >= self.capacity else ring[:written]
+        row = self.read()[block.row]
+        return (int(row[APPLIED]) + int(row[SKIPPED]),
+                {int(r[0]) for r in rows if r[3] == schema.EVENT_OVERFLOW})

@@ -62,6 +62,9 @@ class TrainFunctions:
         # step showed it would change the run (None: it may be).
         self.instrumented_off: str | None = None
         self._step_checked = False
+        # Always None here: every sample is of the call's own step (the JAX
+        # train functions may sample an earlier step's batch).
+        self.replayed = None
 
     def install(self, dispatcher: Callable, patches: Patches) -> None:
         """Makes both functions and puts `dispatcher` in `model.train_function`
@@ -139,8 +142,10 @@ class TrainFunctions:
             raise
 
     def run_instrumented(self, iterator, *, on_abort: Callable[[], None],
-                         on_failure: Callable[[str], None]):
-        """Runs one call of the instrumented function and returns its logs.
+                         on_failure: Callable[[str], None], forensic: bool = False):
+        """Runs one call of the instrumented function and returns its logs
+        (`forensic` changes nothing: the host reads each call's alarm before
+        the next, so a forensic sample is of the step after the overflow).
 
         If it fails on its first run, it is dropped (`on_failure` gets the
         reason) and the plain one runs instead: mpprof's hooks inside the step

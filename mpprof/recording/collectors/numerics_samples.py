@@ -44,6 +44,8 @@ class NumericsSamples(Collector):
         self._pending: list[dict[str, np.ndarray]] = []
         self._layout_written = None
         self._forensic_used = 0
+        # The notes of forensic samples of earlier steps' batches (JAX).
+        self._replayed: list[dict] = []
         self._patches: Patches | None = None
         self._off_reason: str | None = None
 
@@ -81,7 +83,9 @@ class NumericsSamples(Collector):
         """Reads the sample the call just made recorded."""
         self._forensic_used = fit.schedule.forensic_used
         sample = self.collector.read()
-        sample.pop("loss", None)  # the loss comes from the health watchers
+        # The loss comes from the health watchers, but for a sample of an
+        # earlier step's batch (whose step is not the call's).
+        own_loss = sample.pop("loss", math.nan)
         max_value = DTYPE_MAX.get(fit.model.dtype_policy.compute_dtype, DTYPE_MAX["float32"])
         layout = self.collector.layout(max_value)
         if layout != self._layout_written:
@@ -89,9 +93,13 @@ class NumericsSamples(Collector):
             fit.writer.write_json(schema.NUMERICS_LAYOUT, layout, fit.sample_step)
             self._layout_written = layout
         loss = self._health.last_loss() if fit.guard.ok(self._health.name) else math.nan
+        covered = fit.step - fit.sample_step
+        if fit.replayed_sample is not None:
+            loss, covered = own_loss, 1
+            self._replayed.append(fit.replayed_sample)
         scale = self._loss_scales.scale_value()
         sample[schema.NUMERICS_STEP] = np.array([
-            fit.sample_step, loss, scale, float(fit.forensic), fit.step - fit.sample_step,
+            fit.sample_step, loss, scale, float(fit.forensic), covered,
         ])
         self._pending.append(sample)
         if len(self._pending) >= MAX_PENDING_SAMPLES:
@@ -116,4 +124,14 @@ class NumericsSamples(Collector):
             return {"state": "off", "reason": "numerics_every=None"}
         if self._off_reason is not None:
             return {"state": "off", "reason": self._off_reason, **self._settings}
-        return {"state": "ok", **self._settings, "forensic_used": self._forensic_used}
+        entry = {"state": "ok", **self._settings, "forensic_used": self._forensic_used}
+        if self._replayed:
+            entry["forensic_of_earlier_steps"] = {
+                "how": ("the instrumented step evaluated, beside the sampled call, on the "
+                        "kept batch of the overflowed step, with the state (weights, loss "
+                        "scale) at the call (state_of_step); weights_of_step: the step "
+                        "whose weights those are (the overflowed one when every step "
+                        "since was skipped)"),
+                "samples": self._replayed,
+            }
+        return entry
