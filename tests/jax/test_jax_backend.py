@@ -226,7 +226,9 @@ def test_mp003_first_forward_overflow_and_its_float32_island_look_alike(tmp_path
     model = jax_runs.regression(keras.initializers.Constant(300.0))
     run = jax_runs.fit(tmp_path / "overflow", model, x, y, numerics_every=1)
     finding = next(f for f in diagnosis.diagnose(run) if f.code == "MP003")
-    assert finding.layer == "second" and finding.step == 1  # the first sampled step
+    # Step 0 (the first call, which traces, runs plain) overflowed: the next
+    # call's forensic sample is of step 0's kept batch.
+    assert finding.layer == "second" and finding.step == 0
     assert run.numerics.layers == ["first", "second", "head"]
     # Look-alike: float16 fits (8,192); the float32 head goes past 65504.
     model = jax_runs.regression(keras.initializers.Constant(8.0),
@@ -274,11 +276,14 @@ def test_samples_come_every_n_steps_and_plain_steps_stay_plain(tmp_path):
 def test_an_overflow_arms_a_forensic_sample(tmp_path):
     """The alarm is read once its step is done (the host never waits for it):
     the first overflow (step 0) arms a sample a few calls later, long before
-    numerics_every=100; the spacing (50) allows no second one in 40 steps."""
+    numerics_every=100, of the overflowed steps' kept batches (the first of
+    the newest run of them: step 0 where every step so far overflowed); the
+    spacing (50) allows no second one in 40 steps."""
     x, y = jax_runs.ones(8 * 40, 1000.0)
     run = jax_runs.fit(tmp_path, jax_runs.overflow_model(), x, y, numerics_every=100)
     assert run.loss_scale.overflow_steps[0] == 0
-    assert len(run.numerics.steps) == 1 and 1 <= run.numerics.steps[0] < 40
+    assert len(run.numerics.steps) == 1
+    assert run.numerics.steps[0] in run.loss_scale.overflow_steps
     assert run.numerics.forensic.all()
     # The sampled step overflowed too: its gradients are beyond float16.
     assert (run.numerics.variable_grads["nonfinite_frac"] > 0).any()
@@ -296,8 +301,12 @@ def test_a_lone_overflow_in_the_first_call_arms_a_forensic_sample(tmp_path):
     model = jax_runs.regression(learning_rate=0.0, initial_scale=2.0**12)
     run = jax_runs.fit(tmp_path, model, x, y, numerics_every=100)
     assert list(run.loss_scale.overflow_steps) == [0]
-    assert len(run.numerics.steps) == 1 and 1 <= run.numerics.steps[0] < 40
-    assert run.numerics.forensic.all()
+    # Of step 0's kept batch, with the state of the call that sampled it
+    # (step 0's weights only if that call came right after it).
+    assert run.numerics.steps.tolist() == [0] and run.numerics.forensic.all()
+    (note,) = run.context["collectors"]["numerics"]["forensic_of_earlier_steps"]["samples"]
+    assert note["step"] == 0 and note["state_of_step"] >= 1
+    assert note["weights_of_step"] == (0 if note["state_of_step"] == 1 else note["state_of_step"])
 
 
 # --- The collectors that once said "unavailable" on JAX record.
