@@ -92,6 +92,8 @@ def _summary(run, values: bool = True) -> dict:
     if run.numerics is not None:
         summary["numerics_layers"] = list(run.numerics.layers)
         summary["numerics_steps"] = np.asarray(run.numerics.steps).tolist()
+        summary["forensic_steps"] = np.asarray(run.numerics.steps)[
+            np.asarray(run.numerics.forensic, dtype=bool)].tolist()
         summary["forward_abs_max"] = run.numerics.forward["abs_max"].tolist()
         summary["forward_nonfinite"] = run.numerics.forward["nonfinite_frac"].tolist()
         summary["backward_subnormal"] = run.numerics.backward["subnormal_frac"].tolist()

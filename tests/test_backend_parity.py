@@ -58,9 +58,25 @@ def summaries(tmp_path_factory):
     return found
 
 
+def _dated_as_on_tensorflow(jax: dict) -> dict:
+    """JAX's summary with each forensic sample dated a step later: on JAX it
+    is of the overflowed step itself (its kept batch: the host reads the
+    alarm once the step is done), on TensorFlow of the step after it (read
+    before the next call). The scenarios overflow on every step, with
+    constant weights and batches: the values are the same."""
+    moved = {step: step + 1 for step in jax.get("forensic_steps", [])}
+    if not moved:
+        return jax
+    return {**jax, "forensic_steps": [moved[s] for s in jax["forensic_steps"]],
+            "numerics_steps": [moved.get(s, s) for s in jax["numerics_steps"]],
+            "findings": [[code, layer, moved.get(step, step)]
+                         for code, layer, step in jax["findings"]]}
+
+
 @pytest.mark.parametrize("scenario", sorted(EXPECTED))
 def test_both_backends_record_and_find_the_same(summaries, scenario):
-    tensorflow, jax = summaries["tensorflow"][scenario], summaries["jax"][scenario]
+    tensorflow = summaries["tensorflow"][scenario]
+    jax = _dated_as_on_tensorflow(summaries["jax"][scenario])
     assert {code for code, _, _ in tensorflow["findings"]} == EXPECTED[scenario]
     for key in sorted(set(tensorflow) | set(jax)):
         assert tensorflow.get(key) == jax.get(key), (scenario, key)
