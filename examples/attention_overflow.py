@@ -10,8 +10,7 @@ loss is NaN and the loss scale skips the step.
 
     python examples/attention_overflow.py --log-dir logs/attention_overflow
     python examples/attention_overflow.py --log-dir logs/attention_fixed --fix
-    KERAS_BACKEND=jax python examples/attention_overflow.py --numerics-every 1 \
-        --log-dir logs/attention_overflow_jax
+    KERAS_BACKEND=jax python examples/attention_overflow.py --log-dir logs/attention_overflow_jax
 
 `--fix` applies what `mpprof diagnose --replay` suggests: the Attention layer
 computes in float32 (a keras.dtype_policies.DTypePolicyMap entry), every other
@@ -28,8 +27,9 @@ import mpprof
 STEPS, FEATURES, UNITS = 16, 16, 128
 BATCH, BATCHES = 32, 64
 # Batches 20 and 21 of each epoch come from the raw-unit sensor. Two in a row:
-# the overflow on the first arms a forensic sample of the second, so the
-# sampled step itself overflows (and is captured for the replay).
+# on TensorFlow the overflow on the first arms a forensic sample of the
+# second, so the sampled step itself overflows (and is captured for the
+# replay); on JAX the sample is of the first (its batch is kept).
 RAW_BATCHES, RAW_GAIN = (20, 21), 100.0
 
 
@@ -73,11 +73,6 @@ def main() -> None:
                         help="compute the Attention layer in float32")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--verbose", type=int, default=2, help="model.fit's verbose")
-    # On JAX the device runs ahead of the host: a forensic sample comes a
-    # step or two after an overflow, past this two-batch burst; sampling
-    # every step (1) catches it there.
-    parser.add_argument("--numerics-every", type=int, default=16,
-                        help="steps between per-layer numerics samples")
     args = parser.parse_args()
     keras.utils.set_random_seed(0)
     x, y = make_data()
@@ -86,8 +81,7 @@ def main() -> None:
         x, y, batch_size=BATCH, epochs=args.epochs, shuffle=False, verbose=args.verbose,
         callbacks=[
             keras.callbacks.TensorBoard(log_dir=args.log_dir),
-            mpprof.MixedPrecisionProfiler(log_dir=args.log_dir,
-                                          numerics_every=args.numerics_every),
+            mpprof.MixedPrecisionProfiler(log_dir=args.log_dir, numerics_every=16),
         ],
     )
 

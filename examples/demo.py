@@ -73,10 +73,8 @@ def main() -> None:
         "--log-dir", str(logdir / "attention_fixed"))
     run(mpprof, "diagnose", str(logdir / "attention_fixed"))
     print("\n4. The faulty model on Keras 3's JAX backend: the same finding, replayed"
-          " through the step's jaxpr.\n   JAX's device runs ahead of the host, so a"
-          " forensic sample comes a step or two after an\n   overflow, past this"
-          " two-batch burst: this short run samples every step instead")
-    run(python, "examples/attention_overflow.py", "--verbose", "0", "--numerics-every", "1",
+          " through the step's jaxpr")
+    run(python, "examples/attention_overflow.py", "--verbose", "0",
         "--log-dir", str(logdir / "attention_overflow_jax"), backend="jax")
     run(mpprof, "diagnose", str(logdir / "attention_overflow_jax"), "--replay")
     run(mpprof, "report", str(logdir), "-o", str(logdir / "report.html"), "--quiet")
