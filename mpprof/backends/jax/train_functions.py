@@ -31,7 +31,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import count
 
 import jax
 
@@ -92,7 +91,10 @@ class TrainFunctions:
         self._steps = 1
         # The last batches, as (index among the fit's batches, batch).
         self._kept: deque = deque(maxlen=KEPT_BATCHES)
-        self._batch_index = count()
+        self._batches = 0  # batches run so far: the next one's index
+        # The indices of the kept batches sampled as they ran: a forensic
+        # sample does not evaluate them again (their values are recorded).
+        self._sampled_indices: deque = deque(maxlen=KEPT_BATCHES)
         # The instrumented step without donation (built at its first need).
         self._detached = None
         self._sampled_through = -1  # the newest overflowed step sampled
@@ -126,6 +128,10 @@ class TrainFunctions:
         self._steps = int(getattr(model, "steps_per_execution", 1) or 1)
         patches.set(model, "train_function", dispatcher)
 
+    def _keep(self, data) -> None:
+        self._kept.append((self._batches, data))
+        self._batches += 1
+
     def _compiled(self, train_step: Callable, donate: bool = True) -> Callable:
         """`train_step` with the step state, jitted as Keras jits its own
         (without `donate`: its inputs stay valid)."""
@@ -151,7 +157,7 @@ class TrainFunctions:
         step_state = self._state
         try:
             data = next(iterator)
-            self._kept.append((next(self._batch_index), data))
+            self._keep(data)
             logs, state, step_state.arrays = self.plain(state, step_state.arrays, data)
             step_state.keras_state = state
         except StopIteration:
@@ -168,14 +174,14 @@ class TrainFunctions:
         try:
             if data is None:
                 data = next(iterator)
-            self._kept.append((next(self._batch_index), data))
+            self._keep(data)
             logs, state, table = first_step(state, table, data)
             for _ in range(self._steps - 1):
                 try:
                     data = next(iterator)
                 except StopIteration:
                     break  # the epoch's last, partial call
-                self._kept.append((next(self._batch_index), data))
+                self._keep(data)
                 sample = logs.pop(SAMPLE_KEY, None) if isinstance(logs, dict) else None
                 logs, state, table = self.plain(state, table, data)
                 if sample is not None:
@@ -204,6 +210,7 @@ class TrainFunctions:
                                           on_failure=on_failure)
         numerics = self._api.numerics
         data = next(iterator)  # (StopIteration: the end of the data)
+        self._sampled_indices.append(self._batches)  # `_run` keeps it under this index
         replay = self._api.replay  # the replay capture, when one is on
         if replay is not None:
             replay.before_sampled(state, self._state.arrays, data)
@@ -239,7 +246,9 @@ class TrainFunctions:
         # the steps of every batch run so far.
         behind = self._kept[-1][0] + 1
         kept = {current - (behind - index): data for index, data in self._kept}
-        new = {s for s in overflowed if s > self._sampled_through and s in kept}
+        sampled = {current - (behind - index) for index in self._sampled_indices}
+        new = {s for s in overflowed
+               if s > self._sampled_through and s not in sampled and s in kept}
         if not new:
             return None
         step = self._sampled_through = max(new)
