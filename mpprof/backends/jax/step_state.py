@@ -352,6 +352,5 @@ class StepState:
             return None
         written, ring = self.events(block.optimizer)
         rows = ring if written >= self.capacity else ring[:written]
-        row = self.read()[block.row]
-        return (int(row[APPLIED]) + int(row[SKIPPED]),
+        return (self.steps_run(block.optimizer),
                 {int(r[0]) for r in rows if r[3] == schema.EVENT_OVERFLOW})
