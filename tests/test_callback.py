@@ -14,7 +14,7 @@ import tensorflow as tf
 from conftest import mnist_like, overflow_data, overflow_model, seed_model
 
 import mpprof
-from mpprof.backends.tensorflow.layer_calls import is_patched
+from mpprof.backends.layer_call_patch import is_patched
 from mpprof.diagnosis import diagnose
 from mpprof.recording.profiled_fit import ProfiledFit
 from mpprof.records import reader, schema

@@ -29,6 +29,24 @@ def variable_short_name(variable) -> str:
     return variable_path(variable).split("/")[-1]
 
 
+def child_layers(layer) -> list:
+    """The layers `layer` holds directly (Keras' own tracking, in its order).
+
+    The one call of Keras' private `_flatten_layers` (Keras 3 and tf-keras
+    both have it; Keras has no public way to list a layer's sublayers that
+    sees the ones held in attributes of a subclassed layer).
+    """
+    # list(): tf-keras returns a generator, Keras 3 a list.
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def nested_layers(model) -> list:
+    """Every layer nested in `model`, at any depth, each once, in Keras' own
+    order (`_flatten_layers(recursive=True)`: the order a model's variables
+    follow)."""
+    return list(model._flatten_layers(include_self=False, recursive=True))
+
+
 def walk_layers(model) -> list[tuple[str, object, str | None]]:
     """(qualified name, layer, parent's qualified name) of every nested layer.
 
@@ -39,7 +57,7 @@ def walk_layers(model) -> list[tuple[str, object, str | None]]:
     seen: set[int] = set()
 
     def visit(parent, parent_name: str | None) -> None:
-        for child in parent._flatten_layers(include_self=False, recursive=False):
+        for child in child_layers(parent):
             if id(child) in seen or type(child).__name__ == "InputLayer":
                 continue
             seen.add(id(child))
@@ -94,8 +112,7 @@ class InventoryBuilder:
                 name,
                 layer,
                 parent,
-                # list(): tf-keras returns a generator, Keras 3 a list.
-                is_leaf=not list(layer._flatten_layers(include_self=False, recursive=False)),
+                is_leaf=not child_layers(layer),
                 mixed=mixed,
                 call_index=self._call_order.get(id(layer)),
                 output_dtypes=sorted(self._output_dtypes.get(id(layer), ())),

@@ -38,26 +38,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpprof.backends.jax.tensor_statistics import (
-    ESTIMATED_COLUMNS,
-    RAW_COLUMNS,
-    SAMPLE_VALUES,
     gradient_statistics,
     merge_rows,
     raw_statistics,
-    statistics_of_rows,
     statistics_of_summaries,
 )
-from mpprof.backends.layer_records import variable_path, walk_layers
+from mpprof.backends.layer_records import child_layers, variable_path, walk_layers
+from mpprof.backends.numerics_rows import (
+    ESTIMATED_COLUMNS,
+    RAW_COLUMNS,
+    SAMPLE_VALUES,
+    statistics_of_rows,
+)
 from mpprof.recording.optimizer_usage import applied_steps
 from mpprof.records import schema
 
 # Calls of one layer in one step that are measured (a shared layer).
 MAX_CALLS = 4
 SAMPLE_KEY = "_mpprof_sample"
-
-
-def _sublayers(layer) -> list:
-    return list(layer._flatten_layers(include_self=False, recursive=False))
 
 
 def _is_recurrent(layer) -> bool:
@@ -148,7 +146,7 @@ class NumericsTaps:
                 self._skipped[row] = (f"runs inside the recurrent layer "
                                       f"{entries[recurrent][0]!r} (its lax.scan)")
                 self._measured_at[row] = recurrent
-            elif _is_recurrent(layer) or not _sublayers(layer):
+            elif _is_recurrent(layer) or not child_layers(layer):
                 self._measured_rows.add(row)
         self._variables = [v for v in model.trainable_variables
                            if not getattr(v, "overwrite_with_gradient", False)]

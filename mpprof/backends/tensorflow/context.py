@@ -9,7 +9,8 @@ import keras
 import tensorflow as tf
 
 from mpprof._version import __version__
-from mpprof.backends.tf_keras import support as tf_keras_support
+from mpprof.backends.flavor import is_tf_keras
+from mpprof.backends.tensorflow import keras_flavors
 
 
 def run_context(
@@ -30,20 +31,20 @@ def run_context(
     context = {
         "mpprof_version": __version__,
         "tensorflow_version": tf.__version__,
-        "keras_version": tf_keras_support.keras_version(model),
+        "keras_version": keras_flavors.keras_version(model),
         # "tf_keras" for a tf-keras (Keras 2) model, else "keras" (Keras 3).
-        "keras_flavor": tf_keras_support.keras_flavor(model),
+        "keras_flavor": keras_flavors.keras_flavor(model),
         "keras_backend": (
-            "tensorflow" if tf_keras_support.is_tf_keras(model) else keras.backend.backend()
+            "tensorflow" if is_tf_keras(model) else keras.backend.backend()
         ),
         "python_version": platform.python_version(),
         "host": platform.node(),
-        "global_policy": tf_keras_support.global_policy_name(model),
+        "global_policy": keras_flavors.global_policy_name(model),
         "model_policy": model.dtype_policy.name,
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
         "jit_compile": bool(getattr(model, "jit_compile", False)),
         "run_eagerly": bool(model.run_eagerly),
-        "steps_per_execution": tf_keras_support.steps_per_execution(model),
+        "steps_per_execution": keras_flavors.steps_per_execution(model),
         "distribution_strategy": type(strategy).__name__,
         "num_replicas": int(strategy.num_replicas_in_sync),
         "devices": [
