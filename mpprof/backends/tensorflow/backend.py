@@ -59,6 +59,8 @@ class TensorFlowBackend(Keras3Backend):
     alarm_in_logs = True
     # Keras 3's fit fails across workers (`mpprof.recording.distributed`).
     fits_across_workers = False
+    # Where the flavour keeps the traced function behind
+    # `model.train_function` (None: nowhere else; tf-keras: its own).
     traced_train_function_attribute: str | None = None
 
     def is_loss_scale_optimizer(self, optimizer) -> bool:

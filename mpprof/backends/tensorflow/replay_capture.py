@@ -174,7 +174,7 @@ class ReplayCapture(Collector):
             fit, self.captured, step=step, batch=batch, weights=weights, reasons=reasons,
             loss=loss, loss_scale=self._loss_scale_of_step(skipped), skipped=skipped,
             structure=self._structure, config=keras_capture.model_config(model),
-            backend={"tensorflow": tf.__version__},
+            backend={"backend": "tensorflow", "tensorflow": tf.__version__},
         )
 
     def _loss_scale_of_step(self, skipped: bool) -> float:
