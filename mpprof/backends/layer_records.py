@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections.abc
 import math
+from typing import Any
 
 from mpprof.dtypes import HALF_DTYPES, gemm_multiple
 from mpprof.records import schema
@@ -47,13 +48,13 @@ def nested_layers(model) -> list:
     return list(model._flatten_layers(include_self=False, recursive=True))
 
 
-def walk_layers(model) -> list[tuple[str, object, str | None]]:
+def walk_layers(model) -> list[tuple[str, Any, str | None]]:
     """(qualified name, layer, parent's qualified name) of every nested layer.
 
     Depth first from `model` (not included); a layer reachable from several
     parents is listed once, under the first.
     """
-    found: list[tuple[str, object, str | None]] = []
+    found: list[tuple[str, Any, str | None]] = []
     seen: set[int] = set()
 
     def visit(parent, parent_name: str | None) -> None:
@@ -85,7 +86,14 @@ class InventoryBuilder:
     `_model_output_dtypes`, `_outputs` (per model output: producer id,
     final op, units)."""
 
-    _model = None
+    _model: Any = None
+    _call_order: dict[int, int]
+    _output_dtypes: dict[int, set[str]]
+    _casts: dict[tuple, None]  # an ordered set
+    _inputs_from: dict[int, dict]
+    _inputs_made_outside_layers: set[int]
+    _model_output_dtypes: set[str]
+    _outputs: list[dict]
 
     def inventory(self) -> dict:
         """The inventory as a JSON-ready dict (see README, "What is recorded")."""
@@ -168,7 +176,7 @@ def compiled_losses(model, outputs: int) -> list[tuple[str | None, bool | None]]
     or function its name and from_logits=False (Keras' default for the
     crossentropies). (None, None) wherever it cannot be read.
     """
-    unknown = [(None, None)] * outputs
+    unknown: list[tuple[str | None, bool | None]] = [(None, None)] * outputs
     try:
         loss = getattr(model, "loss", None)
         if loss is None:
@@ -188,7 +196,7 @@ def _describe_loss(loss) -> tuple[str | None, bool | None]:
         return None, None
     if isinstance(loss, str):
         return loss, False
-    config = {}
+    config: dict = {}
     if hasattr(loss, "get_config"):
         try:
             config = loss.get_config() or {}

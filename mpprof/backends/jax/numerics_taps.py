@@ -33,6 +33,8 @@ instrumented step would not be its step.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -300,7 +302,7 @@ class NumericsTaps:
         order = self.call_order
         forward, forward_hist = statistics_of_rows(np.asarray(sample["forward"]))
         backward, backward_hist = statistics_of_rows(merged)
-        return {
+        found: dict[str, Any] = {
             schema.NUMERICS_FORWARD: forward[order],
             schema.NUMERICS_BACKWARD: backward[order],
             schema.NUMERICS_FORWARD_HIST: forward_hist[order],
@@ -310,6 +312,7 @@ class NumericsTaps:
                 sample["unscaled_gradients"]),
             "loss": float(sample["loss"]),
         }
+        return found
 
     def layout(self, policy_max: float) -> dict:
         return {

@@ -175,13 +175,13 @@ def gradient_statistics(gradients: Sequence, scale,
     nonfinite, abs_max, unscaled_nonfinite, unscaled_abs_max = jax.lax.cond(
         jnp.logical_and(all_finite, scale >= 1), quick, counted)
     # The samples, padded with -1 (no count takes a negative), in one array.
-    samples, strata = [], []
+    samples, per_stratum = [], []
     for values in flats:
         bits, stratum = _sample(values) if values.shape[0] else (jnp.zeros((0,), jnp.int32), 1.0)
         samples.append(jnp.pad(bits, (0, SAMPLE_VALUES - bits.shape[0]), constant_values=-1))
-        strata.append(stratum)
+        per_stratum.append(stratum)
     bits = jnp.stack(samples)
-    strata = jnp.asarray(strata, jnp.float32)[:, None]
+    strata = jnp.asarray(per_stratum, jnp.float32)[:, None]
     unscaled_bits = jnp.where(bits < 0, -1, jax.lax.bitcast_convert_type(
         jax.lax.bitcast_convert_type(bits, jnp.float32) / scale, jnp.int32))
     count = jnp.asarray([v.shape[0] for v in flats], jnp.float32)

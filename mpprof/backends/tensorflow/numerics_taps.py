@@ -28,6 +28,8 @@ training.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import tensorflow as tf
 
@@ -260,7 +262,7 @@ class NumericsTaps:
         order = self.call_order
         forward, forward_hist = tables[self.forward]
         backward, backward_hist = tables[self.backward]
-        return {
+        sample: dict[str, Any] = {
             schema.NUMERICS_FORWARD: forward[order],
             schema.NUMERICS_BACKWARD: backward[order],
             schema.NUMERICS_FORWARD_HIST: forward_hist[order],
@@ -269,6 +271,7 @@ class NumericsTaps:
             schema.NUMERICS_UNSCALED_GRADIENTS: tables[self.unscaled_gradients][0],
             "loss": float(values[-1]),
         }
+        return sample
 
     def layout(self, policy_max: float) -> dict:
         """The JSON record naming the rows of every sample.
