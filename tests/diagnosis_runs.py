@@ -727,7 +727,19 @@ def write_gpu_run(
         "reason": "test",
         "devices": gpus,
     }
-    writer = RecordWriter(tmp_path / name)
+    writer = rewritten(run, tmp_path / name, context)
+    if samples is not None:
+        writer.write_array(schema.GPU_SAMPLES, samples, 0)
+    if kernels is not None:
+        writer.write_json(schema.KERNEL_STATS, kernels, 0)
+    writer.close()
+    return reader.read_run(tmp_path, name)
+
+
+def rewritten(run: reader.Run, run_dir, context: dict) -> RecordWriter:
+    """A writer of `run_dir` holding `run`'s records, its run context
+    replaced by `context` (the caller may write more, then closes it)."""
+    writer = RecordWriter(run_dir)
     for record, found in run.records.items():
         for item in found:
             if record == schema.RUN_CONTEXT:
@@ -736,12 +748,7 @@ def write_gpu_run(
                 writer.write_json(record, item.value, item.step)
             else:
                 writer.write_array(record, item.value, item.step)
-    if samples is not None:
-        writer.write_array(schema.GPU_SAMPLES, samples, 0)
-    if kernels is not None:
-        writer.write_json(schema.KERNEL_STATS, kernels, 0)
-    writer.close()
-    return reader.read_run(tmp_path, name)
+    return writer
 
 
 def gpu_samples(tensor_util: float, gpu_util: float, rows: int = 50) -> np.ndarray:

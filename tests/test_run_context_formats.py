@@ -6,11 +6,10 @@ read, and are judged, as they were: `tensorflow_version` /
 import copy
 
 import pytest
-from diagnosis_runs import read
+from diagnosis_runs import read, rewritten
 
 from mpprof import diagnosis
-from mpprof.records import reader, schema
-from mpprof.records.writer import RecordWriter
+from mpprof.records import reader
 
 OLD_KEYS = {
     "TensorFlow": {"tensorflow_version": "2.15.0", "gpus_visible_to_tensorflow": 0},
@@ -18,19 +17,9 @@ OLD_KEYS = {
 }
 
 
-def rewritten(tmp_path, context: dict) -> reader.Run:
+def with_context(tmp_path, context: dict) -> reader.Run:
     """The healthy mixed_float16 CPU run, its run context replaced by `context`."""
-    run = read("healthy_mixed")
-    writer = RecordWriter(tmp_path / "train")
-    for record, found in run.records.items():
-        for item in found:
-            if record == schema.RUN_CONTEXT:
-                writer.write_json(record, context, item.step)
-            elif isinstance(item.value, dict):
-                writer.write_json(record, item.value, item.step)
-            else:
-                writer.write_array(record, item.value, item.step)
-    writer.close()
+    rewritten(read("healthy_mixed"), tmp_path / "train", context).close()
     return reader.read_run(str(tmp_path), "train")
 
 
@@ -45,7 +34,7 @@ def old_format(framework: str) -> dict:
 
 @pytest.mark.parametrize("framework", sorted(OLD_KEYS))
 def test_an_old_run_reads_its_framework_and_gpus(tmp_path, framework):
-    run = rewritten(tmp_path, old_format(framework))
+    run = with_context(tmp_path, old_format(framework))
     assert not run.warnings
     versions = OLD_KEYS[framework]
     assert run.context.framework["name"] == framework
@@ -68,6 +57,6 @@ def test_a_run_that_says_nothing_of_gpus_is_not_called_cpu_only(tmp_path):
     """The look-alike that must not fire: no GPU count, no hardware facts."""
     context = old_format("TensorFlow")
     del context["gpus_visible_to_tensorflow"]
-    run = rewritten(tmp_path, context)
+    run = with_context(tmp_path, context)
     assert run.context.gpus_visible is None
     assert "MP011" not in {f.code for f in diagnosis.diagnose(run)}

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import numpy as np
 
 from mpprof.backends.collector import Collector
+from mpprof.backends.health_record import health_record
 from mpprof.backends.layer_records import variable_path
 from mpprof.backends.optimizer_usage import OptimizerUsage
 from mpprof.backends.patching import Patches
@@ -168,17 +169,9 @@ class RunHealth(Collector):
 
     def record(self, step: int) -> dict:
         watcher = self.watched()
-        if watcher is not None:
-            loss = {"loss_watched": True, **watcher.read(), "loss_guarded_by": self._guards()}
-        else:
-            loss = {
-                "loss_watched": False,
-                "first_nonfinite_loss_step": None,
-                "first_nonfinite_loss_step_last": None,
-                "first_nonfinite_loss_count": None,
-                "nonfinite_loss_steps": None,
-            }
-        return {**loss, "nonfinite_weights": self.nonfinite_weights, "checked_step": step}
+        loss = (None if watcher is None
+                else {**watcher.read(), "loss_guarded_by": self._guards()})
+        return health_record(loss, self.nonfinite_weights, step)
 
     def by_optimizer(self) -> dict[int, object]:
         return {id(w.optimizer): w for w in self.watchers.values()}

@@ -56,10 +56,7 @@ class LossScales(Collector):
             collector = reuse.get(id(use.optimizer))
             if collector is None:
                 collector = keras_api.loss_scale_series(use.optimizer, strategy, capacity)
-                collector.start_from(
-                    step_origin.FIRST_STEP if collector.nothing_ran()
-                    else step_origin.origin(collector, use.name, earlier())
-                )
+                step_origin.start_new_series(collector, use.name, earlier)
             self.by_name[use.name] = collector
 
     def __bool__(self) -> bool:

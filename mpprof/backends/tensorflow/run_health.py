@@ -15,6 +15,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from mpprof.backends.collector import Collector
+from mpprof.backends.health_record import health_record
 from mpprof.backends.layer_records import variable_path
 from mpprof.backends.optimizer_usage import OptimizerUsage
 from mpprof.backends.patching import Patches
@@ -110,17 +111,8 @@ class RunHealth(Collector):
     def record(self, step: int) -> dict:
         """The HEALTH record as of `step`."""
         watcher = self.watched()
-        if watcher is not None:
-            loss = {"loss_watched": True, **watcher.read()}
-        else:
-            loss = {
-                "loss_watched": False,
-                "first_nonfinite_loss_step": None,
-                "first_nonfinite_loss_step_last": None,
-                "first_nonfinite_loss_count": None,
-                "nonfinite_loss_steps": None,
-            }
-        return {**loss, "nonfinite_weights": self.nonfinite_weights, "checked_step": step}
+        return health_record(None if watcher is None else watcher.read(),
+                             self.nonfinite_weights, step)
 
     def by_optimizer(self) -> dict[int, object]:
         return {id(w.optimizer): w for w in self.watchers.values()}
