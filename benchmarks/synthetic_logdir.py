@@ -62,7 +62,8 @@ def _context() -> dict:
         "distribution_strategy": "_DefaultDistributionStrategy",
         "num_replicas": 1,
         "devices": [{"name": "/device:GPU:0", "type": "GPU"}],
-        "gpus_visible_to_tensorflow": 1,
+        "framework": {"name": "TensorFlow", "version": "synthetic", "libraries": {}},
+        "gpus_visible": 1,
         "collectors": {
             "gpu": {
                 "state": "ok",
