@@ -29,6 +29,13 @@ def escape(value) -> str:
     return html.escape("" if value is None else printable(value))
 
 
+def escape_block(text: str) -> str:
+    """`text` as the HTML of a `<pre>` block: its line breaks kept, every other
+    control character escaped as `escape` does (`escape` would write each
+    newline as a literal `\\n`)."""
+    return "\n".join(escape(line) for line in str(text).split("\n"))
+
+
 def run_section(index: int, run: reader.Run, result: diagnosis.Diagnosis, data: dict,
                 replays: list[dict] = ()) -> str:
     parts = [f'<section class="run" id="run-{index}"><h2>Run {escape(run.name)}</h2>']
@@ -180,8 +187,8 @@ def _findings_html(index: int, result: diagnosis.Diagnosis) -> str:
             f'<span class="code">{escape(finding.code)}</span> {escape(finding.title)}</div>'
             f'<div class="where">{" · ".join(where)}{_view_link(index, finding)}</div>'
             f"<details><summary>evidence</summary><pre>"
-            f"{escape(json.dumps(item['evidence'], indent=1))}</pre></details>"
-            f'<div class="fix"><b>Fix</b><pre>{escape(finding.fix)}</pre></div></div>'
+            f"{escape_block(json.dumps(item['evidence'], indent=1))}</pre></details>"
+            f'<div class="fix"><b>Fix</b><pre>{escape_block(finding.fix)}</pre></div></div>'
         )
     unchecked = [c for c in result.checks if c.status != "checked"]
     if unchecked:
@@ -205,7 +212,7 @@ def _replays_html(replays: list[dict]) -> str:
         parts.append(
             f'<div class="replay {state.replace(" ", "-")}"><b>'
             f"{escape(replay_text.headline(result))}</b>"
-            f"<pre>{escape(chr(10).join(replay_text.result_lines(result)))}</pre></div>"
+            f"<pre>{escape_block(chr(10).join(replay_text.result_lines(result)))}</pre></div>"
         )
     return "\n".join(parts)
 
