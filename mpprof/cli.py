@@ -153,12 +153,12 @@ def _run_json(run: reader.Run, result, replays: list[dict]) -> dict:
 
 def _replays_of(logdir: str, run: str, replay_missing: bool) -> list[dict]:
     """The run's replay results; with `replay_missing`, captures without one
-    are replayed first (imports TensorFlow)."""
+    are replayed first (imports Keras and the framework that trained them)."""
     captures = replay_files.find_captures(logdir, run, on_skipped=_warn)
     if replay_missing:
         for capture in captures:
             if capture.result() is None:
-                _say([f"mpprof: replaying run {run}, step {capture.step}"], sys.stderr)
+                _say([_replaying(run, capture)], sys.stderr)
                 _run_replay(logdir, run, capture.step)
     return [result for capture in captures if (result := capture.result()) is not None]
 
@@ -222,8 +222,7 @@ def _replay(args) -> int:
         result = None if args.again else capture.result()
         if result is None:
             if args.format != "json":
-                _say([f"mpprof: replaying run {name}, step {capture.step} (imports "
-                      "TensorFlow)"], sys.stderr)
+                _say([_replaying(name, capture)], sys.stderr)
             result = _run_replay(args.logdir, name, capture.step)
         results.append(result)
     if args.format == "json":
@@ -232,6 +231,14 @@ def _replay(args) -> int:
     else:
         print("\n\n".join("\n".join(replay_text.result_lines(r)) for r in results))
     return EXIT_OK
+
+
+def _replaying(run: str, capture: replay_files.Capture) -> str:
+    """The progress line of a replay, naming the framework it imports."""
+    from mpprof.backends import replay_engines
+
+    return (f"mpprof: replaying run {run}, step {capture.step} (imports Keras and "
+            f"{replay_engines.framework(capture.manifest)})")
 
 
 def _has_step_folder(logdir: str, run: str, step: int | None) -> bool:
@@ -299,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     diagnose.add_argument(
         "--replay", action="store_true",
-        help="replay captured steps that have no replay result yet (imports TensorFlow)",
+        help="replay captured steps that have no replay result yet (imports Keras and the "
+             "framework that trained each run: mpprof[tensorflow] or mpprof[jax])",
     )
     diagnose.set_defaults(handler=_diagnose)
     report = command("report", "write one self-contained HTML report of LOGDIR's runs")

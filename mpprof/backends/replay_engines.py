@@ -17,11 +17,23 @@ from mpprof.replay.files import ReplayError
 
 TENSORFLOW = "tensorflow"
 JAX = "jax"
+# Each backend's framework as users name it, and the extra that installs it.
+FRAMEWORKS = {TENSORFLOW: "TensorFlow", JAX: "JAX"}
+EXTRAS = {TENSORFLOW: "tensorflow", JAX: "jax"}
+# A missing module among these means the backend's extra is not installed
+# (a base install reads and diagnoses, but cannot re-run a step).
+_FRAMEWORK_MODULES = {"keras", "tensorflow", "jax", "jaxlib", "ml_dtypes"}
 
 
 def capture_backend(manifest: dict) -> str:
     """The backend that trained a capture (old captures: TensorFlow)."""
     return str(manifest.get("backend") or TENSORFLOW)
+
+
+def framework(manifest: dict) -> str:
+    """The framework a replay of this capture imports ("TensorFlow", "JAX")."""
+    backend = capture_backend(manifest)
+    return FRAMEWORKS.get(backend, backend)
 
 
 def _model_backend() -> str:
@@ -32,6 +44,21 @@ def _model_backend() -> str:
 
 
 def _engine(backend: str):
+    try:
+        return _import_engine(backend)
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] not in _FRAMEWORK_MODULES:
+            raise
+        name = FRAMEWORKS[backend]
+        raise ReplayError(
+            f"this capture was trained on {name}: replaying it needs Keras and {name}, "
+            f"and {e.name} is not installed here. Install them with "
+            f'pip install "mpprof[{EXTRAS[backend]}]" (from a checkout: '
+            f'pip install ".[{EXTRAS[backend]}]"), or replay where the run was trained'
+        ) from e
+
+
+def _import_engine(backend: str):
     if backend == JAX:
         keras = sys.modules.get("keras")
         if keras is None:
