@@ -21,7 +21,7 @@ from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
 from mpprof.records import filesystem
-from tensorboard_plugin_mpprof import metadata, payloads
+from tensorboard_plugin_mpprof import metadata, payloads, run_sources
 from tensorboard_plugin_mpprof.run_cache import CachedRun, RunCache
 
 _STATIC_TYPES = {".js": "text/javascript", ".css": "text/css"}
@@ -45,7 +45,8 @@ class MpprofPlugin(base_plugin.TBPlugin):
     plugin_name = metadata.PLUGIN_NAME
 
     def __init__(self, context: base_plugin.TBContext):
-        self._runs = RunCache(context.logdir or "")
+        # TensorBoard's logdir, or its multiplexer's runs (`--logdir_spec`).
+        self._runs = RunCache(run_sources.run_source(context.logdir, context.multiplexer))
         self._static_dir = pathlib.Path(__file__).resolve().parent / "static"
         self._static_names = frozenset(
             entry.name

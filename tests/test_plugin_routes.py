@@ -15,6 +15,8 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
+import urllib.request
 
 import diagnosis_runs
 import keras
@@ -23,6 +25,7 @@ import plotly as plotly_package
 import pynvml
 import pytest
 import tensorflow as tf
+from browser import serve_tensorboard
 from broken_logdirs import (
     BAD_STEP,
     MALFORMED,
@@ -584,3 +587,29 @@ def test_an_unreadable_directory_does_not_break_the_routes(tmp_path):
     assert status == 404 and "cannot be read (Permission denied)" in body
     status, body = answers["runs_after"]
     assert status == 200 and [r["run"] for r in json.loads(body)["runs"]] == ["storm/train"]
+
+
+def _served_json(url: str):
+    with urllib.request.urlopen(url, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def test_logdir_spec_runs_are_tensorboards_runs_in_the_tab(tmp_path):
+    """`tensorboard --logdir_spec a:DIR1,b:DIR2` (no --logdir): the tab lists
+    the runs Scalars lists, under TensorBoard's names, and serves them."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    shutil.copytree(diagnosis_runs.logdir("forward_overflow"), first)  # run a/train
+    # Records at the spec's directory itself: TensorBoard names the run "b/.".
+    shutil.copytree(diagnosis_runs.logdir("healthy_float32") / "train", second)
+    with serve_tensorboard(flags=("--logdir_spec", f"a:{first},b:{second}")) as url:
+        deadline = time.monotonic() + 60
+        while len(tensorboard_runs := _served_json(url + "data/runs")) < 2:
+            assert time.monotonic() < deadline, tensorboard_runs
+            time.sleep(0.5)
+        assert _served_json(url + "data/plugins_listing")["mpprof"]["enabled"]
+        listed = [r["run"] for r in _served_json(url + "data/plugin/mpprof/runs")["runs"]]
+        assert sorted(listed) == sorted(tensorboard_runs) == ["a/train", "b/."]
+        findings = _served_json(url + "data/plugin/mpprof/findings?run=a/train")
+        assert "MP003" in [f["code"] for f in findings["findings"]]
+        context = _served_json(url + "data/plugin/mpprof/context?run=b/.")
+        assert context["run"] == "b/." and context["context"]["fit_state"] == "ended"

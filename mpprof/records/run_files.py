@@ -91,6 +91,21 @@ def run_files(logdir: str | os.PathLike, on_warning: OnWarning | None = None,
     return dict(sorted(runs.items()))
 
 
+def directory_runs(directory: str | os.PathLike) -> dict[str, tuple[FileState, ...]]:
+    """The runs whose event files lie in `directory` itself, not below it,
+    named relative to it as `run_files` names them: "." and, for fits that
+    wrote there at once, ".@<host>-<pid>". One listing, no walk: for a caller
+    that knows each run's directory already (TensorBoard's multiplexer).
+    Raises OSError if `directory` cannot be listed."""
+    directory = os.fspath(directory)
+    entries = filesystem.scan(directory)
+    files, _ = _event_file_entries(entries)
+    if not files:
+        return {}
+    groups = split_writers(_listed_states(directory, entries, files))
+    return {"." + suffix: tuple(group) for suffix, group in sorted(groups.items())}
+
+
 # How far apart (seconds) a writer's start (its file name's whole second)
 # and an earlier writer's last write may be and still be one after the other.
 _START_RESOLUTION_S = 1.0
