@@ -25,7 +25,6 @@ import plotly as plotly_package
 import pynvml
 import pytest
 import tensorflow as tf
-from browser import serve_tensorboard
 from broken_logdirs import (
     BAD_STEP,
     MALFORMED,
@@ -33,6 +32,7 @@ from broken_logdirs import (
     malformed_logdir,
     without_root_privileges,
 )
+from browser import serve_tensorboard
 from conftest import BatchTimes, mnist_like, seed_model
 from dashboard_logdirs import (
     BFLOAT16_RUN,
