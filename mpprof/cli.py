@@ -16,7 +16,12 @@ from collections.abc import Callable, Iterable
 
 from mpprof import diagnosis
 from mpprof._version import __version__
-from mpprof.display.run_summary import NOTHING_READABLE, cut_short_text, summarize_run
+from mpprof.display.run_summary import (
+    NOTHING_READABLE,
+    cut_short_text,
+    run_facts,
+    summarize_run,
+)
 from mpprof.records import filesystem, reader
 from mpprof.replay import files as replay_files
 from mpprof.replay import text as replay_text
@@ -52,14 +57,14 @@ def _warn(text: str) -> None:
     _say([f"mpprof: warning: {text}"], sys.stderr)
 
 
-def _read(logdir: str, run: str | None,
+def _read(logdir: str, run: str | None, verbosity: int = 0,
           progress: Callable[[str], None] | None = None) -> tuple[dict[str, reader.Run], bool]:
-    """The selected runs of `logdir`, and whether they are big enough to say
-    on stderr what is being done (said here for the reading, to `progress`
-    when given, else on stderr for big runs only)."""
+    """The selected runs of `logdir`, and whether to say on stderr what is
+    being done: with -v always, with -q never, else for big runs only (said
+    here for the reading, to `progress` when given, else on stderr)."""
     names = reader.select_runs(logdir, run, on_warning=_warn)
     sizes = {name: _bytes(logdir, name) for name in names}
-    chatty = sum(sizes.values()) > PROGRESS_BYTES
+    chatty = verbosity > 0 or (verbosity == 0 and sum(sizes.values()) > PROGRESS_BYTES)
     if progress is None and chatty:
         def progress(message: str) -> None:
             _say([f"mpprof: {message}"], sys.stderr)
@@ -92,15 +97,20 @@ def _unreadable_status(runs: dict[str, reader.Run]) -> int | None:
 
 
 def _summary(args) -> int:
-    runs, _ = _read(args.logdir, None)
-    for run in runs.values():
-        print(summarize_run(run))
+    runs, _ = _read(args.logdir, args.run, args.verbosity)
+    if args.format == "json":
+        # json.dumps escapes control characters (ensure_ascii).
+        print(json.dumps([run_facts(run) for run in runs.values()], indent=2))
+    else:
+        for run in runs.values():
+            print(summarize_run(run))
     return _unreadable_status(runs) or EXIT_OK
 
 
 def _diagnose(args) -> int:
-    runs, chatty = _read(args.logdir, args.run)
-    replays = {name: _replays_of(args.logdir, name, args.replay) for name in runs}
+    runs, chatty = _read(args.logdir, args.run, args.verbosity)
+    replays = {name: _replays_of(args.logdir, name, args.replay, args.verbosity)
+               for name in runs}
     results = {}
     for name, run in runs.items():
         if run.readable:
@@ -151,14 +161,15 @@ def _run_json(run: reader.Run, result, replays: list[dict]) -> dict:
     }
 
 
-def _replays_of(logdir: str, run: str, replay_missing: bool) -> list[dict]:
+def _replays_of(logdir: str, run: str, replay_missing: bool, verbosity: int) -> list[dict]:
     """The run's replay results; with `replay_missing`, captures without one
     are replayed first (imports Keras and the framework that trained them)."""
     captures = replay_files.find_captures(logdir, run, on_skipped=_warn)
     if replay_missing:
         for capture in captures:
             if capture.result() is None:
-                _say([_replaying(run, capture)], sys.stderr)
+                if verbosity >= 0:
+                    _say([_replaying(run, capture)], sys.stderr)
                 _run_replay(logdir, run, capture.step)
     return [result for capture in captures if (result := capture.result()) is not None]
 
@@ -194,14 +205,14 @@ def _report(args) -> int:
     from mpprof import report  # plotly is only needed here
 
     def progress(message: str) -> None:
-        if not args.quiet:
+        if args.verbosity >= 0:
             _say([f"mpprof: {message}"], sys.stderr)
 
-    runs, _ = _read(args.logdir, args.run, progress)
+    runs, _ = _read(args.logdir, args.run, args.verbosity, progress)
     path = report.save_report(
         report.render_report(args.logdir, list(runs.values()), progress=progress), args.output)
     size = os.path.getsize(path) / 1e6
-    _say([f"mpprof: wrote {path} ({size:.1f} MB)"], sys.stderr)
+    progress(f"wrote {path} ({size:.1f} MB)")
     return _unreadable_status(runs) or EXIT_OK
 
 
@@ -221,7 +232,8 @@ def _replay(args) -> int:
         capture = replay_files.select_capture(args.logdir, name, args.step)
         result = None if args.again else capture.result()
         if result is None:
-            if args.format != "json":
+            # JSON on stdout is for tools: the line only when asked for (-v).
+            if (args.format != "json" and args.verbosity >= 0) or args.verbosity > 0:
                 _say([_replaying(name, capture)], sys.stderr)
             result = _run_replay(args.logdir, name, capture.step)
         results.append(result)
@@ -260,8 +272,9 @@ def _bundle(args) -> int:
                                   include_batch=args.include_batch, on_skipped=_warn)
     held = "with the batch and weights" if args.include_batch else (
         "statistics and shapes only (no batch, no weights: --include-batch adds them)")
-    _say([f"mpprof: wrote {written['path']} ({written['bytes'] / 1e3:.0f} kB): run "
-          f"{written['run']}, step {written['step']}, {held}"], sys.stderr)
+    if args.verbosity >= 0:
+        _say([f"mpprof: wrote {written['path']} ({written['bytes'] / 1e3:.0f} kB): run "
+              f"{written['run']}, step {written['step']}, {held}"], sys.stderr)
     return EXIT_OK
 
 
@@ -273,36 +286,84 @@ def _run_replay(logdir: str, run: str, step: int) -> dict:
     return replay_engines.replay(logdir, run, step)
 
 
+LOGDIR_HELP = (
+    "the log_dir given to MixedPrecisionProfiler, or a folder above it (every run "
+    "below is read): a local path or a URL, s3://bucket/logs (mpprof[s3]; "
+    "AWS_ENDPOINT_URL for S3-compatible stores), gs://bucket/logs (mpprof[gcs]) or "
+    "any fsspec URL")
+
+# Each command's `--help` ends with these, then the exit statuses.
+EXAMPLES = {
+    "summary": """\
+  mpprof summary logs
+  mpprof summary logs --run run1/train --format json
+  mpprof summary s3://bucket/logs""",
+    "diagnose": """\
+  mpprof diagnose logs
+  mpprof diagnose logs --replay                      # first op and a verified fix
+  mpprof diagnose logs --fail-on critical            # a CI gate: exit 1 on a critical finding
+  mpprof diagnose logs --run run1/train --format json""",
+    "report": """\
+  mpprof report logs                                 # writes mpprof-report.html
+  mpprof report logs -o report.html --run run1/train -q""",
+    "replay": """\
+  mpprof replay logs/run1
+  mpprof replay logs --run run1/train --step 12 --format json
+  KERAS_BACKEND=jax mpprof replay logs/jax_run      # a capture trained on JAX""",
+    "bundle": """\
+  mpprof bundle logs/run1 -o repro.zip
+  mpprof bundle logs/run1 --include-batch            # with the batch and weights (private?)""",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpprof",
         description="Inspect mixed-precision runs recorded by mpprof.",
-        epilog=EXIT_STATUSES,
+        epilog="examples:\n" + "\n".join(
+            line for name in ("summary", "diagnose", "report") for line in
+            EXAMPLES[name].splitlines()[:1]) + "\n\n" + EXIT_STATUSES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"mpprof {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    # Every command: the logdir, and how much it says on stderr.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("logdir", help=LOGDIR_HELP)
+    loudness = common.add_mutually_exclusive_group()
+    loudness.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=-1,
+                          default=0, help="no progress lines on stderr (warnings and "
+                                          "errors still)")
+    loudness.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=1,
+                          help="a progress line for every run read, whatever its size (by "
+                               f"default only over {PROGRESS_BYTES >> 20} MiB of records)")
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
         return commands.add_parser(
-            name, help=help, description=help, epilog=EXIT_STATUSES,
+            name, help=help, description=help, parents=[common],
+            epilog=(f"examples:\n{EXAMPLES[name]}\n\n" if name in EXAMPLES else "")
+            + EXIT_STATUSES,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
 
     summary = command("summary", "say what was recorded in LOGDIR")
-    summary.add_argument("logdir")
+    summary.add_argument("--run", help="only this run (as `mpprof summary` names it)")
+    summary.add_argument(
+        "--format", choices=("text", "json"), default="text",
+        help="json: a list of runs, each with its fit state, policy, optimizer, "
+             "inventory counts, loss scale and warnings (default: %(default)s)")
     summary.set_defaults(handler=_summary)
     diagnose = command("diagnose", "list what is wrong in LOGDIR's runs and what to change")
-    diagnose.add_argument("logdir")
     diagnose.add_argument("--run", help="only this run (as `mpprof summary` names it)")
     diagnose.add_argument(
         "--format", choices=("text", "json", "json-runs"), default="text",
         help="json: a list of findings, most severe first, each with its run and the "
              "run's fit_state; json-runs: every run (unreadable ones too) with its fit "
-             "state, warnings and findings")
+             "state, warnings and findings (default: %(default)s)")
     diagnose.add_argument(
         "--fail-on", choices=("critical", "warning"), default=None,
-        help=f"exit with status {EXIT_FINDINGS} if a finding is at least this severe (for CI)",
+        help=f"exit with status {EXIT_FINDINGS} if a finding is at least this severe "
+             "(for CI; default: never)",
     )
     diagnose.add_argument(
         "--replay", action="store_true",
@@ -311,20 +372,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     diagnose.set_defaults(handler=_diagnose)
     report = command("report", "write one self-contained HTML report of LOGDIR's runs")
-    report.add_argument("logdir")
-    report.add_argument("-o", "--output", default="mpprof-report.html")
-    report.add_argument("--run", help="only this run")
-    report.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    report.add_argument("-o", "--output", default="mpprof-report.html",
+                        help="the HTML file to write (default: %(default)s)")
+    report.add_argument("--run", help="only this run (default: every run)")
     report.set_defaults(handler=_report)
     replay = command(
         "replay",
         "run a captured step again: the first op that overflowed, float16 vs float32 "
         "per layer, and a verified per-layer float32 fix",
     )
-    replay.add_argument("logdir")
     replay.add_argument("--run", help="only this run (as `mpprof summary` names it)")
     replay.add_argument("--step", type=int, help="the captured step (default: the first)")
-    replay.add_argument("--format", choices=("text", "json"), default="text")
+    replay.add_argument("--format", choices=("text", "json"), default="text",
+                        help="json: the replay's result as saved beside the capture "
+                             "(default: %(default)s)")
     replay.add_argument("--again", action="store_true",
                         help="replay even when a saved result exists")
     replay.set_defaults(handler=_replay)
@@ -333,9 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
         "write a repro zip of a captured step for a bug report (statistics and shapes; "
         "the batch and weights only with --include-batch)",
     )
-    bundle.add_argument("logdir")
-    bundle.add_argument("-o", "--output", default="mpprof-bundle.zip")
-    bundle.add_argument("--run", help="only this run")
+    bundle.add_argument("-o", "--output", default="mpprof-bundle.zip",
+                        help="the zip file to write (default: %(default)s)")
+    bundle.add_argument("--run", help="only this run (default: the first with a capture)")
     bundle.add_argument("--step", type=int, help="the captured step (default: the first)")
     bundle.add_argument("--include-batch", action="store_true",
                         help="also the step's batch and weights (they may be private)")
