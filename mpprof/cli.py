@@ -209,7 +209,7 @@ def _replay(args) -> int:
     names = reader.select_runs(args.logdir, args.run, on_warning=_warn)
     with_captures = [name for name in names
                      if replay_files.find_captures(args.logdir, name, on_skipped=_warn)
-                     or _has_step_folder(args.logdir, name, args.step)]
+                     or replay_files.has_capture_folder(args.logdir, name, args.step)]
     if not with_captures:
         raise replay_files.NoCaptureError(
             f"no replay capture in {args.logdir} (runs: {', '.join(names)}): mpprof "
@@ -232,18 +232,6 @@ def _replay(args) -> int:
     else:
         print("\n\n".join("\n".join(replay_text.result_lines(r)) for r in results))
     return EXIT_OK
-
-
-def _has_step_folder(logdir: str, run: str, step: int | None) -> bool:
-    """Whether `run` has a folder for the capture of `step` (readable or not:
-    asking for a damaged one must name its damage, not say it is missing)."""
-    if step is None:
-        return False
-    folder = filesystem.join(replay_files.run_path(logdir, run), replay_files.step_folder(step))
-    try:
-        return filesystem.isdir(folder)
-    except OSError:
-        return False
 
 
 def _bundle(args) -> int:

@@ -118,7 +118,7 @@ def findings_payload(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
     """The findings of `run`, most severe first, and the rules not checked;
     under those a replay bears on, the run's replay (`mpprof replay`), as
     lines of text."""
-    replays = replay_files.saved_results(run.path, ".")
+    replays = replay_files.saved_results(run.path, "." + run.writer_suffix)
     findings = []
     for finding in result.findings:
         row = finding.to_dict()

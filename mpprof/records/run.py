@@ -28,6 +28,9 @@ class Run:
     # How each writer's fit ended, from its fit-end file (see
     # `schema.fit_end_name`), newest writer last; empty for older logs.
     fit_ends: list[dict] = dataclasses.field(default_factory=list)
+    # "@<host>-<pid>" where this run is one of several fits that wrote into
+    # `path` at once (`run_files.split_writers`), else "".
+    writer_suffix: str = ""
 
     def latest(self, record: str):
         found = self.records.get(record)
