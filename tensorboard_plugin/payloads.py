@@ -102,9 +102,10 @@ def run_summary(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
         "gpu_mode": getattr(run.gpu, "mode", None),
         "warnings": len(run.warnings),
         "findings": severity_counts(result),
-        # "running" | "ended" | "failed" (None in runs older than the key), and
-        # for a fit that never recorded its end, where its records stop.
-        "fit_state": context.fit_state,
+        # How the fit stands, read as the CLI reads it (`Run.fit_outcome`):
+        # "ended" | "failed" | "cut_short" | "unknown"; and for a run cut
+        # short, where its records stop.
+        "fit_state": run.fit_outcome,
         "cut_short": run.cut_short,
         "readable": run.readable,
     }

@@ -141,6 +141,7 @@ def read_run(logdir: str | os.PathLike, run: str, reuse: FileReads | None = None
         name=run, path=path, records=records, warnings=warnings.lines(),
         fit_ends=fit_ends_of(files),
         writer_suffix=run[len(directory):] if run.startswith(directory) else "",
+        losses=list(warnings.losses.values()),
     )
 
 

@@ -172,19 +172,27 @@ def _listed_states(directory: str, entries: list[filesystem.Entry],
                    names: list[str]) -> list[FileState]:
     """(path, size, mtime) of each file `names` of `directory`, sorted: from
     the listing where it says (a local listing's stat, an object store's
-    listing), else from a stat; a file gone since the listing is left out."""
+    listing), else from a stat; a file gone since the listing is left out.
+
+    An empty file holds no record: it is left out (not a run, nor a writer
+    of one), unless its fit-end file says why its records could not be
+    written (a full disk before the first record)."""
     listed = {entry.name: entry for entry in entries}
     states = []
     for name in sorted(names):
         path = filesystem.join(directory, name)
         entry = listed.get(name)
         if entry is not None and entry.size is not None:
-            states.append((path, entry.size, entry.mtime_ns))
+            state = (path, entry.size, entry.mtime_ns)
+        else:
+            try:
+                state = (path, *filesystem.size_and_mtime(path))
+            except OSError:
+                continue
+        if state[1] == 0 and not any(end.get("recording_stopped")
+                                     for end in fit_ends_of([path])):
             continue
-        try:
-            states.append((path, *filesystem.size_and_mtime(path)))
-        except OSError:
-            continue
+        states.append(state)
     return states
 
 
