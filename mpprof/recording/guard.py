@@ -101,6 +101,12 @@ class GuardedWriter:
                 self.COLLECTOR, self._writer.write_array, record, value, step, series=series
             )
 
+    @property
+    def writer_id(self) -> str | None:
+        """The writer's id (`RecordWriter.writer_id`); None for one that
+        writes nothing."""
+        return getattr(self._writer, "writer_id", None)
+
     def write_file(self, relative_path: str, data: bytes) -> bool:
         """Writes a file into the run directory; returns whether it was written
         (False once the recording stopped)."""
