@@ -82,8 +82,9 @@ def writes_per_key(prefix: str) -> dict[str, int]:
 class StallingProxy:
     """A TCP proxy on 127.0.0.1 in front of `target_port` that can stop
     answering: after `stall()` it still accepts connections and reads what
-    it is sent, but passes nothing on either way (a hung store, not a down
-    one). A context manager; `endpoint` is its URL.
+    it is sent, but passes nothing on either way (a hung store); after
+    `refuse()` it closes every connection and refuses new ones (a store
+    that is down). A context manager; `endpoint` is its URL.
     """
 
     def __init__(self, target_port: int):
@@ -100,6 +101,10 @@ class StallingProxy:
 
     def stall(self) -> None:
         self._stalled.set()
+
+    def refuse(self) -> None:
+        self._closed.set()
+        self._server.close()
 
     def _accept(self) -> None:
         import threading

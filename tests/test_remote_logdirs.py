@@ -310,3 +310,44 @@ def test_a_fit_into_a_missing_bucket_fails_at_the_start_and_creates_none(s3):
     assert "s3://no-such-bucket-mpprof/logs/train" in message
     buckets = [b["Name"] for b in boto3.client("s3").list_buckets()["Buckets"]]
     assert buckets == [BUCKET]
+
+
+def test_tensorboard_without_tensorflow_serves_the_tab_over_s3(fitted):
+    """The documented way to the tab over s3:// (docs/dashboard.md): where
+    TensorFlow cannot be imported, TensorBoard reads through its own stub's
+    file systems (boto3 for s3://, fsspec for others), and serves the mpprof
+    tab, with the same findings as the local logdir."""
+    import re
+    import urllib.request
+
+    local, remote = fitted
+    launcher = ("import sys; sys.modules['tensorflow'] = None; "  # as if not installed
+                "from tensorboard.main import run_main; run_main()")
+    process = subprocess.Popen(
+        [sys.executable, "-c", launcher, "--logdir", remote, "--port", "0",
+         "--host", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        url, seen = None, []
+        while url is None:
+            assert time.monotonic() < deadline and process.poll() is None, "".join(seen[-20:])
+            seen.append(process.stderr.readline())
+            found = re.search(r"(http://127\.0\.0\.1:\d+/)", seen[-1])
+            url = found and found.group(1)
+
+        def get(route: str):
+            with urllib.request.urlopen(url + route, timeout=60) as response:
+                return json.loads(response.read())
+
+        assert get("data/plugins_listing")["mpprof"]["enabled"] is True
+        assert get("data/runs") == ["train"]  # TensorBoard's own reading of s3://
+        assert [r["run"] for r in get("data/plugin/mpprof/runs")["runs"]] == ["train"]
+        codes = [f["code"] for f in get("data/plugin/mpprof/findings?run=train")["findings"]]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    plugin = MpprofPlugin(base_plugin.TBContext(logdir=local))
+    client = werkzeug_test.Client(application.TensorBoardWSGI([plugin]))
+    local_codes = [f["code"] for f in json.loads(client.get(
+        "/data/plugin/mpprof/findings", query_string={"run": "train"}).get_data())["findings"]]
+    assert codes == local_codes and "MP002" in codes
