@@ -87,3 +87,10 @@ def replay(logdir_or_model, run: str | None = None, step: int | None = None,
     else:
         backend = _model_backend()
     return _engine(backend).replay(logdir_or_model, run, step, **kwargs)
+
+
+def verification_engine(model, batches: list, loss_scale: float = 1.0):
+    """A `mpprof.replay.verification.Engine` for `model` in this process's
+    Keras backend, on `batches` from the model's current weights (the
+    precision advisor's way in: `Verifier(verification_engine(...))`)."""
+    return _engine(_model_backend()).engine_for(model, batches, loss_scale)
