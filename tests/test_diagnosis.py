@@ -372,7 +372,7 @@ def test_mp005_quiet_on_the_same_model_with_a_normal_loss():
 def test_mp005_judges_estimated_shares_of_large_tensors_alike():
     """Shares of a tensor larger than the sample are estimated from it: the
     fault is still found, on the same layer, and its healthy twin stays quiet."""
-    from mpprof.backends.tensorflow.tensor_statistics import SAMPLE_VALUES
+    from mpprof.backends.numerics_rows import SAMPLE_VALUES
 
     run = read("flushed_gradients_sampled")
     layout = run.latest(schema.NUMERICS_LAYOUT)

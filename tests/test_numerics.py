@@ -8,7 +8,7 @@ from conftest import BatchTimes, mnist_like, overflow_data, overflow_model, seed
 
 import mpprof
 from mpprof import diagnosis
-from mpprof.backends.tensorflow.tensor_statistics import SAMPLE_VALUES
+from mpprof.backends.numerics_rows import SAMPLE_VALUES
 from mpprof.records import reader, schema
 
 
@@ -299,7 +299,8 @@ def _statistics(values: np.ndarray, dtype: str, *, dynamic: bool, jit: bool = Fa
     XLA-compiled when `jit`."""
     import tensorflow as tf
 
-    from mpprof.backends.tensorflow.tensor_statistics import raw_statistics, statistics_of_rows
+    from mpprof.backends.numerics_rows import statistics_of_rows
+    from mpprof.backends.tensorflow.tensor_statistics import raw_statistics
 
     shape = [None, *values.shape[1:]] if dynamic else list(values.shape)
     function = tf.function(

@@ -168,7 +168,7 @@ def test_context_and_inventory_are_the_reader_and_the_model_trained(client, runs
         assert (context["model_policy"], context["global_policy"]) == (policy, policy)
         assert context["optimizer"] == optimizer
         assert context["keras_version"] == keras.__version__
-        assert context["tensorflow_version"] == tf.__version__
+        assert context["framework"]["version"] == tf.__version__
 
         inventory = get_json(client, "inventory", run=name)
         assert inventory.pop("available") is True

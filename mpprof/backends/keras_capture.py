@@ -78,9 +78,9 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
         skipped: whether the step was skipped (its weights are then the ones
             it ran with, trainable ones included).
         config: `model_config(model)`.
-        backend: the manifest's "backend" entry (omitted for TensorFlow,
-            the only backend of older captures) and framework versions, e.g.
-            `{"backend": "jax", "jax": "0.10.2"}`.
+        backend: the manifest's "backend" entry (the backend's registered
+            name, `mpprof.backends.REGISTRY`; older TensorFlow captures have
+            none) and framework versions, e.g. `{"backend": "jax", "jax": "0.10.2"}`.
         weights_before: whether `weights` were copied before the step ran
             (then they are the ones it ran with, skipped or not).
     """

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections.abc
 import math
+from typing import Any
 
 from mpprof.dtypes import HALF_DTYPES, gemm_multiple
 from mpprof.records import schema
@@ -29,17 +30,35 @@ def variable_short_name(variable) -> str:
     return variable_path(variable).split("/")[-1]
 
 
-def walk_layers(model) -> list[tuple[str, object, str | None]]:
+def child_layers(layer) -> list:
+    """The layers `layer` holds directly (Keras' own tracking, in its order).
+
+    The one call of Keras' private `_flatten_layers` (Keras 3 and tf-keras
+    both have it; Keras has no public way to list a layer's sublayers that
+    sees the ones held in attributes of a subclassed layer).
+    """
+    # list(): tf-keras returns a generator, Keras 3 a list.
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def nested_layers(model) -> list:
+    """Every layer nested in `model`, at any depth, each once, in Keras' own
+    order (`_flatten_layers(recursive=True)`: the order a model's variables
+    follow)."""
+    return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+def walk_layers(model) -> list[tuple[str, Any, str | None]]:
     """(qualified name, layer, parent's qualified name) of every nested layer.
 
     Depth first from `model` (not included); a layer reachable from several
     parents is listed once, under the first.
     """
-    found: list[tuple[str, object, str | None]] = []
+    found: list[tuple[str, Any, str | None]] = []
     seen: set[int] = set()
 
     def visit(parent, parent_name: str | None) -> None:
-        for child in parent._flatten_layers(include_self=False, recursive=False):
+        for child in child_layers(parent):
             if id(child) in seen or type(child).__name__ == "InputLayer":
                 continue
             seen.add(id(child))
@@ -67,7 +86,14 @@ class InventoryBuilder:
     `_model_output_dtypes`, `_outputs` (per model output: producer id,
     final op, units)."""
 
-    _model = None
+    _model: Any = None
+    _call_order: dict[int, int]
+    _output_dtypes: dict[int, set[str]]
+    _casts: dict[tuple, None]  # an ordered set
+    _inputs_from: dict[int, dict]
+    _inputs_made_outside_layers: set[int]
+    _model_output_dtypes: set[str]
+    _outputs: list[dict]
 
     def inventory(self) -> dict:
         """The inventory as a JSON-ready dict (see README, "What is recorded")."""
@@ -94,8 +120,7 @@ class InventoryBuilder:
                 name,
                 layer,
                 parent,
-                # list(): tf-keras returns a generator, Keras 3 a list.
-                is_leaf=not list(layer._flatten_layers(include_self=False, recursive=False)),
+                is_leaf=not child_layers(layer),
                 mixed=mixed,
                 call_index=self._call_order.get(id(layer)),
                 output_dtypes=sorted(self._output_dtypes.get(id(layer), ())),
@@ -151,7 +176,7 @@ def compiled_losses(model, outputs: int) -> list[tuple[str | None, bool | None]]
     or function its name and from_logits=False (Keras' default for the
     crossentropies). (None, None) wherever it cannot be read.
     """
-    unknown = [(None, None)] * outputs
+    unknown: list[tuple[str | None, bool | None]] = [(None, None)] * outputs
     try:
         loss = getattr(model, "loss", None)
         if loss is None:
@@ -171,7 +196,7 @@ def _describe_loss(loss) -> tuple[str | None, bool | None]:
         return None, None
     if isinstance(loss, str):
         return loss, False
-    config = {}
+    config: dict = {}
     if hasattr(loss, "get_config"):
         try:
             config = loss.get_config() or {}

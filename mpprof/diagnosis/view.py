@@ -209,7 +209,7 @@ class RunView:
         if isinstance(hardware, dict) and "cpu_only" in hardware:
             return hardware
         if self.context.gpus_visible == 0:
-            return {"cpu_only": True, "gpus": [], "source": "gpus_visible_to_tensorflow"}
+            return {"cpu_only": True, "gpus": [], "source": "gpus_visible"}
         return None
 
     def layer_class(self, name: str | None) -> str:

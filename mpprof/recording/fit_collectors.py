@@ -6,10 +6,10 @@ import functools
 import posixpath
 from dataclasses import dataclass
 
+from mpprof.backends import protocol
 from mpprof.backends.base import Backend
 from mpprof.recording import step_origin
 from mpprof.recording.across_fits import AcrossFits
-from mpprof.recording.collectors.base import Collector
 from mpprof.recording.collectors.gpu_host import HostRecorder
 from mpprof.recording.collectors.inventory import Inventory
 from mpprof.recording.collectors.numerics_samples import NumericsSamples
@@ -28,21 +28,21 @@ class FitCollectors:
     """
 
     inventory: Inventory
-    loss_scales: Collector
-    health: Collector
+    loss_scales: protocol.LossScales
+    health: protocol.RunHealth
     numerics: NumericsSamples
     host: HostRecorder
-    float8_state: Collector
-    float8_shares: Collector
-    replay: Collector
+    float8_state: protocol.Collector
+    float8_shares: protocol.SamplingCollector
+    replay: protocol.ReplayCapture
 
     @property
-    def all(self) -> list[Collector]:
+    def all(self) -> list[protocol.Collector]:
         return [self.inventory, self.loss_scales, self.health, self.numerics, self.host,
                 self.float8_state, self.float8_shares, self.replay]
 
     @property
-    def sampling(self) -> list[Collector]:
+    def sampling(self) -> list[protocol.SamplingCollector]:
         return [self.numerics, self.float8_shares]
 
 

@@ -9,11 +9,13 @@ events and progress row, `settings()` and `origin` describe it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from mpprof.recording.distributed import keras_3_skip_decided_by
 from mpprof.records import schema
 
 
-def write_series(fit, active: dict[str, object], primary, start: dict[str, object]) -> None:
+def write_series(fit, active: dict[str, Any], primary, start: dict[str, Any]) -> None:
     """Writes each active series' new events and progress.
 
     Args:
@@ -36,7 +38,7 @@ def write_series(fit, active: dict[str, object], primary, start: dict[str, objec
         fit.writer.write_array(schema.LOSS_SCALE_PROGRESS, progress, step, series=series)
 
 
-def series_context(active: dict[str, object], primary, replicas: int) -> dict:
+def series_context(active: dict[str, Any], primary, replicas: int) -> dict:
     """The run context's "loss_scale" state for active series: the primary
     one's settings at the top, and every series' under "series" when there
     are several.
@@ -46,8 +48,8 @@ def series_context(active: dict[str, object], primary, replicas: int) -> dict:
         primary: the primary optimizer's series, or None.
         replicas: replicas in sync (who decides a skip).
     """
-    context = {"state": "ok"}
-    series = {}
+    context: dict[str, Any] = {"state": "ok"}
+    series: dict[str, dict] = {}
     for name, collector in active.items():
         settings = collector.settings()
         settings.setdefault("skip_decided_by", keras_3_skip_decided_by(replicas))

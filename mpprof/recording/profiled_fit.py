@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import atexit
 import weakref
+from collections.abc import Callable
+from typing import Any
 
-from mpprof.backends import backend_for
+from mpprof.backends import backend_for, protocol
+from mpprof.backends.base import Backend
 from mpprof.recording import fit_collectors
 from mpprof.recording.across_fits import AcrossFits
 from mpprof.recording.context_writer import ContextWriter
@@ -87,7 +90,8 @@ class ProfiledFit:
         across_fits: what earlier fits left; updated when this one ends.
     """
 
-    def __init__(self, profiler, model, backend, settings: Settings, across_fits: AcrossFits):
+    def __init__(self, profiler, model, backend: Backend, settings: Settings,
+                 across_fits: AcrossFits):
         self.profiler = profiler
         self.model = model
         self._backend = backend
@@ -108,9 +112,11 @@ class ProfiledFit:
         # or profiling stopped before they were).
         self._fit: FitState | None = None
         self._collectors: FitCollectors | None = None
-        self._functions = None  # the backend's TrainFunctions
-        self._alarm = None  # the backend's CallAlarm
-        self._run_plain = self._logs_of = self._alarm_key = None  # (set by `begin`)
+        self._functions: protocol.TrainFunctions | None = None
+        self._alarm: protocol.CallAlarm | None = None
+        self._run_plain: Callable[..., Any] | None = None  # (set by `begin`)
+        self._logs_of: Callable[[Any], Any] | None = None
+        self._alarm_key: str | None = None
         self._on_abort = self._abort
         self._start_step = 0
         self._batch_pending = False

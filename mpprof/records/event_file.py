@@ -13,6 +13,7 @@ import dataclasses
 import io
 import json
 import math
+from typing import Any
 
 import numpy as np
 from tensorboard.compat.proto import event_pb2, types_pb2
@@ -24,7 +25,7 @@ from mpprof.records import filesystem, schema, tfrecord, validation
 class Record:
     step: int
     wall_time: float
-    value: object  # dict for JSON records, np.ndarray for arrays
+    value: Any  # dict for JSON records, np.ndarray for arrays
 
 
 def series_key(record: str, series: str | None) -> str:

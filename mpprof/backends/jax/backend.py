@@ -78,7 +78,6 @@ class JaxBackend(Keras3Backend):
     # The alarm is in the logs, but read one call late (`call_alarm`).
     alarm_in_logs = False
     fits_across_workers = False
-    traced_train_function_attribute: str | None = None
 
     def __init__(self, model):
         self.step_state: StepState | None = None

@@ -17,6 +17,7 @@ count of steps run.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -38,12 +39,12 @@ class LossScales(Collector):
     name = "loss_scale"
 
     def __init__(self, keras_api, usage: OptimizerUsage, strategy, capacity: int,
-                 reuse: dict[int, object], earlier: Callable[[], EarlierRecords | str]):
+                 reuse: dict[int, Any], earlier: Callable[[], EarlierRecords | str]):
         self._usage = usage
         self._replicas = int(strategy.num_replicas_in_sync)
         self._overflows_seen = 0
-        self._start: dict[str, object] = {}
-        self.by_name = {}
+        self._start: dict[str, Any] = {}
+        self.by_name: dict[str, Any] = {}
         step_state = self._step_state = keras_api.make_step_state(capacity, usage)
         for use in usage.uses:
             if not use.loss_scale or not step_state.follows(use.optimizer):
@@ -82,7 +83,7 @@ class LossScales(Collector):
     def flush(self, fit) -> None:
         write_series(fit, self.active(), self.primary(), self._start)
 
-    def active(self) -> dict[str, object]:
+    def active(self) -> dict[str, Any]:
         """The series of the optimizers the step applied (all of them until
         it was traced), unless an update was applied out of sight."""
         unfollowed = self._step_state.unfollowed

@@ -28,6 +28,7 @@ first: captures are off.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,8 +60,8 @@ class ReplayCapture(Collector):
         self._api = keras_api
         self._health = health
         self._unavailable: str | None = None
-        self._before = None
-        self._after = None
+        self._before: Any = None
+        self._after: Any = None
         self._config: tuple = (None, "")
         self._custom_step = False
         self.captured: list[dict] = []

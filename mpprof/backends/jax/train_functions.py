@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 
@@ -81,12 +82,12 @@ class TrainFunctions:
     def __init__(self, model, keras_api, instrumented: bool):
         self._model = model
         self._api = keras_api
-        self.plain = None
+        self.plain: Callable[..., Any] | None = None
         # Built at the first sampled call, once the numerics collector exists.
-        self.instrumented = _Lazy() if instrumented else None
+        self.instrumented: Any = _Lazy() if instrumented else None
         self.instrumented_off: str | None = None
         self._instrumented_ran = False
-        self._state = None
+        self._state: Any = None  # the fit's StepState
         # Steps per call, fixed when Keras made its function before the fit.
         self._steps = 1
         # The last batches, as (index among the fit's batches, batch).
@@ -96,7 +97,7 @@ class TrainFunctions:
         # sample does not evaluate them again (their values are recorded).
         self._sampled_indices: deque = deque(maxlen=KEPT_BATCHES)
         # The instrumented step without donation (built at its first need).
-        self._detached = None
+        self._detached: Callable[..., Any] | None = None
         self._sampled_through = -1  # the newest overflowed step sampled
         # The last sampled call's sample, when it was of an earlier step.
         self.replayed: ReplayedSample | None = None

@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from mpprof.backends.tf_keras import support as tf_keras_support
+from mpprof.backends.layer_records import variable_path
+from mpprof.backends.tensorflow import keras_flavors
 from mpprof.recording.collectors.base import Collector
 from mpprof.recording.optimizer_usage import OptimizerUsage
 from mpprof.recording.patching import Patches
@@ -101,8 +102,8 @@ class RunHealth(Collector):
 
     def check_weights(self, model) -> None:
         self.nonfinite_weights = [
-            tf_keras_support.variable_path(w) for w in model.weights
-            if tf_keras_support.is_float_variable(w)
+            variable_path(w) for w in model.weights
+            if keras_flavors.is_float_variable(w)
             and not bool(tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(w))))
         ]
 

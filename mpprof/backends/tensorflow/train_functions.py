@@ -20,6 +20,7 @@ seeded run's weights: the instrumented function is then not used.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 
@@ -55,8 +56,8 @@ class TrainFunctions:
         self._model = model
         self._api = keras_api
         self._want_instrumented = instrumented
-        self.plain = None
-        self.instrumented = None
+        self.plain: Callable[..., Any] | None = None
+        self.instrumented: Callable[..., Any] | None = None
         self._instrumented_ran = False
         # Why the instrumented function is not used, when the first traced
         # step showed it would change the run (None: it may be).
