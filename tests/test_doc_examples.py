@@ -87,3 +87,14 @@ def test_getting_started_says_how_to_install():
     install = text.index("## Install")
     assert install < text.index("## Quick start")
     assert 'pip install ".[jax]"' in text[install:] and "KERAS_BACKEND" in text[install:]
+
+
+def test_measured_figures_have_one_home():
+    """Ratios measured by a benchmark are quoted in docs/performance.md only;
+    the README and Getting started link there (two copies drift apart)."""
+    ratio = re.compile(r"\b\d\.\d{2,3}(?:-\d\.\d{2,3})?x\b")
+    for path in (ROOT / "README.md", ROOT / "docs" / "index.md"):
+        text = path.read_text()
+        assert not ratio.findall(text), (path.name, ratio.findall(text))
+    assert "(docs/performance.md)" in (ROOT / "README.md").read_text()
+    assert ratio.findall((ROOT / "docs" / "performance.md").read_text())
