@@ -3,7 +3,8 @@
 A real fit (tests/hard_stop_fit.py: a flush every second) writes its logdir
 to a moto S3 server on 127.0.0.1 through a TCP proxy. After its 30th step
 the proxy either stops answering (`hung`: connections accepted, nothing
-answered) or refuses every connection (`down`), and the fit runs on for
+answered) or refuses every connection (`down`), or goes on answering
+(`answering`: the baseline of the same fit), and the fit runs on for
 `--steps` steps. With mpprof's default deadlines, this prints, per case, the
 longest gap between two steps after the change (the flush that met the
 store), the time from the last step to the process's exit (the fit's end:
@@ -44,7 +45,10 @@ def measure(endpoint: str, case: str, steps: int) -> dict:
             if process.poll() is not None:
                 raise RuntimeError(process.stderr.read()[-3000:])
             time.sleep(0.1)
-        proxy.stall() if case == "hung" else proxy.refuse()
+        if case == "hung":
+            proxy.stall()
+        elif case == "down":
+            proxy.refuse()
         time.sleep(1.2)  # the next step's flush is due
         released = time.time()
         go.write_text("")
@@ -70,7 +74,7 @@ def main() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     with s3_endpoint() as endpoint:
-        for case in ("hung", "down"):
+        for case in ("answering", "hung", "down"):
             print(json.dumps(measure(endpoint, case, args.steps)), flush=True)
 
 

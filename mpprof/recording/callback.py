@@ -38,7 +38,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
       state;
     - replay captures: when a sampled step overflowed or had a non-finite
       loss, its batch, the weights it ran with, the model's config and every
-      layer's dtype policy go to `log_dir/train/replay/step_<N>/` (up to
+      layer's dtype policy go to `log_dir/train/replay/step_<N>@<writer>/` (up to
       `replay_budget` per fit), for `mpprof replay LOG_DIR` to run that step
       again offline: the first op that overflowed, float16 against float32
       per layer, and a verified per-layer float32 fix.

@@ -53,7 +53,8 @@ class Loss:
 
     def describe(self) -> str:
         share = 100 * self.unreadable_bytes / self.bytes if self.bytes else 100.0
-        return f"{self.unreadable_bytes:,} of {self.bytes:,} bytes ({share:.0f}%) unreadable"
+        shown = f"{share:.0f}" if share >= 10 else f"{share:.1f}"
+        return f"{self.unreadable_bytes:,} of {self.bytes:,} bytes ({shown}%) unreadable"
 
 
 class ReadWarnings:

@@ -257,17 +257,20 @@ def size_and_mtime(path: str) -> tuple[int, int]:
     return found.st_size, found.st_mtime_ns
 
 
-def open_file(path: str) -> BinaryIO:
+def open_file(path: str, large: bool = False) -> BinaryIO:
     """Opens a regular file for reading; raises OSError for anything else.
 
     A local path is opened without blocking and checked on the open file, so
     a FIFO named like an event file is refused instead of waiting forever for
     a writer. A remote file is fetched whole, in one request (event file
-    parts are small; a file is read to its end anyway).
+    parts are small; a file is read to its end anyway); a `large` one (a
+    replay capture's weights) is asked its size first, so that its deadline
+    allows for its bytes.
     """
     if is_remote(path):
         fs, inner = _remote(path)
-        return io.BytesIO(_call(fs.cat_file, inner))
+        size = int(_call(fs.size, inner) or 0) if large else 0
+        return io.BytesIO(_call(fs.cat_file, inner, sent=size))
     descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     try:
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):
@@ -473,7 +476,8 @@ def _call(function, *args, sent: int = 0):
     """`function(*args)` on a remote file system, every failure an OSError.
 
     The call runs on a daemon thread and is given up after its deadline
-    (`remote_deadline_s()` plus `sent` bytes at `_SLOWEST_UPLOAD`): a hung
+    (`remote_deadline_s()` plus `sent` bytes, sent or fetched, at
+    `_SLOWEST_UPLOAD`): a hung
     store costs the caller that long, never for ever, and the abandoned call
     ends with botocore's own timeouts. File systems raise their client's own
     errors too (botocore's, aiohttp's connection errors); their text names

@@ -73,7 +73,10 @@ class Run:
         """
         state = self.context.fit_state
         end = self.fit_ends[-1] if self.fit_ends else {}
-        lost = [loss for loss in self.losses if loss.stops_early]
+        # A write that failed (a full disk) leaves a record cut short at the
+        # end: the fit-end file says so, and `recording_stopped` says why.
+        lost = [loss for loss in self.losses
+                if loss.stops_early and not end.get("recording_stopped")]
         if lost and self.last_record is not None:
             step, wall_time = self.last_record
             return {"fit_state": end.get("fit_state") or state or "unknown", "step": step,

@@ -74,6 +74,7 @@ class RecordWriter:
         self.writer_id = run_files.writer_id(self.path)
         self._fit_end_path = filesystem.join(self.run_dir, schema.fit_end_name(name))
         self._unanswered: filesystem.NoAnswerError | None = None
+        self._flush_failed: OSError | None = None
         self._file = (_PartWriter(self.path, wall_time) if filesystem.is_remote(self.path)
                       else filesystem.open_append(self.path))
         try:
@@ -129,11 +130,19 @@ class RecordWriter:
         self._store(filesystem.write_bytes, path, data)
 
     def flush(self) -> None:
-        self._store(self._file.flush)
+        try:
+            self._store(self._file.flush)
+        except OSError as e:
+            self._flush_failed = e
+            raise
 
     def close(self) -> None:
+        """Closes the event file, after a last flush unless a flush failed
+        (a full disk, a store that is down: not waited on again; only the
+        fit-end file is tried, `mark_fit_end`)."""
         try:
-            self.flush()
+            if self._flush_failed is None:
+                self.flush()
         finally:
             self._file.close()
 

@@ -308,7 +308,7 @@ def write_result(capture: Capture, result: dict) -> None:
 
 
 def _read(path: str) -> bytes:
-    with filesystem.open_file(path) as f:
+    with filesystem.open_file(path, large=True) as f:  # weights may be large
         return f.read()
 
 
