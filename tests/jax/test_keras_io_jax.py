@@ -1,7 +1,7 @@
 """mpprof on keras-io examples (code nobody here wrote), Keras 3 on JAX.
 
-The twin of tests/keras_io/test_keras_io.py: the MNIST convnet (healthy, a
-float16 head, raw 16-bit inputs) and the Keras guide's JAX custom
+The twin of tests/keras_io/test_keras_io.py: the MNIST convnet (healthy, raw
+16-bit inputs) and the Keras guide's JAX custom
 `train_step` ("Customizing what happens in fit() with JAX",
 guides/custom_train_step_in_jax.py), which never calls `scale_loss`. JAX's
 CPU has no float16 attention (docs/FACTS): the Transformer examples are
@@ -23,12 +23,12 @@ from mpprof import diagnosis
 from mpprof.reader import read_logdir
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "keras_io"))
-from keras_io_examples import mnist_convnet, mnist_data  # noqa: E402
+from keras_io_examples import mnist_convnet, mnist_data
 
 BATCH = 32
 
 
-def _fit(log_dir, model, x, y, steps=4):
+def _fit(log_dir, model, x, y, steps=2):
     model.fit(x, y, batch_size=BATCH, epochs=1, steps_per_epoch=steps, verbose=0,
               callbacks=[mpprof.MixedPrecisionProfiler(log_dir=str(log_dir))])
     return read_logdir(str(log_dir))["train"]
@@ -53,10 +53,9 @@ def _policy(name):
 @pytest.fixture(scope="module")
 def mnist_runs(tmp_path_factory):
     runs = {}
-    for name, head, raw in (("published", None, False), ("healthy", "float32", False),
-                            ("raw_units", "float32", True)):
+    for name, head, raw in (("healthy", "float32", False), ("raw_units", "float32", True)):
         _policy("mixed_float16")
-        x, y = mnist_data(BATCH * 4, raw_units=raw)
+        x, y = mnist_data(BATCH * 2, raw_units=raw)
         runs[name] = _fit(tmp_path_factory.mktemp(f"mnist_{name}"), mnist_convnet(head), x, y)
     keras.mixed_precision.set_dtype_policy("float32")
     return runs
@@ -66,8 +65,6 @@ def test_mnist_on_jax(mnist_runs):
     assert _codes(mnist_runs["healthy"]) == {"MP011"}
     assert list(mnist_runs["healthy"].numerics.steps) == [1]  # sampled at the defaults
     assert "MP007" not in _codes(mnist_runs["healthy"], assume_gpu=True)
-    assert _codes(mnist_runs["published"]) == {"MP006", "MP011"}
-    assert _only(mnist_runs["published"], "MP006").evidence["loss_input_dtypes"] == ["float16"]
     raw = mnist_runs["raw_units"]
     codes = _codes(raw)
     assert "MP003" in codes and "MP004" not in codes
@@ -193,7 +190,7 @@ def _guide_model(scale: bool, float32_output: bool = False):
 def guide_runs(tmp_path_factory):
     runs = {}
     rng = np.random.default_rng(0)
-    x, y = rng.random((BATCH * 4, 32)), rng.random((BATCH * 4, 1))
+    x, y = rng.random((BATCH * 2, 32)), rng.random((BATCH * 2, 1))
     for name, scale, head in (("published", False, False), ("healthy", True, True)):
         _policy("mixed_float16")
         runs[name] = _fit(tmp_path_factory.mktemp(f"guide_{name}"), _guide_model(scale, head),

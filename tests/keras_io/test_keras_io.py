@@ -32,7 +32,7 @@ from mpprof.reader import read_logdir
 BATCH = 32
 
 
-def _fit(log_dir, model, x, y=None, steps=4, expect_error=False):
+def _fit(log_dir, model, x, y=None, steps=2, expect_error=False):
     """Fits `model` for `steps` steps at mpprof's defaults; returns the run and
     what fit raised (with the warnings it gave)."""
     profiler = mpprof.MixedPrecisionProfiler(log_dir=str(log_dir))
@@ -42,7 +42,7 @@ def _fit(log_dir, model, x, y=None, steps=4, expect_error=False):
         try:
             model.fit(x, y, batch_size=BATCH, epochs=1, steps_per_epoch=steps, verbose=0,
                       callbacks=[profiler])
-        except Exception as error:  # noqa: BLE001 - the broken examples raise
+        except Exception as error:
             if not expect_error:
                 raise
             raised = error
@@ -76,7 +76,7 @@ def mnist_runs(tmp_path_factory):
     for name, head, raw in (("published", None, False), ("healthy", "float32", False),
                             ("raw_units", "float32", True)):
         _policy("mixed_float16")
-        x, y = mnist_data(BATCH * 4, raw_units=raw)
+        x, y = mnist_data(BATCH * 2, raw_units=raw)
         runs[name] = _fit(tmp_path_factory.mktemp(f"mnist_{name}"), mnist_convnet(head),
                           x, y)[0]
     keras.mixed_precision.set_dtype_policy("float32")
@@ -128,7 +128,7 @@ def text_runs(tmp_path_factory):
     runs = {}
     for name, head in (("published", None), ("healthy", "float32")):
         _policy("mixed_float16")
-        x, y = text_data(BATCH * 4)
+        x, y = text_data(BATCH * 2)
         runs[name] = _fit(tmp_path_factory.mktemp(f"text_{name}"), text_transformer(head),
                           x, y)[0]
     keras.mixed_precision.set_dtype_policy("float32")
@@ -268,7 +268,7 @@ class VAE(keras.Model):
             total_loss = reconstruction_loss + kl_loss
             scaled = self.optimizer.scale_loss(total_loss) if self.scale else total_loss
         grads = tape.gradient(scaled, self.trainable_weights)
-        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+        self.optimizer.apply_gradients(zip(grads, self.trainable_weights, strict=True))
         self.total_loss_tracker.update_state(total_loss)
         self.reconstruction_loss_tracker.update_state(reconstruction_loss)
         self.kl_loss_tracker.update_state(kl_loss)
@@ -356,3 +356,23 @@ def test_vae_with_scale_loss_is_healthy(vae_runs):
     # Projected on a GPU: the decoder's 1-channel output is the task's, the
     # latent Dense layers a tiny share of the GEMM work.
     assert "MP007" not in _codes(run, assume_gpu=True)
+
+
+def test_headroom_of_a_layer_without_weights_points_upstream(tmp_path):
+    """MP004 on a weightless layer (here a Rescaling that multiplies its input)
+    names the layer with weights that feeds it, never "growth of its weights"."""
+    _policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(BATCH * 2, 16)).astype("float32"), rng.integers(0, 10, BATCH * 2)
+    model = keras.Sequential([keras.Input((16,)), layers.Dense(16, name="dense"),
+                              layers.Rescaling(2000.0, name="rescaling"),
+                              layers.Dense(10, dtype="float32", name="head")])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer="adam")
+    run = _fit(tmp_path, model, x, y)[0]
+    assert _codes(run) == {"MP004", "MP011"}
+    finding = _only(run, "MP004")
+    assert finding.layer == "rescaling"
+    assert finding.evidence["weightless"] is True and finding.evidence["values_from"] == "dense"
+    assert "growth of its weights" not in finding.fix
+    assert "keras.layers.Dense(..., dtype=\"float32\")" in finding.fix
