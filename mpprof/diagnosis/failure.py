@@ -42,8 +42,8 @@ def fit_raised(view: RunView) -> list:
         raise NotMeasured(
             "the fit failed, but what it raised was not recorded (it stopped outside a "
             "train step, or the run was written by an older mpprof)")
-    message = str(error.get("message") or "")
-    first_line = message.strip().splitlines()[0] if message.strip() else ""
+    message = _ANSI.sub("", str(error.get("message") or ""))
+    first_line = _headline(message)
     step = error.get("step")
     evidence = {"type": error.get("type"), "message": first_line[:500], "step": step}
     mixed = view.half_dtype or (
@@ -54,15 +54,30 @@ def fit_raised(view: RunView) -> list:
         evidence["op"] = op
     kind, fix = _dtype_fix(view, message, op, mixed)
     evidence["kind"] = kind
-    what = f"{error.get('type')}: {first_line[:200]}"
+    what = f"{error.get('type')}: {first_line[:200]}".rstrip(".")
     title = f"model.fit raised at step {step}: {what}"
     if kind == "other":
         fix = (
-            f"The fit stopped at step {step} with {what}. The full message is in the run "
-            "context (mpprof summary) and in the traceback fit raised; mpprof's records "
-            "stop at that step."
+            f"The fit stopped at step {step} with {what}. The whole message is in the run "
+            "context's fit_error and in the traceback fit raised; mpprof's records stop "
+            "at that step."
         )
     return [finding("MP020", title, step=step, evidence=evidence, fix=fix)]
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_KERAS_WRAPPER = "Exception encountered when calling"
+
+
+def _headline(message: str) -> str:
+    """The message's first line; for Keras' "Exception encountered when
+    calling X.call()." wrapper, with the user's own first line after it."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    if lines[0].startswith(_KERAS_WRAPPER) and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
 
 
 def _op_name(message: str) -> str | None:

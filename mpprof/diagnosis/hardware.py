@@ -138,7 +138,7 @@ def hardware(view: RunView) -> list:
         }
         fix = (
             "CPUs have no float16 Tensor Cores: mixed_float16 is usually slower than "
-            "float32 there (2x to 50x in mpprof's tests, by TensorFlow's CPU "
+            "float32 there (2x to 50x in mpprof's tests, by the backend's CPU "
             "kernels). Train in float32 on this machine, or in bfloat16 if the "
             "CPU has AVX512_BF16/AMX:\n"
             f"    {view.syntax.set_policy('mixed_bfloat16')}  # or \"float32\""

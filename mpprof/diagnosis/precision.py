@@ -114,7 +114,10 @@ def tensor_core_shapes(view: RunView) -> list:
     for layer in layers:
         multiple = _gemm_multiple(layer)
         dims = layer.get("gemm_dims") or []
-        if multiple is None or not dims or layer["name"] in float32_by_fix:
+        # MP006's float32 takes a layer off the half-precision Tensor Cores,
+        # not off a float8 GEMM (quantized whatever it dequantizes to).
+        if multiple is None or not dims or (
+                layer["name"] in float32_by_fix and multiple != FLOAT8_GEMM_MULTIPLE):
             continue
         share = (layer["gemm_flops"] / total
                  if total and layer.get("gemm_flops") is not None else None)

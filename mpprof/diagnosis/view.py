@@ -41,6 +41,10 @@ def inventory_missing_reason(context: RunContext) -> str:
                 f"failed ({state.get('reason')})")
     if state.get("reason"):
         return f"no precision inventory was recorded: {state['reason']}"
+    error = context.fit_error
+    if error is not None:
+        return (f"no precision inventory was recorded: the fit raised at step "
+                f"{error.get('step')} (MP020) before its first step ended")
     if state.get("traced"):
         return ("no precision inventory was recorded though the step traced "
                 "(the run stopped before the end of its first step?)")

@@ -215,3 +215,35 @@ def test_guide_without_scale_loss_is_mp018_in_jax(guide_runs):
 
 def test_guide_with_scale_loss_is_healthy(guide_runs):
     assert _codes(guide_runs["healthy"]) == {"MP011"}
+
+
+class _RaisesInTraining(keras.layers.Layer):
+    """A user's layer whose training branch raises (a bug of the user's own)."""
+
+    def call(self, x, training=False):
+        if training:
+            raise ValueError("boom in training")
+        return x
+
+
+def test_a_failed_fit_on_jax_is_diagnosed_with_the_users_traceback(tmp_path):
+    import traceback
+    import warnings
+
+    _policy("mixed_float16")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), _RaisesInTraining(),
+                              keras.layers.Dense(1, dtype="float32")])
+    model.compile(optimizer="adam", loss="mse")
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ValueError) as raised:
+        warnings.simplefilter("always")
+        _fit(tmp_path, model, np.ones((64, 4)), np.ones((64, 1)))
+    frames = [f.filename for f in traceback.extract_tb(raised.value.__traceback__)]
+    assert not [f for f in frames if "/mpprof/" in f], frames
+    assert not [w for w in caught if "training goes on" in str(w.message)]
+    run = read_logdir(str(tmp_path))["train"]
+    finding = _only(run, "MP020")
+    assert finding.evidence["type"] == "ValueError" and finding.step == 0
+    assert "boom in training" in finding.title
+    assert finding.evidence["kind"] == "other"  # not a dtype error: no advice
+    assert "numerics_every" not in finding.fix and "cast" not in finding.fix
+    assert _codes(run) == {"MP020", "MP011"}
