@@ -8,6 +8,7 @@ tests/jax/test_keras_io_jax.py.
 
 from __future__ import annotations
 
+import os
 import traceback
 import warnings
 
@@ -376,3 +377,47 @@ def test_headroom_of_a_layer_without_weights_points_upstream(tmp_path):
     assert finding.evidence["weightless"] is True and finding.evidence["values_from"] == "dense"
     assert "growth of its weights" not in finding.fix
     assert "keras.layers.Dense(..., dtype=\"float32\")" in finding.fix
+
+
+def _trained_losses(policy, scale, x, y, steps=30):
+    """The per-step losses of the published convnet (float32 head) trained
+    `steps` steps on (x * scale, y) from the seeded initial weights."""
+    _policy(policy)
+    model = mnist_convnet("float32")
+    history = model.fit(x * scale, y, batch_size=BATCH, epochs=steps // (len(x) // BATCH),
+                        verbose=0, shuffle=False)
+    keras.mixed_precision.set_dtype_policy("float32")
+    return np.asarray(history.history["loss"])
+
+
+def test_mnist_raw_units_verified_fix_retrains_like_float32(mnist_runs, capsys):
+    """`mpprof replay` on the captured step: the lead fix is bounding the
+    inputs (the first op to overflow is the input's cast), verified; the
+    float32 conv2d map leaves the model unable to learn and is not verified.
+    Applied and retrained, the verified fix trains like float32 within the
+    band `mpprof.replay.verification` states."""
+    import json
+
+    from mpprof import cli
+    from mpprof.replay import verification
+
+    run = mnist_runs["raw_units"]
+    capsys.readouterr()
+    assert cli.main(["replay", os.path.dirname(run.path), "--format", "json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    result = result[0] if isinstance(result, list) else result
+    assert result["lead_fix"] == "bound_inputs" and result["verified"] is True
+    fixes = {fix["kind"]: fix for fix in result["fixes"]}
+    lead = fixes["bound_inputs"]
+    assert lead["scale_text"] == "1 / 65535"
+    assert any("Rescaling(1 / 65535" in line for line in lead["code"])
+    assert fixes["float32_layers"]["verified"] is False
+    # Retrained with the fix (mixed_float16) and in float32, the same batches.
+    x, y = mnist_data(BATCH * 2, raw_units=True)
+    fixed = _trained_losses("mixed_float16", lead["scale"], x, y)
+    reference = _trained_losses("float32", lead["scale"], x, y)
+    assert np.isfinite(fixed).all()
+    progress = (fixed[0] - fixed[-1]) / (reference[0] - reference[-1])
+    assert progress >= verification.TRIAL_MIN_PROGRESS, (fixed, reference)
+    mean_gap = abs(fixed.mean() - reference.mean()) / reference.mean()
+    assert mean_gap <= verification.TRIAL_MEAN_BAND, (fixed, reference)
