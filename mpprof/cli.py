@@ -130,7 +130,7 @@ def _diagnose(args) -> int:
         if run.readable:
             if chatty:
                 _say([f"mpprof: diagnosing run {name}"], sys.stderr)
-            results[name] = diagnosis.evaluate(run)
+            results[name] = diagnosis.evaluate(run, assume_gpu=args.assume_gpu)
     for name, run in runs.items():
         for warning in run.warnings:
             _warn(f"run {name}: {warning}")
@@ -368,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"exit with status {EXIT_FINDINGS} if a finding is at least this severe "
              "(for CI; default: never)",
     )
+    diagnose.add_argument(
+        "--assume-gpu", action="store_true",
+        help="judge what only matters on a GPU (Tensor Core shapes, MP007) as a projection "
+             "for a run that had none")
     diagnose.add_argument(
         "--replay", action="store_true",
         help="replay captured steps that have no replay result yet (imports Keras and the "
