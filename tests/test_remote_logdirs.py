@@ -353,16 +353,20 @@ def test_tensorboard_without_tensorflow_serves_the_tab_over_s3(fitted):
     assert codes == local_codes and "MP002" in codes
 
 
-def test_s3_requests_get_timeouts_and_bounded_retries_under_the_users_settings(monkeypatch):
+def test_s3_requests_get_timeouts_and_bounded_retries_under_the_users_settings(s3,
+                                                                              monkeypatch):
     """botocore's defaults let one hung request wait minutes: mpprof gives
     S3 its connect/read timeouts and 3 attempts, and a user's own fsspec
     configuration of them wins."""
     import fsspec.config
 
     fs, _ = filesystem._remote("s3://bucket/logs")
+    fs.call_s3("list_buckets")  # botocore takes the settings (and rewrites its copy)
     config = fs._prepare_config_kwargs() | fs.config_kwargs
     assert (config["connect_timeout"], config["read_timeout"]) == (5, 10)
-    assert config["retries"] == {"max_attempts": 3, "mode": "standard"}
+    assert config["retries"] == {"total_max_attempts": 3, "mode": "standard"}
+    assert fs.s3.meta.config.retries == {"total_max_attempts": 3, "mode": "standard"}
+    assert filesystem._options("s3")["config_kwargs"]["retries"] == config["retries"]
     monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"read_timeout": 60}})
     fs, _ = filesystem._remote("s3://bucket/logs")
     assert fs.config_kwargs["read_timeout"] == 60 and fs.config_kwargs["connect_timeout"] == 5

@@ -30,6 +30,7 @@ system serves is one line saying so.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import enum
 import errno
@@ -444,7 +445,7 @@ _SLOWEST_UPLOAD = 1 << 20  # bytes per second
 # has none: botocore's defaults (60 s to read, 4 retries, times s3fs's own 5)
 # let one hung request take many minutes in the background.
 _S3_CONFIG = {"connect_timeout": 5, "read_timeout": 10,
-              "retries": {"max_attempts": 3, "mode": "standard"}}
+              "retries": {"total_max_attempts": 3, "mode": "standard"}}
 
 
 class NoAnswerError(TimeoutError):
@@ -469,7 +470,8 @@ def _options(scheme: str) -> dict:
     import fsspec.config
 
     configured = fsspec.config.conf.get(scheme.lower(), {}).get("config_kwargs") or {}
-    return {"config_kwargs": {**_S3_CONFIG, **configured}}
+    # A copy each time: botocore rewrites the retries it is given.
+    return {"config_kwargs": {**copy.deepcopy(_S3_CONFIG), **configured}}
 
 
 def _call(function, *args, sent: int = 0):
