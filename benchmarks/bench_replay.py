@@ -35,6 +35,7 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import keras
 import numpy as np
+import tiny  # benchmarks/, on the path when run as a script
 from bench_overhead import EpochTimer
 
 import mpprof
@@ -114,7 +115,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--samples", type=int, default=8192)
-    args = parser.parse_args()
+    args = tiny.parse_args(parser, batch_sizes=[32], repeats=1, epochs=1, samples=1280)
     rng = np.random.default_rng(0)
     x = rng.random((args.samples, 784), dtype=np.float32)
     y = rng.integers(0, 10, args.samples)
