@@ -30,6 +30,7 @@ from tensorboard import errors
 from mpprof.records import filesystem, reader
 from mpprof.terminal import printable
 from tensorboard_plugin_mpprof.run_sources import LogdirRuns, MultiplexerRuns
+from tensorboard_plugin_mpprof.summary_store import SummaryStore
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +94,11 @@ class RunCache:
         self._budget = budget_bytes
         self._runs: collections.OrderedDict[str, CachedRun] = collections.OrderedDict()
         self._bytes = 0
-        # Run -> (signature, summary, the summary as JSON text).
-        self._summaries: dict[str, tuple[tuple, dict, str]] = {}
+        # Run -> (signature, summary, the summary as JSON text); those saved by
+        # an earlier TensorBoard on this logdir are trusted while their run's
+        # files are unchanged (`summary_store`).
+        self._store = SummaryStore(self.logdir)
+        self._summaries: dict[str, tuple[tuple, dict, str]] = self._store.load()
         self._run_locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self._lock = threading.Lock()
         self._listing: tuple[float, dict[str, tuple]] = (float("-inf"), {})
@@ -153,9 +157,13 @@ class RunCache:
         if progress is not None:
             progress.done()
         with self._lock:
-            for name in set(self._summaries) - set(files):
+            removed = set(self._summaries) - set(files)
+            for name in removed:
                 del self._summaries[name]
-            return [self._summaries[name] for name in files if name in self._summaries]
+            kept = dict(self._summaries)
+        if stale or removed:
+            self._store.save(kept)
+        return [kept[name] for name in files if name in kept]
 
     def get(self, run: str | None, listed: dict[str, tuple] | None = None) -> CachedRun:
         """The run named `run`; NotFoundError unless the logdir lists it.
