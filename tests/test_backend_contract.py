@@ -22,8 +22,8 @@ from mpprof import backends
 from mpprof.backends import base, protocol
 from mpprof.backends.layer_call_patch import is_patched
 from mpprof.backends.layer_records import walk_layers
+from mpprof.backends.patching import Patches
 from mpprof.recording.nvml.sampler import GpuSampler
-from mpprof.recording.patching import Patches
 from mpprof.records import reader, schema
 from mpprof.records.run_context import RunContext
 

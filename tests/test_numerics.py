@@ -524,8 +524,8 @@ def test_optimizers_wrapped_once_each_and_restored():
     never built) and a repeat wrap nothing."""
     import tensorflow as tf
 
+    from mpprof.backends.patching import Patches
     from mpprof.backends.tensorflow.numerics_taps import NumericsTaps
-    from mpprof.recording.patching import Patches
 
     model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2, name="dense")])
     collector = NumericsTaps(model, tf.distribute.get_strategy())

@@ -116,7 +116,7 @@ class Backend:
         The compiled `model.optimizer` ("optimizer") and every optimizer held
         in an attribute of the model (a GAN's `self.g_opt`, `self.d_opt`):
         which of them a step really uses is only known once it is traced
-        (`mpprof.recording.optimizer_usage.OptimizerUsage`).
+        (`mpprof.backends.optimizer_usage.OptimizerUsage`).
         """
         found: list[tuple[str, object]] = []
         if self.is_optimizer(model.optimizer):
@@ -147,7 +147,8 @@ class Backend:
         raise NotImplementedError
 
     def hardware_facts(self, sampler) -> dict:
-        """The run context's hardware facts (`sampler`: the NVML sampler)."""
+        """The run context's hardware facts (`sampler`: the fit's NVML sampler,
+        started, or probed once when the fit samples no GPU)."""
         raise NotImplementedError
 
     def profile_window(self, start: int, stop: int, run_dir: str) -> protocol.ProfileWindow:

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpprof.backends.collector import Collector
 from mpprof.backends.layer_records import nested_layers
 from mpprof.dtypes import FLOAT8_RANGES
-from mpprof.recording.collectors.base import Collector
 from mpprof.records import schema
 
 FORMAT_MAX = {name: r.max for name, r in FLOAT8_RANGES.items()}

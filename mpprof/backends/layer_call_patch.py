@@ -6,7 +6,7 @@ own subclass's, in its `layer_calls.py`).
 quantized layer (`model.quantize("float8")`, "int8", "int4", ...: its
 `quantization_mode` is set), so an instance attribute shadows the class
 method for that layer alone (`called_method` names the one). The patches go
-through the fit's `mpprof.recording.patching.Patches`, which undoes them with
+through the fit's `mpprof.backends.patching.Patches`, which undoes them with
 every other patch. The wrapper runs each hook after the original method
 while the train step is traced (or on every call when the model runs
 eagerly): a hook costs nothing per step of a compiled step.
@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mpprof.backends.layer_records import called_method, child_layers, walk_layers
+from mpprof.backends.patching import Patches
 from mpprof.backends.protocol import LayerCallHook
-from mpprof.recording.patching import Patches
 
 _PATCH_MARKER = "_mpprof_wrapped"
 

@@ -19,9 +19,9 @@ What holds for every member:
   through its `Guard` (`mpprof.recording.guard`), which switches the
   collector off with the reason in the run context; a member that must
   not fail inside the traced step catches its own errors
-  (`mpprof.recording.guard.TracedGuard`);
+  (`mpprof.backends.traced_guard.TracedGuard`);
 - every patch of a Keras or framework object goes through the fit's
-  `Patches` (`mpprof.recording.patching`), so that it is undone when the
+  `Patches` (`mpprof.backends.patching`), so that it is undone when the
   fit ends; nothing is left on the model.
 
 The factories (class attributes of a `Backend`, or methods where one fit's
@@ -50,15 +50,15 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import numpy as np
 
-    from mpprof.recording.optimizer_usage import OptimizerUse
-    from mpprof.recording.patching import Patches
+    from mpprof.backends.optimizer_usage import OptimizerUse
+    from mpprof.backends.patching import Patches
 
 
 @runtime_checkable
 class Collector(Protocol):
     """One concern of a fit, from its patches to its records.
 
-    The lifecycle (`mpprof.recording.collectors.base.Collector` is the base
+    The lifecycle (`mpprof.backends.collector.Collector` is the base
     class every collector extends; each step does nothing by default):
     `install` at train begin, `after_call` after each train-function call
     (when `after_each_call`), `after_sample` after each sampled call,

@@ -101,8 +101,9 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
 
     Raises:
         ValueError: an argument is out of range.
-        mpprof.backends.UnsupportedBackendError: Keras runs on another
-            backend than TensorFlow.
+        mpprof.backends.UnsupportedBackendError: Keras runs on a backend
+            mpprof has no registration for (`mpprof.backends.REGISTRY`:
+            TensorFlow and JAX).
 
     Example:
 

@@ -14,6 +14,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from mpprof.backends.traced_guard import describe_error
+
 
 class Guard:
     """Which collectors failed during this fit, and why."""
@@ -142,29 +144,6 @@ class GuardedWriter:
             pass
 
 
-class TracedGuard:
-    """Runs mpprof's own part of a traced function (a hook inside the user's
-    train step) so that its failure is reported, never raised into the step.
-
-    Args:
-        on_error: called with the exception; by default it is raised (a
-            collector used on its own); the profiler reports it to its
-            `Guard` instead.
-    """
-
-    def __init__(self):
-        self.on_error: Callable[[Exception], None] | None = None
-
-    def __call__(self, record: Callable[[], Any]) -> Any:
-        """`record()`, or None after reporting its failure."""
-        try:
-            return record()
-        except Exception as e:
-            if self.on_error is None:
-                raise
-            self.on_error(e)
-            return None
-
 
 # How much of a failed fit's error message the run context keeps.
 MAX_FIT_ERROR_MESSAGE = 4000
@@ -181,10 +160,3 @@ def describe_fit_error(error: BaseException | None, step: int) -> dict | None:
         "message": message[:MAX_FIT_ERROR_MESSAGE],
         "step": int(step),
     }
-
-
-def describe_error(error: BaseException) -> str:
-    """`TypeName: first line of the message`, at most 300 characters."""
-    message = getattr(error, "message", None) or str(error)
-    first_line = message.strip().splitlines()[0] if message.strip() else ""
-    return f"{type(error).__name__}: {first_line}"[:300]

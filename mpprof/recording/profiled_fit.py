@@ -19,6 +19,8 @@ from typing import Any
 
 from mpprof.backends import backend_for, protocol
 from mpprof.backends.base import Backend
+from mpprof.backends.optimizer_usage import OptimizerUsage
+from mpprof.backends.patching import Patches
 from mpprof.recording import fit_collectors
 from mpprof.recording.across_fits import AcrossFits
 from mpprof.recording.context_writer import ContextWriter
@@ -27,8 +29,6 @@ from mpprof.recording.fit_collectors import FitCollectors
 from mpprof.recording.fit_state import FitState
 from mpprof.recording.guard import Guard, describe_fit_error
 from mpprof.recording.hard_stop import FlushSchedule, SigtermFlush
-from mpprof.recording.optimizer_usage import OptimizerUsage
-from mpprof.recording.patching import Patches
 from mpprof.recording.quiet_calls import QuietCalls
 from mpprof.recording.routing import RecordRouting
 from mpprof.recording.settings import Settings

@@ -1,6 +1,7 @@
-"""Keras 3 on JAX: the `Backend` the recording core asks.
+"""Keras 3 on JAX: the `Backend` the recording core asks
+(`mpprof.backends.protocol` says what each factory's object must do).
 
-What differs from TensorFlow (`mpprof.backends.tensorflow.backend`):
+How JAX answers it:
 
 - the train function is `train_function(state, iterator) -> (logs, state)`
   with the state donated; the profiled one is mpprof's own jit of Keras'

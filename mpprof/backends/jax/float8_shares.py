@@ -30,7 +30,7 @@ import numpy as np
 from mpprof.backends.float8_shares import Float8SharesCollector, merge_rows, quantization_limits
 from mpprof.backends.jax.custom_step import overrides_train_step
 from mpprof.backends.jax.numerics_taps import MAX_CALLS, StepTrace
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 from mpprof.records import schema
 
 _COLUMNS = len(schema.FLOAT8_SHARE_COLUMNS)

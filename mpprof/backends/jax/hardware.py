@@ -6,19 +6,15 @@ from __future__ import annotations
 import jax
 
 from mpprof.backends import context_facts
-from mpprof.recording.nvml import sampler as gpu
 
 
-def hardware_facts(sampler: gpu.GpuSampler | None = None) -> dict:
+def hardware_facts(sampler) -> dict:
     """The run context's "hardware" entry (`context_facts.hardware_facts`).
 
     Args:
-        sampler: a started GpuSampler whose NVML facts to use; None probes
-            NVML once (the sampler is disabled).
+        sampler: the fit's started (or probed) NVML sampler
+            (`mpprof.recording.nvml.sampler.GpuSampler`), whose facts to use.
     """
-    if sampler is None:
-        sampler = gpu.GpuSampler()
-        sampler.probe()
     jax_gpus = [d for d in jax.devices() if d.platform == "gpu"]
     return context_facts.hardware_facts(sampler, "JAX", [
         {"index": i, "name": getattr(d, "device_kind", str(d)), "uuid": None,

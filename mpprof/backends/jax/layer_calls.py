@@ -8,7 +8,7 @@ finds the layer a cast input came from (`cast_source`).
 from __future__ import annotations
 
 from mpprof.backends import layer_call_patch
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 
 # The casts `Layer.__call__` made while a step was traced: by id of the cast
 # value, (the value before the cast, the value after). Keras casts a layer's

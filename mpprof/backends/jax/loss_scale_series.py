@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from mpprof.recording.optimizer_usage import applied_steps
-from mpprof.recording.step_origin import Origin
+from mpprof.backends.optimizer_usage import applied_steps
+from mpprof.backends.step_origin import Origin
 
 MODE_STEP_STATE = "step_state"
 

@@ -21,19 +21,29 @@ from typing import Any
 
 import numpy as np
 
-from mpprof.recording import step_origin
-from mpprof.recording.collectors.base import Collector
-from mpprof.recording.loss_scale_records import series_context, write_series
-from mpprof.recording.optimizer_usage import OptimizerUsage, applied_steps
-from mpprof.recording.patching import Patches
-from mpprof.recording.step_origin import EarlierRecords
+from mpprof.backends import step_origin
+from mpprof.backends.collector import Collector
+from mpprof.backends.loss_scale_records import series_context, write_series
+from mpprof.backends.optimizer_usage import OptimizerUsage, applied_steps
+from mpprof.backends.patching import Patches
+from mpprof.backends.step_origin import EarlierRecords
 
 
 class LossScales(Collector):
-    """One loss-scale collector per followed LossScaleOptimizer.
+    """One loss-scale collector per followed LossScaleOptimizer
+    (`mpprof.backends.protocol.LossScales`).
 
-    Args: as `mpprof.backends.tensorflow.loss_scales.LossScales` (`strategy`
-        is the JAX backend's stand-in: one replica per process).
+    Args:
+        keras_api: the fit's `JaxBackend` (it makes the fit's step state,
+            which counts each optimizer's overflows inside the jitted step).
+        usage: the model's `OptimizerUsage`.
+        strategy: the backend's stand-in strategy (one replica per process).
+        capacity: events each optimizer's ring holds between two reads.
+        reuse: series of an earlier fit, by optimizer id: they keep counting
+            skipped steps across fits.
+        earlier: reads the run's records of earlier fits
+            (`step_origin.read_earlier`), called at most once, and only when
+            a new series' optimizer has run before.
     """
 
     name = "loss_scale"

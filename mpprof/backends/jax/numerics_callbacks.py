@@ -43,7 +43,7 @@ from mpprof.backends.jax.tensor_statistics import (
     raw_statistics,
 )
 from mpprof.backends.numerics_rows import ABS_MAX, RAW_COLUMNS
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 
 
 def _add(rows: dict, key, row: np.ndarray) -> None:

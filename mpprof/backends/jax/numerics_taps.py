@@ -52,7 +52,7 @@ from mpprof.backends.numerics_rows import (
     SAMPLE_VALUES,
     statistics_of_rows,
 )
-from mpprof.recording.optimizer_usage import applied_steps
+from mpprof.backends.optimizer_usage import applied_steps
 from mpprof.records import schema
 
 # Calls of one layer in one step that are measured (a shared layer).

@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpprof.backends import keras_capture
+from mpprof.backends.collector import Collector
 from mpprof.backends.jax.custom_step import overrides_train_step
 from mpprof.backends.jax.step_state import LAST_LOSS, LOSS_ROW
-from mpprof.recording.collectors.base import Collector
 from mpprof.replay import files
 
 

@@ -37,8 +37,8 @@ import jax
 
 from mpprof.backends.jax.custom_step import overrides_train_step, watch_loss_metrics
 from mpprof.backends.jax.numerics_taps import SAMPLE_KEY
-from mpprof.recording.guard import describe_error
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
+from mpprof.backends.traced_guard import describe_error
 
 # Batches kept for a forensic sample: past the host's usual lag behind the
 # device (a few calls; the alarm is read at most every few ms).

@@ -8,20 +8,15 @@ import tensorflow as tf
 
 from mpprof import dtypes
 from mpprof.backends import context_facts
-from mpprof.recording.nvml import devices as gpu_devices
-from mpprof.recording.nvml import sampler as gpu
 
 
-def hardware_facts(sampler: gpu.GpuSampler | None = None) -> dict:
+def hardware_facts(sampler) -> dict:
     """The run context's "hardware" entry (`context_facts.hardware_facts`).
 
     Args:
-        sampler: a started GpuSampler whose NVML facts to use; None probes
-            NVML once (the sampler is disabled).
+        sampler: the fit's started (or probed) NVML sampler
+            (`mpprof.recording.nvml.sampler.GpuSampler`), whose facts to use.
     """
-    if sampler is None:
-        sampler = gpu.GpuSampler()
-        sampler.probe()
     return context_facts.hardware_facts(sampler, "TensorFlow", _tensorflow_gpus())
 
 
@@ -39,7 +34,7 @@ def _tensorflow_gpus() -> list[dict]:
                 "index": index,
                 "name": details.get("device_name", device.name),
                 "uuid": None,
-                "architecture": gpu_devices.architecture_name(None, capability),
+                "architecture": dtypes.architecture_of(capability),
                 "compute_capability": capability,
                 "fp16_tensor_cores": dtypes.has_fp16_tensor_cores(capability),
                 "bf16": dtypes.has_native_bf16(capability),

@@ -16,20 +16,20 @@ from typing import Any
 
 import tensorflow as tf
 
+from mpprof.backends import step_origin
+from mpprof.backends.collector import Collector
+from mpprof.backends.loss_scale_records import series_context, write_series
+from mpprof.backends.optimizer_usage import OptimizerUsage, applied_steps
+from mpprof.backends.patching import Patches
+from mpprof.backends.step_origin import EarlierRecords
 from mpprof.backends.tensorflow.loss_scale_series import MODE_HOST
-from mpprof.recording import step_origin
-from mpprof.recording.collectors.base import Collector
-from mpprof.recording.loss_scale_records import series_context, write_series
-from mpprof.recording.optimizer_usage import OptimizerUsage, applied_steps
-from mpprof.recording.patching import Patches
-from mpprof.recording.step_origin import EarlierRecords
 
 
 class LossScales(Collector):
     """One loss-scale collector per LossScaleOptimizer the step may use.
 
     Args:
-        keras_api: the model's `mpprof.backends.tensorflow.backend.KerasApi`.
+        keras_api: the fit's `Backend` (`mpprof.backends.base`).
         usage: the model's `OptimizerUsage`.
         strategy: the model's distribution strategy.
         capacity: events each ring buffer holds between two reads.

@@ -35,9 +35,9 @@ import tensorflow as tf
 
 from mpprof.backends.layer_records import child_layers, variable_path, walk_layers
 from mpprof.backends.numerics_rows import ESTIMATED_COLUMNS, SAMPLE_VALUES
+from mpprof.backends.patching import Patches
 from mpprof.backends.tensorflow.layer_calls import control_flow_inside_caller
 from mpprof.backends.tensorflow.tensor_statistics import StatisticsTable
-from mpprof.recording.patching import Patches
 from mpprof.records import schema
 
 

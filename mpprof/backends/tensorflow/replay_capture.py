@@ -38,9 +38,9 @@ import numpy as np
 import tensorflow as tf
 
 from mpprof.backends import keras_capture
+from mpprof.backends.collector import Collector
 from mpprof.backends.flavor import KERAS_3
-from mpprof.recording.collectors.base import Collector
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 from mpprof.replay import files
 
 # The logs key the instrumented step returns the capture's tensors under
@@ -53,7 +53,7 @@ class ReplayCapture(Collector):
 
     Args:
         budget: captures this fit may write (0: off).
-        keras_api: the model's `mpprof.backends.tensorflow.backend.KerasApi`.
+        keras_api: the fit's `Backend` (`mpprof.backends.base`).
         loss_scales: the `LossScales` (the in-graph skip counter and step).
         health: the `RunHealth` (the sampled step's loss).
         instrumenting: tells, while a train function is traced, whether it is

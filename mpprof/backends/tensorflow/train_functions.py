@@ -24,8 +24,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from mpprof.recording.guard import describe_error
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
+from mpprof.backends.traced_guard import describe_error
 
 
 def seeded_random_ops(graph_def) -> list[str]:
@@ -48,7 +48,7 @@ class TrainFunctions:
 
     Args:
         model: the model, whose `train_function` fit made just before.
-        keras_api: the model's `mpprof.backends.tensorflow.backend.KerasApi`.
+        keras_api: the fit's `Backend` (`mpprof.backends.base`).
         instrumented: whether to make the instrumented function at all.
     """
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from mpprof.recording.collectors.base import Collector
+from mpprof.backends.collector import Collector
+from mpprof.backends.patching import Patches
 from mpprof.recording.guard import GuardedHook
-from mpprof.recording.patching import Patches
 from mpprof.records import schema
 
 

@@ -14,9 +14,9 @@ import math
 import numpy as np
 
 from mpprof.backends import protocol
+from mpprof.backends.collector import Collector
+from mpprof.backends.patching import Patches
 from mpprof.dtypes import DTYPE_MAX
-from mpprof.recording.collectors.base import Collector
-from mpprof.recording.patching import Patches
 from mpprof.records import schema
 
 # Samples waiting for the next flush, at most.
