@@ -22,16 +22,16 @@ from keras import layers, ops
 # published; the data is random.
 
 
-def mnist_convnet(head_dtype=None) -> keras.Model:
+def mnist_convnet(head_dtype=None, first_conv_dtype=None) -> keras.Model:
     """The published convnet; `head_dtype="float32"` is the healthy mixed
     precision version (the published head outputs float16 under
-    mixed_float16: MP006)."""
+    mixed_float16: MP006); `first_conv_dtype` applies a replay's map."""
     num_classes = 10
     input_shape = (28, 28, 1)
     model = keras.Sequential(
         [
             keras.Input(shape=input_shape),
-            layers.Conv2D(32, kernel_size=(3, 3), activation="relu"),
+            layers.Conv2D(32, kernel_size=(3, 3), activation="relu", dtype=first_conv_dtype),
             layers.MaxPooling2D(pool_size=(2, 2)),
             layers.Conv2D(64, kernel_size=(3, 3), activation="relu"),
             layers.MaxPooling2D(pool_size=(2, 2)),
@@ -45,13 +45,22 @@ def mnist_convnet(head_dtype=None) -> keras.Model:
 
 
 def mnist_data(samples: int, raw_units: bool = False, seed: int = 0):
-    """Random 28x28 grayscale digits and one-hot labels. As published the
-    pixels are scaled to [0, 1] (`x / 255`); `raw_units` feeds 16-bit pixels
-    unscaled (0..65535: the `/ 65535` forgotten), past float16's 65504."""
+    """Random 28x28 grayscale 16-bit images and one-hot labels the model can
+    learn in a few steps (the label is the one quadrant left bright, the
+    others dimmed to 50-80%), so that a retrained fix is compared with
+    float32 on learning, not on noise. As published the pixels are scaled
+    to [0, 1]; `raw_units` feeds them unscaled (0..65535: the `/ 65535`
+    forgotten), past float16's 65504."""
     rng = np.random.default_rng(seed)
-    pixels = rng.integers(0, 65536, size=(samples, 28, 28, 1)).astype("float32")
+    pixels = rng.integers(0, 65536, size=(samples, 2, 14, 2, 14)).astype("float32")
+    labels = rng.integers(0, 4, size=samples)
+    dim = 0.5 + 0.3 * rng.random((samples, 2, 1, 2, 1))
+    keep = np.zeros((samples, 2, 1, 2, 1), dtype=bool)
+    keep[np.arange(samples), labels // 2, 0, labels % 2, 0] = True
+    pixels = np.floor(np.where(keep, pixels, pixels * dim)).astype("float32")
+    pixels = pixels.reshape(samples, 28, 28, 1)
+    y = keras.utils.to_categorical(labels, 10)
     x = pixels if raw_units else pixels / 65535
-    y = keras.utils.to_categorical(rng.integers(0, 10, size=samples), 10)
     return x, y
 
 

@@ -379,45 +379,70 @@ def test_headroom_of_a_layer_without_weights_points_upstream(tmp_path):
     assert "keras.layers.Dense(..., dtype=\"float32\")" in finding.fix
 
 
-def _trained_losses(policy, scale, x, y, steps=30):
-    """The per-step losses of the published convnet (float32 head) trained
-    `steps` steps on (x * scale, y) from the seeded initial weights."""
+def _trained_losses(policy, scale, x, y, steps=30, first_conv_dtype=None):
+    """The loss of each step of the published convnet (float32 head) trained
+    `steps` steps on the batches of (x * scale, y), cycled, from the seeded
+    initial weights (as verification's trial trains)."""
     _policy(policy)
-    model = mnist_convnet("float32")
-    history = model.fit(x * scale, y, batch_size=BATCH, epochs=steps // (len(x) // BATCH),
-                        verbose=0, shuffle=False)
+    model = mnist_convnet("float32", first_conv_dtype)
+    batches = len(x) // BATCH
+    losses = [float(model.train_on_batch(x[i * BATCH:(i + 1) * BATCH] * scale,
+                                         y[i * BATCH:(i + 1) * BATCH], return_dict=True)["loss"])
+              for i in (step % batches for step in range(steps))]
     keras.mixed_precision.set_dtype_policy("float32")
-    return np.asarray(history.history["loss"])
+    return losses
 
 
-def test_mnist_raw_units_verified_fix_retrains_like_float32(mnist_runs, capsys):
-    """`mpprof replay` on the captured step: the lead fix is bounding the
-    inputs (the first op to overflow is the input's cast), verified; the
-    float32 conv2d map leaves the model unable to learn and is not verified.
-    Applied and retrained, the verified fix trains like float32 within the
-    band `mpprof.replay.verification` states."""
+def _replayed_fixes(run, capsys) -> dict:
+    """`mpprof replay --format json` of the run's captured step: its fixes by kind."""
     import json
 
     from mpprof import cli
-    from mpprof.replay import verification
 
-    run = mnist_runs["raw_units"]
     capsys.readouterr()
     assert cli.main(["replay", os.path.dirname(run.path), "--format", "json"]) == 0
     result = json.loads(capsys.readouterr().out)
     result = result[0] if isinstance(result, list) else result
     assert result["lead_fix"] == "bound_inputs" and result["verified"] is True
-    fixes = {fix["kind"]: fix for fix in result["fixes"]}
-    lead = fixes["bound_inputs"]
-    assert lead["scale_text"] == "1 / 65535"
-    assert any("Rescaling(1 / 65535" in line for line in lead["code"])
-    assert fixes["float32_layers"]["verified"] is False
-    # Retrained with the fix (mixed_float16) and in float32, the same batches.
+    return {fix["kind"]: fix for fix in result["fixes"]}
+
+
+def _retrains_like_float32(scale, first_conv_dtype=None):
+    """The fix applied and retrained (mixed_float16) against the same model in
+    float32 on the same batches, judged by the band verification states (at
+    least TRIAL_MIN_PROGRESS of float32's loss decrease, mean loss within
+    TRIAL_MEAN_BAND) with its own function."""
+    from mpprof.replay import verification
+
     x, y = mnist_data(BATCH * 2, raw_units=True)
-    fixed = _trained_losses("mixed_float16", lead["scale"], x, y)
-    reference = _trained_losses("float32", lead["scale"], x, y)
+    fixed = _trained_losses("mixed_float16", scale, x, y, first_conv_dtype=first_conv_dtype)
+    reference = _trained_losses("float32", scale, x, y)
     assert np.isfinite(fixed).all()
-    progress = (fixed[0] - fixed[-1]) / (reference[0] - reference[-1])
-    assert progress >= verification.TRIAL_MIN_PROGRESS, (fixed, reference)
-    mean_gap = abs(fixed.mean() - reference.mean()) / reference.mean()
-    assert mean_gap <= verification.TRIAL_MEAN_BAND, (fixed, reference)
+    return verification.judge_trial(fixed, reference)
+
+
+def test_mnist_raw_units_verified_fix_retrains_like_float32(mnist_runs, capsys):
+    """`mpprof replay` on the captured step: the lead fix is bounding the
+    inputs (the first op to overflow is the input's cast), verified; applied
+    and retrained, it trains like float32."""
+    lead = _replayed_fixes(mnist_runs["raw_units"], capsys)["bound_inputs"]
+    assert lead["verified"] is True and lead["scale_text"] == "1 / 65535"
+    assert any("Rescaling(1 / 65535" in line for line in lead["code"])
+    trial = _retrains_like_float32(lead["scale"])
+    assert trial.passed, trial.reason
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 36 (replay verification, branch i36a): the float32 conv2d map passes "
+    "verification's trial from the captured weights but, retrained from the start on "
+    "raw inputs, reaches 76% of float32's loss decrease (band 80%)"))
+def test_mnist_raw_units_float32_map_if_verified_retrains_like_float32(mnist_runs, capsys):
+    """The alternative fix, a float32 conv2d: where replay calls it verified,
+    it must retrain like float32 too; else it says "not verified"."""
+    fix = _replayed_fixes(mnist_runs["raw_units"], capsys)["float32_layers"]
+    assert fix["float32_layers"] == ["conv2d"]
+    if not fix["verified"]:
+        assert fix["verified_detail"].startswith("not verified")
+        return
+    trial = _retrains_like_float32(1.0, first_conv_dtype="float32")
+    assert trial.passed, trial.reason
