@@ -144,7 +144,6 @@ class GuardedWriter:
             pass
 
 
-
 # How much of a failed fit's error message the run context keeps.
 MAX_FIT_ERROR_MESSAGE = 4000
 
