@@ -38,6 +38,8 @@ class Registration:
         op_names: the framework-free module whose `layer_of(op_name)` gives
             the layer of an XProf op name in its naming, or None when the
             name is not in it (None: no XProf window).
+        extra: the pip extra of mpprof that installs the framework
+            (`pip install "mpprof[<extra>]"`).
     """
 
     name: str
@@ -45,22 +47,24 @@ class Registration:
     backend: str
     replay_engine: str | None = None
     op_names: str | None = None
+    extra: str = ""
 
 
 REGISTRY: dict[str, Registration] = {r.name: r for r in (
     Registration("tensorflow", "TensorFlow",
                  "mpprof.backends.tensorflow.backend:TensorFlowBackend",
                  "mpprof.backends.tensorflow.replay_engine",
-                 "mpprof.backends.tensorflow.op_names"),
+                 "mpprof.backends.tensorflow.op_names", "tensorflow"),
     Registration("jax", "JAX", "mpprof.backends.jax.backend:JaxBackend",
-                 "mpprof.backends.jax.replay_engine", "mpprof.backends.jax.op_names"),
+                 "mpprof.backends.jax.replay_engine", "mpprof.backends.jax.op_names", "jax"),
 )}
 
 # tf-keras (Keras 2) is a flavour, not a backend: its models train on
 # TensorFlow whatever `KERAS_BACKEND` says, chosen by the model's class.
 TF_KERAS = Registration("tensorflow", "TensorFlow",
                         "mpprof.backends.tf_keras.backend:TfKerasBackend",
-                        REGISTRY["tensorflow"].replay_engine, REGISTRY["tensorflow"].op_names)
+                        REGISTRY["tensorflow"].replay_engine, REGISTRY["tensorflow"].op_names,
+                        "tf-keras")
 
 # The backend of replay captures whose manifest does not name one (written
 # before the manifest did, when TensorFlow was the only backend).

@@ -14,9 +14,15 @@ subclass, registered in `mpprof.backends` (`REGISTRY`); it passes
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import Callable
 
 from mpprof.backends import protocol
+
+# mpprof's own source directory: its frames are hidden from the user's
+# tracebacks where the framework hides its own.
+_MPPROF_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class Backend:
@@ -46,6 +52,26 @@ class Backend:
     fits_across_workers = False
     alarm_logs_key = ""
     replay_logs_key = ""
+    # The framework modules that filter their own frames out of a raised
+    # error's traceback by a tuple `_EXCLUDED_PATHS` of path fragments
+    # (Keras' `keras.src.utils.traceback_utils`, tf-keras', TensorFlow's).
+    traceback_filters: tuple[str, ...] = ()
+
+    def hide_own_frames(self) -> None:
+        """Adds mpprof's directory to each `traceback_filters` module's
+        excluded paths, so that an error of the user's train step shows the
+        traceback Keras would show without mpprof (mpprof's wrappers of the
+        train function and the layers are hidden as Keras hides its own, and
+        shown again by `keras.config.disable_traceback_filtering()`). Private
+        framework API: where it is missing, nothing is hidden."""
+        for name in self.traceback_filters:
+            try:
+                module = importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - a private module moved: show the frames
+                continue
+            excluded = getattr(module, "_EXCLUDED_PATHS", None)
+            if isinstance(excluded, tuple) and _MPPROF_DIR not in excluded:
+                module._EXCLUDED_PATHS = (*excluded, _MPPROF_DIR)
 
     # The fit's collectors and drivers, built by the core once per fit (what
     # each returns, and when it is called: `mpprof.backends.protocol`). A

@@ -17,11 +17,22 @@ from mpprof.records import schema
 from mpprof.replay import files
 from mpprof.replay.files import ReplayError
 
+# A missing module among these means the backend's extra is not installed
+# (a base install reads and diagnoses, but cannot re-run a step).
+_FRAMEWORK_MODULES = {"keras", "tensorflow", "jax", "jaxlib", "ml_dtypes", "torch"}
+
 
 def capture_backend(manifest: dict) -> str:
     """The backend that trained a capture (captures that do not say:
     `LEGACY_CAPTURE_BACKEND`)."""
     return str(manifest.get("backend") or LEGACY_CAPTURE_BACKEND)
+
+
+def framework(manifest: dict) -> str:
+    """The framework a replay of this capture imports ("TensorFlow", "JAX")."""
+    backend = capture_backend(manifest)
+    registered = registration(backend)
+    return registered.framework if registered is not None else backend
 
 
 def _model_backend(model) -> str:
@@ -47,7 +58,17 @@ def _engine(backend: str):
             f"this capture was trained on {registered.framework} but Keras runs on "
             f"{running!r} in this process: replay it with KERAS_BACKEND={backend} "
             f"(e.g. KERAS_BACKEND={backend} mpprof replay LOGDIR)")
-    return load(registered.replay_engine)
+    try:
+        return load(registered.replay_engine)
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] not in _FRAMEWORK_MODULES:
+            raise
+        raise ReplayError(
+            f"this capture was trained on {registered.framework}: replaying it needs Keras "
+            f"and {registered.framework}, and {e.name} is not installed here. Install them "
+            f'with pip install "mpprof[{registered.extra}]" (from a checkout: '
+            f'pip install ".[{registered.extra}]"), or replay where the run was trained'
+        ) from e
 
 
 def replay(logdir_or_model, run: str | None = None, step: int | None = None,
@@ -60,3 +81,10 @@ def replay(logdir_or_model, run: str | None = None, step: int | None = None,
     else:
         backend = _model_backend(logdir_or_model)
     return _engine(backend).replay(logdir_or_model, run, step, **kwargs)
+
+
+def verification_engine(model, batches: list, loss_scale: float = 1.0):
+    """A `mpprof.replay.verification.Engine` for `model` in this process's
+    Keras backend, on `batches` from the model's current weights (the
+    precision advisor's way in: `Verifier(verification_engine(...))`)."""
+    return _engine(_model_backend(model)).engine_for(model, batches, loss_scale)

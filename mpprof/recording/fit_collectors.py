@@ -66,7 +66,9 @@ def build(backend: Backend, model, settings: Settings, across_fits: AcrossFits, 
                                across_fits.health, instrumenting)
     numerics.append(NumericsSamples(
         backend.numerics_taps, inventory, loss_scales, health,
-        {"every": settings.numerics_every, "forensic_budget": settings.forensic_budget,
+        {"every": settings.numerics_every,
+         "early_steps": list(across_fits.schedule.early_steps),
+         "forensic_budget": settings.forensic_budget,
          "forensic_spacing": settings.forensic_spacing},
     ))
     if across_fits.profile_window is None and settings.profile_steps:

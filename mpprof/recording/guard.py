@@ -22,6 +22,10 @@ class Guard:
 
     def __init__(self):
         self.failures: dict[str, str] = {}
+        # Set while a fit that raised is being finished: a part failing then
+        # is recorded in the run context, but no warning says "training goes
+        # on" beside the user's own error.
+        self.fit_raised = False
 
     def ok(self, collector: str) -> bool:
         return collector not in self.failures
@@ -42,6 +46,8 @@ class Guard:
             return
         reason = error if isinstance(error, str) else describe_error(error)
         self.failures[collector] = reason
+        if self.fit_raised:
+            return
         what = ("stopped writing its records" if collector == GuardedWriter.COLLECTOR
                 else f"stopped recording {collector}")
         warnings.warn(f"mpprof: {what} ({reason}); training goes on.", RuntimeWarning,
@@ -103,6 +109,12 @@ class GuardedWriter:
                 self.COLLECTOR, self._writer.write_array, record, value, step, series=series
             )
 
+    @property
+    def writer_id(self) -> str | None:
+        """The writer's id (`RecordWriter.writer_id`); None for one that
+        writes nothing."""
+        return getattr(self._writer, "writer_id", None)
+
     def write_file(self, relative_path: str, data: bytes) -> bool:
         """Writes a file into the run directory; returns whether it was written
         (False once the recording stopped)."""
@@ -130,3 +142,20 @@ class GuardedWriter:
             mark(fit_state, step, self._guard.failures.get(self.COLLECTOR))
         except Exception:  # noqa: BLE001 - nothing left to write with
             pass
+
+
+# How much of a failed fit's error message the run context keeps.
+MAX_FIT_ERROR_MESSAGE = 4000
+
+
+def describe_fit_error(error: BaseException | None, step: int) -> dict | None:
+    """What `model.fit` raised at `step`, for the run context's "fit_error"."""
+    if error is None:
+        return None
+    message = getattr(error, "message", None) or str(error)
+    return {
+        "type": type(error).__name__,
+        "module": type(error).__module__,
+        "message": message[:MAX_FIT_ERROR_MESSAGE],
+        "step": int(step),
+    }

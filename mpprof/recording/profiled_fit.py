@@ -12,6 +12,7 @@ needs a framework is asked of the fit's backend (`mpprof.backends`).
 from __future__ import annotations
 
 import atexit
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,7 @@ from mpprof.recording.context_writer import ContextWriter
 from mpprof.recording.distributed import announce_keras_3_multi_worker, worker_role
 from mpprof.recording.fit_collectors import FitCollectors
 from mpprof.recording.fit_state import FitState
-from mpprof.recording.guard import Guard
+from mpprof.recording.guard import Guard, describe_fit_error
 from mpprof.recording.hard_stop import FlushSchedule, SigtermFlush
 from mpprof.recording.quiet_calls import QuietCalls
 from mpprof.recording.routing import RecordRouting
@@ -54,6 +55,7 @@ def start(profiler, settings: Settings, across_fits: AcrossFits) -> ProfiledFit:
     """
     model = profiler.model
     backend = backend_for(model)
+    backend.hide_own_frames()
     _take_over(profiler, model, backend)
     fit = ProfiledFit(profiler, model, backend, settings, across_fits)
     _ACTIVE[model] = fit
@@ -107,6 +109,7 @@ class ProfiledFit:
                                       role, note)
         self._patches = Patches()
         self._fit_state = run_context.FIT_RUNNING
+        self._fit_error: dict | None = None  # what fit raised inside a train step
         across_fits.fit_count += 1
         # Set by `begin` once the collectors are installed (None: not yet,
         # or profiling stopped before they were).
@@ -381,7 +384,7 @@ class ProfiledFit:
 
     def _write_context(self) -> None:
         self._context.write(self._routing, self._collectors, self._fit, self._start_step,
-                            self._fit_state, self._sigterm.state)
+                            self._fit_state, self._sigterm.state, self._fit_error)
 
     # Ending the fit.
 
@@ -392,7 +395,14 @@ class ProfiledFit:
         self._finish()
 
     def _abort(self) -> None:
-        """`fit` is raising from inside a train step: keep what was recorded."""
+        """`fit` is raising from inside a train step: keep what was recorded,
+        and what it raised (the exception being handled) and at which step."""
+        error = sys.exc_info()[1]
+        self._guard.fit_raised = True
+        if self._fit is not None:
+            self._guard.run("profiler", self._settle_quiet_calls)  # the steps that ran
+        step = self._fit.step if self._fit is not None else self._start_step
+        self._fit_error = describe_fit_error(error, step)
         self.finish(run_context.FIT_FAILED)
 
     def _finish_unended(self) -> None:

@@ -64,6 +64,14 @@ class RunContext(Mapping):
         return self._record.get("fit_state")
 
     @property
+    def fit_error(self) -> dict | None:
+        """What `model.fit` raised, for a fit that failed inside a train step:
+        {"type", "module", "message", "step" (the first step of the call that
+        raised)}; None when it did not raise there (or for older runs)."""
+        error = self._record.get("fit_error")
+        return error if isinstance(error, dict) else None
+
+    @property
     def keras_flavor(self) -> str | None:
         """"keras" (Keras 3) or "tf_keras" (Keras 2)."""
         return self._record.get("keras_flavor")

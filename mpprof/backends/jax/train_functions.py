@@ -226,8 +226,11 @@ class TrainFunctions:
             if self._instrumented_ran:
                 raise  # (on_abort ran)
             self.instrumented = None
+            # Said only once the plain step ran: when it raises too, the error
+            # is the user's and the fit fails (no "training goes on").
+            result = self._run(self.plain, state, iterator, data, on_abort)
             on_failure(f"the instrumented train step failed: {describe_error(error)}")
-            return self._run(self.plain, state, iterator, data, on_abort)
+            return result
         self._instrumented_ran = True
         numerics.receive(logs.pop(SAMPLE_KEY))
         if replay is not None:
@@ -276,8 +279,9 @@ class TrainFunctions:
         except Exception as error:  # noqa: BLE001 - mpprof's failure must not stop fit
             # Nothing was donated: the plain step runs the call either way.
             self.instrumented = self._detached = None
+            result = self._run(self.plain, state, iterator, None, on_abort)
             on_failure(f"the instrumented train step failed: {describe_error(error)}")
-            return self._run(self.plain, state, iterator, None, on_abort)
+            return result
         numerics.receive(logs[SAMPLE_KEY])
         if replay is not None:
             replay.after_sampled(after, after_table)

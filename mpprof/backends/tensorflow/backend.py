@@ -33,6 +33,8 @@ class TensorFlowBackend(Keras3Backend):
     """What mpprof needs from Keras 3 on TensorFlow."""
 
     name = "tensorflow"
+    traceback_filters = ("keras.src.utils.traceback_utils",
+                         "tensorflow.python.util.traceback_utils")
     loss_scale_series = LossScaleSeries
     loss_watch = LossWatch
     numerics_taps = NumericsTaps

@@ -2,7 +2,7 @@
 
 When a numerics-sampled (instrumented) step overflowed (its loss-scale skip
 counter moved) or had a non-finite loss, everything needed to run that step
-again offline is saved under `RUN/replay/step_<N>/` (see
+again offline is saved under `RUN/replay/step_<N>@<writer>/` (see
 `mpprof.replay.files`): its batch, the weights it ran with, the model's
 config and every layer's dtype policy. `mpprof replay` runs it again.
 

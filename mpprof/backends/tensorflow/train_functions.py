@@ -162,8 +162,11 @@ class TrainFunctions:
                 on_abort()
                 raise
             self.instrumented = None
+            # Said only once the plain step ran: when it raises too, the error
+            # is the user's and the fit fails (no "training goes on").
+            logs = self.run_plain(iterator, on_abort=on_abort)
             on_failure(f"the instrumented train step failed: {describe_error(error)}")
-            return self.run_plain(iterator, on_abort=on_abort)
+            return logs
         except BaseException:
             on_abort()
             raise

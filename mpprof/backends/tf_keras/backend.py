@@ -26,6 +26,8 @@ class TfKerasBackend(TensorFlowBackend):
     # tf-keras need not wait for a call's logs, and its loss watchers keep
     # the first non-finite step in-graph: no alarm in the logs.
     alarm_in_logs = False
+    traceback_filters = ("tf_keras.src.utils.traceback_utils",
+                         "tensorflow.python.util.traceback_utils")
 
     fits_across_workers = True
     # tf-keras's TensorBoard(write_graph=True) writes this function's graph.
