@@ -71,7 +71,7 @@ class Backend:
                 continue
             excluded = getattr(module, "_EXCLUDED_PATHS", None)
             if isinstance(excluded, tuple) and _MPPROF_DIR not in excluded:
-                module._EXCLUDED_PATHS = (*excluded, _MPPROF_DIR)
+                setattr(module, "_EXCLUDED_PATHS", (*excluded, _MPPROF_DIR))  # noqa: B010
 
     # The fit's collectors and drivers, built by the core once per fit (what
     # each returns, and when it is called: `mpprof.backends.protocol`). A

@@ -95,6 +95,7 @@ class InventoryBuilder:
     _inputs_made_outside_layers: set[int]
     _model_output_dtypes: set[str]
     _outputs: list[dict]
+    _output_shapes: dict[int, list[int] | None]
 
     def note_loss_input(self, y_pred) -> None:
         """`model.compute_loss` got `y_pred` (traced values): their dtypes are
