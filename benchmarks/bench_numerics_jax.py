@@ -43,7 +43,7 @@ from jax.experimental import checkify
 from mpprof.backends.jax.layer_calls import LayerCallPatch
 from mpprof.backends.jax.numerics_taps import NumericsTaps
 from mpprof.backends.jax.tensor_statistics import raw_statistics
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 
 BATCH_SIZE = 128
 

@@ -40,7 +40,10 @@ exit status:
   {EXIT_USAGE}  bad arguments, no such logdir or run, or no mpprof records in it;
      replay, bundle: no such capture, or one that cannot be replayed
   {EXIT_UNREADABLE}  nothing readable: a run none of whose records could be read
-     (corrupt files, or written by a newer mpprof); the warnings say why"""
+     (corrupt files, or written by a newer mpprof); the warnings say why;
+     diagnose --fail-on: also a run some of whose records could not be read
+  report exits 0 once the file is written, 2 as above, or 3 as above (the
+  report is written, and says what could not be read)"""
 
 # Above this many bytes of event files, diagnose and summary say on stderr
 # what they are reading (a 10M-step run is ~230 MB and takes seconds).
@@ -89,11 +92,22 @@ def _bytes(logdir: str, run: str) -> int:
         return 0  # reading it will say what is wrong
 
 
-def _unreadable_status(runs: dict[str, reader.Run]) -> int | None:
+def _unreadable_status(runs: dict[str, reader.Run], whole: bool = False) -> int | None:
+    """EXIT_UNREADABLE, with a warning per run, where a run had nothing
+    readable; with `whole` (a CI gate: `--fail-on`), also where any of a
+    run's records could not be read: a gate never passes what it could not
+    read whole as "no findings"."""
     unreadable = [name for name, run in runs.items() if not run.readable]
     for name in unreadable:
-        _warn(f"run {name}: {NOTHING_READABLE}")
-    return EXIT_UNREADABLE if unreadable or not runs else None
+        why = cut_short_text(runs[name])  # a write that failed before the first record
+        _warn(f"run {name}: {NOTHING_READABLE}" + (f"; {why}" if why else ""))
+    damaged = [name for name, run in runs.items()
+               if whole and run.readable and run.losses]
+    for name in damaged:
+        lost = "; ".join(f"{loss.file}: {loss.describe()}" for loss in runs[name].losses)
+        _warn(f"run {name}: records could not be read ({lost}); --fail-on does not pass a "
+              "run it could not read whole")
+    return EXIT_UNREADABLE if unreadable or damaged or not runs else None
 
 
 def _summary(args) -> int:
@@ -116,7 +130,7 @@ def _diagnose(args) -> int:
         if run.readable:
             if chatty:
                 _say([f"mpprof: diagnosing run {name}"], sys.stderr)
-            results[name] = diagnosis.evaluate(run)
+            results[name] = diagnosis.evaluate(run, assume_gpu=args.assume_gpu)
     for name, run in runs.items():
         for warning in run.warnings:
             _warn(f"run {name}: {warning}")
@@ -138,7 +152,7 @@ def _diagnose(args) -> int:
         color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
         print("\n\n".join(_diagnosis_text(run, results.get(name), color, replays[name])
                           for name, run in runs.items()))
-    status = _unreadable_status(runs)
+    status = _unreadable_status(runs, whole=args.fail_on is not None)
     if status is not None:
         return status
     findings = [f for result in results.values() for f in result.findings]
@@ -183,8 +197,9 @@ def _replay_field(finding, replays: list[dict]) -> dict:
 def _diagnosis_text(run: reader.Run, result, color: bool, replays: list[dict]) -> str:
     """One run's section of `mpprof diagnose`'s text output."""
     if result is None:
+        why = cut_short_text(run)  # a write that failed before the first record
         lines = [f"== run {run.name} ==", *(f"  ! {w}" for w in run.warnings),
-                 f"  {NOTHING_READABLE}"]
+                 f"  {NOTHING_READABLE}", *([f"  ! {why}"] if why else [])]
         return "\n".join(printable(line) for line in lines)
     # format_text escapes what it prints from the run itself (and adds ANSI
     # colours of its own, so it is not escaped again here).
@@ -220,7 +235,7 @@ def _replay(args) -> int:
     names = reader.select_runs(args.logdir, args.run, on_warning=_warn)
     with_captures = [name for name in names
                      if replay_files.find_captures(args.logdir, name, on_skipped=_warn)
-                     or _has_step_folder(args.logdir, name, args.step)]
+                     or replay_files.has_capture_folder(args.logdir, name, args.step)]
     if not with_captures:
         raise replay_files.NoCaptureError(
             f"no replay capture in {args.logdir} (runs: {', '.join(names)}): mpprof "
@@ -251,18 +266,6 @@ def _replaying(run: str, capture: replay_files.Capture) -> str:
 
     return (f"mpprof: replaying run {run}, step {capture.step} (imports Keras and "
             f"{replay_engines.framework(capture.manifest)})")
-
-
-def _has_step_folder(logdir: str, run: str, step: int | None) -> bool:
-    """Whether `run` has a folder for the capture of `step` (readable or not:
-    asking for a damaged one must name its damage, not say it is missing)."""
-    if step is None:
-        return False
-    folder = filesystem.join(replay_files.run_path(logdir, run), replay_files.step_folder(step))
-    try:
-        return filesystem.isdir(folder)
-    except OSError:
-        return False
 
 
 def _bundle(args) -> int:
@@ -365,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"exit with status {EXIT_FINDINGS} if a finding is at least this severe "
              "(for CI; default: never)",
     )
+    diagnose.add_argument(
+        "--assume-gpu", action="store_true",
+        help="judge what only matters on a GPU (Tensor Core shapes, MP007) as a projection "
+             "for a run that had none")
     diagnose.add_argument(
         "--replay", action="store_true",
         help="replay captured steps that have no replay result yet (imports Keras and the "

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -400,10 +401,10 @@ def test_report_and_dashboard_say_a_run_was_cut_short(tmp_path):
     write_record(run_dir, schema.RUN_CONTEXT, {**good.context, "fit_state": "running"}, 0)
     run = reader.read_run(tmp_path, "train")
     page = report.build_report(tmp_path)
-    assert f"its records stop at step {last_step}" in page and "<b>Cut short:</b>" in page
+    assert f"<b>Cut short:</b> cut short at step {last_step}: the fit never recorded" in page
     summary_row = payloads.run_summary(run, diagnosis.evaluate(run))
     assert summary_row["cut_short"]["step"] == last_step
-    assert summary_row["fit_state"] == "running"
+    assert summary_row["fit_state"] == run.fit_outcome == "cut_short"
     # The healthy original says it ended, and neither shows a warning.
     assert good.cut_short is None and "Cut short" not in report.build_report(
         copy_run("healthy_mixed", tmp_path / "ended").parent)
@@ -469,3 +470,15 @@ def test_verbose_says_what_it_reads_and_quiet_says_nothing(two_runs, capsys, tmp
     assert capsys.readouterr().err == ""
     assert cli.main(["summary", str(two_runs), "-v"]) == 0
     assert "reading run healthy/train (1/2" in capsys.readouterr().err
+def test_the_docs_give_the_exit_statuses_of_report_that_it_gives(tmp_path, capsys):
+    """docs/cli.md says what `mpprof report` exits with; a run with nothing
+    readable writes the file and exits 3, as there."""
+    docs = pathlib.Path(__file__).parent.parent / "docs" / "cli.md"
+    text = " ".join(docs.read_text().split())
+    assert ("`mpprof report` writes the report whatever it could read, then exits 0, 2 as "
+            "above, or 3 when a run had nothing readable") in text
+    zeros_run(tmp_path / "train")
+    report = tmp_path / "report.html"
+    assert cli.main(["report", str(tmp_path), "-o", str(report)]) == cli.EXIT_UNREADABLE
+    capsys.readouterr()
+    assert "Nothing readable" in report.read_text()

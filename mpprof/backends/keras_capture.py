@@ -78,9 +78,9 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
         skipped: whether the step was skipped (its weights are then the ones
             it ran with, trainable ones included).
         config: `model_config(model)`.
-        backend: the manifest's "backend" entry (omitted for TensorFlow,
-            the only backend of older captures) and framework versions, e.g.
-            `{"backend": "jax", "jax": "0.10.2"}`.
+        backend: the manifest's "backend" entry (the backend's registered
+            name, `mpprof.backends.REGISTRY`; older TensorFlow captures have
+            none) and framework versions, e.g. `{"backend": "jax", "jax": "0.10.2"}`.
         weights_before: whether `weights` were copied before the step ran
             (then they are the ones it ran with, skipped or not).
     """
@@ -91,6 +91,8 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
         "capture_version": files.CAPTURE_VERSION,
         **({"backend": framework.pop("backend")} if "backend" in framework else {}),
         "run": schema.TRAIN_RUN,
+        # The fit that wrote it: its run is its writer's (`files.step_folder`).
+        "writer": fit.writer.writer_id,
         "step": step,
         "reasons": reasons,
         "loss": loss if math.isfinite(loss) else str(loss),
@@ -130,7 +132,7 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
             "python": platform.python_version(), "numpy": np.__version__,
         },
     }
-    folder = files.step_folder(step)
+    folder = files.step_folder(step, fit.writer.writer_id)
     payloads = [
         (files.BATCH, files.npz_bytes({f"leaf_{i}": a for i, a in enumerate(batch)})),
         (files.WEIGHTS, files.npz_bytes({f"weight_{i}": w for i, w in enumerate(weights)})),

@@ -96,20 +96,29 @@ def summarize_run(run: reader.Run) -> str:
 NOTHING_READABLE = "nothing readable: no record of this run could be read (see its warnings)"
 
 
+# How a fit stood, from its fit-end file or run context, after its records.
+_FIT_STATE_WORDS = {"ended": "ended", "failed": "failed", "running": "never recorded its end"}
+
+
 def cut_short_text(run: reader.Run) -> str | None:
     """The line saying a run's fit stopped without recording its end."""
     stopped = run.cut_short
     lost = run.recording_stopped
     if stopped is None and lost is not None:
+        where = ("no record could be written" if lost["records_until_step"] is None
+                 else f"the records stop at step {lost['records_until_step']}")
         return (
-            f"the records stop at step {lost['records_until_step']}: writing them failed "
-            f"({lost['reason']}); the fit went on and {lost['fit_state']} at step "
-            f"{lost['fit_step']}"
+            f"{where}: writing them failed ({lost['reason']}); the fit went on and "
+            f"{lost['fit_state']} at step {lost['fit_step']}"
         )
     if stopped is None:
         return None
     when = datetime.datetime.fromtimestamp(stopped["wall_time"], datetime.timezone.utc)
     last = f"last record {when:%Y-%m-%d %H:%M:%S} UTC"
+    if stopped.get("unreadable"):
+        return (f"cut short at step {stopped['step']}: the records after it could not be "
+                f"read ({stopped['unreadable']}); the fit "
+                f"{_FIT_STATE_WORDS.get(stopped['fit_state'], 'may have gone on')} ({last})")
     if stopped["fit_state"] == "failed":
         return f"fit failed at step {stopped['step']}: model.fit raised ({last})"
     return (

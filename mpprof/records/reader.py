@@ -137,9 +137,13 @@ def read_run(logdir: str | os.PathLike, run: str, reuse: FileReads | None = None
             read_event_file(path, records, warnings, fetched.take(path))
     for found in records.values():
         found.sort(key=lambda r: (r.wall_time, r.step))
+    path = filesystem.dirname(files[0])
+    directory = filesystem.relative(path, os.fspath(logdir))
     return Run(
-        name=run, path=filesystem.dirname(files[0]), records=records, warnings=warnings.lines(),
+        name=run, path=path, records=records, warnings=warnings.lines(),
         fit_ends=fit_ends_of(files),
+        writer_suffix=run[len(directory):] if run.startswith(directory) else "",
+        losses=list(warnings.losses.values()),
     )
 
 

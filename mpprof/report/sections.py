@@ -11,6 +11,7 @@ import html
 import json
 
 from mpprof import diagnosis
+from mpprof.display.run_summary import cut_short_text
 from mpprof.records import reader
 from mpprof.replay import text as replay_text
 from mpprof.terminal import printable
@@ -47,13 +48,10 @@ def run_section(index: int, run: reader.Run, result: diagnosis.Diagnosis, data: 
     if not run.readable:
         parts.append('<div class="warnings"><b>Nothing readable:</b> no record of this '
                      "run could be read (see the warnings above).</div>")
-    stopped = run.cut_short
-    if stopped is not None:
-        parts.append(
-            f'<div class="warnings"><b>Cut short:</b> the fit never recorded its end '
-            f'(fit_state {escape(stopped["fit_state"])}); its records stop at step '
-            f'{int(stopped["step"])}.</div>'
-        )
+    if run.cut_short is not None:
+        # The CLI's words: one reading of how a run stopped in every front end.
+        parts.append(f'<div class="warnings"><b>Cut short:</b> {escape(cut_short_text(run))}.'
+                     "</div>")
     parts.append(_context_html(run))
     parts.append(_findings_html(index, result))
     parts.append(_replays_html(replays))

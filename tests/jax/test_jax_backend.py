@@ -364,7 +364,7 @@ WITHOUT_TENSORFLOW = textwrap.dedent("""
                 for route, query in (("/runs", {}), ("/findings", {"run": "train"}),
                                      ("/loss_scale", {"run": "train"}))]
     print(json.dumps({"context": {k: run.context.get(k) for k in (
-        "keras_backend", "jax_version", "jaxlib_version", "tensorflow_version")},
+        "keras_backend", "framework", "tensorflow_version")},
         "skipped": run.loss_scale.skipped_steps, "codes": codes, "statuses": statuses,
         "tensorflow_loaded": sys.modules.get("tensorflow") is not None}))
 """)
@@ -380,7 +380,8 @@ def test_fit_write_read_diagnose_report_and_tab_without_tensorflow(tmp_path):
     found = json.loads(result.stdout.splitlines()[-1])
     context = found["context"]
     assert context["keras_backend"] == "jax" and context["tensorflow_version"] is None
-    assert context["jax_version"] and context["jaxlib_version"]
+    assert context["framework"]["name"] == "JAX" and context["framework"]["version"]
+    assert context["framework"]["libraries"]["jaxlib"]
     assert found["skipped"] == 8  # every step of the descent from 2**30
     assert found["codes"] == [0, 0] and found["statuses"] == [200, 200, 200]
     assert not found["tensorflow_loaded"]

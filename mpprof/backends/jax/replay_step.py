@@ -42,7 +42,7 @@ from mpprof.backends.jax.jaxpr_eval import (
     scoped_layer_call,
 )
 from mpprof.backends.layer_records import called_method
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 from mpprof.replay.search import PassResult
 
 
@@ -141,7 +141,9 @@ class StepPass:
             forward=seen["forward"], backward=seen["backward"],
             offender=offenders.get("forward") or offenders.get("backward"),
             forward_clean="forward" not in offenders, loss=loss,
-            gradients_finite=all(bool(np.all(np.isfinite(g))) for g in seen["gradients"]))
+            gradients_finite=all(bool(np.all(np.isfinite(g))) for g in seen["gradients"]),
+            # In the order the step hands them to its optimizers.
+            gradients={f"gradient {i}": g for i, g in enumerate(seen["gradients"])})
 
     def _patch(self, patches: Patches) -> None:
         model = self._model
