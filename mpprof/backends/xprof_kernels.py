@@ -190,7 +190,8 @@ def _kernel_stats_rows(paths: list[str]) -> list[dict]:
         from xprof.convert import raw_to_tool_data
     except ImportError as e:
         raise KernelStatsError(
-            f"xprof is not installed ({e}): pip install tensorboard-plugin-profile"
+            f'xprof is not installed ({e}): pip install "xprof>=2.20" (it comes with '
+            "the mpprof[jax] and mpprof[tensorflow] extras)"
         ) from e
     try:
         data, _ = raw_to_tool_data.xspace_to_tool_data(paths, "kernel_stats", {})
