@@ -450,10 +450,13 @@ def judge_trial(losses: list[float], reference: list[float], skipped: int = 0) -
                      f"{len(losses)} of {steps} updates were applied", skipped)
     if not losses or not all(math.isfinite(v) for v in losses):
         bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), len(losses))
+        before = (f" (loss {losses[0]:.4g} -> {losses[bad - 1]:.4g} before it, against "
+                  f"float32's {reference[0]:.4g} -> {reference[min(bad, steps) - 1]:.4g})"
+                  if bad > 1 else "")
         return Trial(steps, list(losses), list(reference), math.nan,
                      _decrease(reference, tail), None, math.inf, False,
-                     f"the trial's loss went non-finite at step {bad + 1} of {steps} "
-                     "while float32's stayed finite", skipped)
+                     f"in a {steps}-step trial the loss went non-finite at step {bad + 1}"
+                     f"{before} while float32's stayed finite", skipped)
     reference_decrease = _decrease(reference, tail)
     decrease = _decrease(losses, tail)
     mean, reference_mean = float(np.mean(losses)), float(np.mean(reference))

@@ -188,15 +188,16 @@ class StepPass:
                 id(optimizer.dynamic_scale))
 
         def stateless_apply(optimizer_variables, grads, trainable_variables):
-            # Unscaled, as a LossScaleOptimizer hands them on (its scale is
-            # in its variables); a plain optimizer's are as the step made them.
-            scale = (1.0 if scale_slot is None
-                     else jnp.asarray(optimizer_variables[scale_slot], jnp.float32))
-            for gradient in grads:
-                if gradient is not None:
-                    jax.debug.callback(functools.partial(self._append, "gradients"),
-                                       jnp.asarray(gradient, jnp.float32) / scale)
             with jax.named_scope(OPTIMIZER_SCOPE):
+                # Unscaled, as a LossScaleOptimizer hands them on (its scale
+                # is in its variables); a plain optimizer's as the step made
+                # them. In the optimizer's scope: never judged.
+                scale = (1.0 if scale_slot is None
+                         else jnp.asarray(optimizer_variables[scale_slot], jnp.float32))
+                for gradient in grads:
+                    if gradient is not None:
+                        jax.debug.callback(functools.partial(self._append, "gradients"),
+                                           jnp.asarray(gradient, jnp.float32) / scale)
                 return apply(optimizer_variables, grads, trainable_variables)
 
         return stateless_apply
