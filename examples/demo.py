@@ -66,7 +66,8 @@ def main() -> None:
         "--log-dir", str(logdir / "mnist_mixed_float16"))
     run(python, "examples/attention_overflow.py", "--verbose", "0",
         "--log-dir", str(logdir / "attention_overflow"))
-    print("\n2. Diagnose: the first layer that overflowed, replayed op by op to a verified fix")
+    print("\n2. Diagnose: the first layer that overflowed, replayed op by op to a fix, verified"
+          " (close to float32 on the step, and a short trial that trains like float32)")
     run(mpprof, "diagnose", str(logdir / "attention_overflow"), "--replay")
     print("\n3. Train again with the fix (Attention in float32 via a DTypePolicyMap), diagnose")
     run(python, "examples/attention_overflow.py", "--verbose", "0", "--fix",

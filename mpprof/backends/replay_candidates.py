@@ -192,7 +192,13 @@ class CandidateEngine:
     def trial_optimizer(self, candidate: Candidate, loss_scale: float | None = None):
         """A fresh optimizer of the run's config for the candidate's trial
         (`trial_optimizer`), a LossScaleOptimizer's initial scale
-        `loss_scale` (None: the run's, or Keras' default without one)."""
+        `loss_scale` (None: the run's, or Keras' default without one). None
+        for a model whose own train_step uses optimizers of its own (a GAN,
+        `model.optimizer` unset): the trial then runs them from their
+        captured state."""
+        if getattr(self.model, "optimizer", None) is None and getattr(
+                self, "uses_own_optimizers", False):
+            return None
         dtype = verification.candidate_dtype(candidate, self.run_policies)
         if loss_scale is None:
             loss_scale = (self.loss_scale if self.loss_scale > 1
@@ -211,7 +217,8 @@ class CandidateEngine:
         metrics are reset."""
         model = self.model
         saved = model.optimizer
-        model.optimizer = optimizer
+        if optimizer is not None:
+            model.optimizer = optimizer
         try:
             yield
         finally:

@@ -64,8 +64,9 @@ class PassResult:
         loss: the (unscaled) loss.
         gradients_finite: whether every variable's gradient is finite.
         gradients: variable path (or the optimizer's order, for a custom
-            step) -> its gradient, as computed (still multiplied by the
-            pass's loss scale).
+            step) -> its gradient, as computed.
+        gradient_scale: what `gradients` are multiplied by (None: the
+            pass's loss scale; 1.0: already unscaled).
     """
 
     forward: dict
@@ -75,6 +76,7 @@ class PassResult:
     loss: float
     gradients_finite: bool
     gradients: dict = dataclasses.field(default_factory=dict)
+    gradient_scale: float | None = None
 
 
 def subtree(tree: dict[str, object], name: str) -> list[str]:

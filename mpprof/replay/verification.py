@@ -243,8 +243,9 @@ class StepCheck:
             variable's unscaled gradient, and that variable's path.
         output_rel_error / worst_output: the largest relative error of a
             layer's output, and that layer.
-        failed: which quantity is past its tolerance ("loss", "gradient",
-            "output", "overflow"), None when none.
+        failed: the first quantity past its tolerance, in the order the
+            step computes them ("overflow", "output", "loss", "gradient"),
+            None when none.
     """
 
     batch: int
@@ -408,13 +409,17 @@ class Verifier:
             result = self.engine.run_pass(candidate, batch, scale)
         overflow = None if _clean(result) else _describe(result)
         loss_error = _scalar_error(result.loss, reference.loss)
+        carried = scale if result.gradient_scale is None else result.gradient_scale
         gradient_error, worst_gradient = _worst_gradient(
-            {path: np.asarray(g, np.float64) / scale for path, g in result.gradients.items()},
-            reference.gradients)
+            {path: np.asarray(g, np.float64) / carried
+             for path, g in result.gradients.items()},
+            _unscaled(reference.gradients, reference.gradient_scale))
         output_error, worst_output = _worst_layer(result.forward, reference.forward)
+        # In the order the step computes them: an output's error makes the
+        # loss's and the gradients'.
         failed = "overflow" if overflow else next(
-            (name for name, value in (("loss", loss_error), ("gradient", gradient_error),
-                                      ("output", output_error))
+            (name for name, value in (("output", output_error), ("loss", loss_error),
+                                      ("gradient", gradient_error))
              if not value <= tolerances[name]), None)
         return StepCheck(batch=batch, loss_scale=scale, overflow=overflow,
                          loss={"candidate": result.loss, "float32": reference.loss},
@@ -433,6 +438,11 @@ def judge_trial(losses: list[float], reference: list[float], skipped: int = 0) -
     docstring); `skipped`: the steps the candidate's loss scale skipped."""
     steps = len(reference)
     tail = min(TRIAL_TAIL, steps)
+    if not steps or not all(math.isfinite(v) for v in reference):
+        return Trial(steps, list(losses), list(reference), math.nan, math.nan, None,
+                     math.inf, False, "float32's own trial did not train (no update "
+                     "applied, or its loss went non-finite): the trial cannot judge the fix",
+                     skipped)
     if len(losses) < steps and all(math.isfinite(v) for v in losses):
         return Trial(steps, list(losses), list(reference), math.nan,
                      _decrease(reference, tail), None, math.inf, False,
@@ -440,10 +450,13 @@ def judge_trial(losses: list[float], reference: list[float], skipped: int = 0) -
                      f"{len(losses)} of {steps} updates were applied", skipped)
     if not losses or not all(math.isfinite(v) for v in losses):
         bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), len(losses))
+        before = (f" (loss {losses[0]:.4g} -> {losses[bad - 1]:.4g} before it, against "
+                  f"float32's {reference[0]:.4g} -> {reference[min(bad, steps) - 1]:.4g})"
+                  if bad > 1 else "")
         return Trial(steps, list(losses), list(reference), math.nan,
                      _decrease(reference, tail), None, math.inf, False,
-                     f"the trial's loss went non-finite at step {bad + 1} of {steps} "
-                     "while float32's stayed finite", skipped)
+                     f"in a {steps}-step trial the loss went non-finite at step {bad + 1}"
+                     f"{before} while float32's stayed finite", skipped)
     reference_decrease = _decrease(reference, tail)
     decrease = _decrease(losses, tail)
     mean, reference_mean = float(np.mean(losses)), float(np.mean(reference))
@@ -527,6 +540,13 @@ def _worst_layer(forward: Mapping, reference: Mapping) -> tuple[float, str | Non
         if where is None or error > worst:
             worst, where = error, key[0] if isinstance(key, tuple) else str(key)
     return worst, where
+
+
+def _unscaled(gradients: Mapping, carried: float | None) -> dict:
+    """The reference pass runs at scale 1: only a pass that says its
+    gradients carry another factor is divided."""
+    factor = 1.0 if carried is None else carried
+    return {key: np.asarray(g, np.float64) / factor for key, g in gradients.items()}
 
 
 def _finite_gradients(result: PassResult) -> bool:

@@ -192,6 +192,7 @@ class Engine(replay_candidates.CandidateEngine):
     def __init__(self, model, step, batches: list, loss_scale: float):
         super().__init__(model, batches, loss_scale)
         self._step = step
+        self.uses_own_optimizers = isinstance(step, _CustomStep)
 
     def run_pass(self, candidate: verification.Candidate, batch: int,
                  loss_scale: float) -> PassResult:
@@ -212,21 +213,25 @@ class Engine(replay_candidates.CandidateEngine):
         with self.swapped_optimizer(optimizer), replay_candidates.policies_applied(
                 model, self.tree, self.policies(candidate), candidate.default_policy), \
                 replay_candidates.random_draws_in_float32(self.tree):
-            optimizer.build(model.trainable_variables)
+            if optimizer is not None:
+                optimizer.build(model.trainable_variables)
             # A new function: traced with these policies and this optimizer.
             train_step = jax.jit(model.train_step)
             fresh_metrics = [jnp.zeros_like(v.value) for v in model.metrics_variables]
             state = ([v.value for v in model.trainable_variables],
                      [v.value for v in model.non_trainable_variables],
-                     [v.value for v in optimizer.variables], fresh_metrics)
-            counter = [id(v) for v in optimizer.variables].index(id(optimizer.iterations))
+                     [v.value for v in optimizer.variables] if optimizer is not None else [],
+                     fresh_metrics)
             calls = 0
             while len(losses) < steps and calls < steps + verification.TRIAL_MAX_SKIPS:
-                before = int(state[2][counter])
+                before = state[0]
                 logs, state = train_step(state, batches[calls % len(batches)])
                 calls += 1
-                # A skipped step leaves `iterations` as it was.
-                if int(state[2][counter]) != before:
+                # A skipped step leaves the trainable weights as they were
+                # (a custom step's own optimizers too, which `iterations` of
+                # model.optimizer would not show).
+                if any(not bool(jnp.array_equal(old, new))
+                       for old, new in zip(before, state[0], strict=True)):
                     losses.append(replay_candidates.trial_loss(logs))
                 # Metrics reset: the next logs hold that step's loss alone.
                 state = (*state[:3], fresh_metrics)
