@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 
 from mpprof.records import reader
+from mpprof.records.run_context import error_headline
 from mpprof.terminal import printable
 
 
@@ -70,7 +71,10 @@ def cut_short_text(run: reader.Run) -> str | None:
     when = datetime.datetime.fromtimestamp(stopped["wall_time"], datetime.timezone.utc)
     last = f"last record {when:%Y-%m-%d %H:%M:%S} UTC"
     if stopped["fit_state"] == "failed":
-        return f"fit failed at step {stopped['step']}: model.fit raised ({last})"
+        error = run.context.fit_error
+        raised = (f"model.fit raised {error.get('type')}: "
+                  f"{error_headline(error.get('message'))[:200]}" if error else "model.fit raised")
+        return f"fit failed at step {stopped['step']}: {raised} ({last})"
     return (
         f"cut short at step {stopped['step']}: the fit never recorded its end "
         f"(killed, or still training; {last})"
