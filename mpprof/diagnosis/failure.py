@@ -42,8 +42,8 @@ def fit_raised(view: RunView) -> list:
         raise NotMeasured(
             "the fit failed, but what it raised was not recorded (it stopped outside a "
             "train step, or the run was written by an older mpprof)")
-    message = _ANSI.sub("", str(error.get("message") or ""))
-    first_line = _headline(message)
+    message = str(error.get("message") or "")
+    first_line = run_context.error_headline(message)
     step = error.get("step")
     evidence = {"type": error.get("type"), "message": first_line[:500], "step": step}
     mixed = view.half_dtype or (
@@ -63,21 +63,6 @@ def fit_raised(view: RunView) -> list:
             "at that step."
         )
     return [finding("MP020", title, step=step, evidence=evidence, fix=fix)]
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_KERAS_WRAPPER = "Exception encountered when calling"
-
-
-def _headline(message: str) -> str:
-    """The message's first line; for Keras' "Exception encountered when
-    calling X.call()." wrapper, with the user's own first line after it."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    if not lines:
-        return ""
-    if lines[0].startswith(_KERAS_WRAPPER) and len(lines) > 1:
-        return f"{lines[0]} {lines[1]}"
-    return lines[0]
 
 
 def _op_name(message: str) -> str | None:

@@ -86,11 +86,12 @@ def tensor_core_shapes(view: RunView) -> list:
     (Dense, EinsumDense, ConvND, ConvNDTranspose, SeparableConv's pointwise
     part, MultiHeadAttention's head sizes), where the layer's GEMMs are at
     least `MIN_GEMM_FLOPS_SHARE` of the model's GEMM work. Never judged:
-    sizes the task or the data set (an output layer's units, i.e. a layer
-    whose output no other layer reads, or a model output's; the input size
-    of a layer that no sized layer (a GEMM, an Embedding) precedes: the
-    data's channels or features), layers computing in float32, and the
-    layer MP006's fix makes float32. One finding listing the layers."""
+    sizes the task or the data set (the output size of the GEMM layer that
+    made a model output, or, where Keras recorded none, of the last GEMM
+    layer called; the input size of a layer that no sized layer (a GEMM, an
+    Embedding) precedes: the data's channels or features), layers computing
+    in float32, and the layer MP006's fix makes float32 (a float8 GEMM stays
+    one). One finding listing the layers."""
     float8 = any(layer.get("quantization_mode") == "float8" for layer in view.leaf_layers)
     if not float8:
         view.require_mixed()

@@ -6,6 +6,7 @@ import datetime
 
 from mpprof.jsonsafe import json_safe
 from mpprof.records import reader
+from mpprof.records.run_context import error_headline
 from mpprof.terminal import printable
 
 
@@ -120,7 +121,10 @@ def cut_short_text(run: reader.Run) -> str | None:
                 f"read ({stopped['unreadable']}); the fit "
                 f"{_FIT_STATE_WORDS.get(stopped['fit_state'], 'may have gone on')} ({last})")
     if stopped["fit_state"] == "failed":
-        return f"fit failed at step {stopped['step']}: model.fit raised ({last})"
+        error = run.context.fit_error
+        raised = (f"model.fit raised {error.get('type')}: "
+                  f"{error_headline(error.get('message'))[:200]}" if error else "model.fit raised")
+        return f"fit failed at step {stopped['step']}: {raised} ({last})"
     return (
         f"cut short at step {stopped['step']}: the fit never recorded its end "
         f"(killed, or still training; {last})"

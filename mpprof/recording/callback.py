@@ -11,7 +11,7 @@ from mpprof.recording import profiled_fit
 from mpprof.recording.across_fits import AcrossFits
 from mpprof.recording.distributed import warn_if_keras_3_multi_worker
 from mpprof.recording.nvml import sampler
-from mpprof.recording.sampling import SampleSchedule
+from mpprof.recording.sampling import DEFAULT_NUMERICS_EVERY, SampleSchedule
 from mpprof.recording.settings import Settings
 from mpprof.records import run_context
 
@@ -73,9 +73,10 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             `s3://bucket/logs` with `mpprof[s3]` installed);
             the same `log_dir` as `keras.callbacks.TensorBoard` is fine.
         numerics_every: sample per-layer numerics every this many train
-            steps; None turns sampling off (forensic samples too). At 100 or
-            more (the default 500) each fit also samples its steps 1, 10 and
-            100, so that a fit shorter than the interval is not blind.
+            steps; None turns sampling off (forensic samples too). Left at
+            its default (500), each fit also samples its steps 1, 10 and 100,
+            so that a fit shorter than the interval is not blind; an interval
+            you pass is kept as given.
         forensic_budget: how many overflow-triggered samples a fit may take.
         forensic_spacing: least train steps between two forensic samples, so
             that a run overflowing on many early steps is not mostly
@@ -130,7 +131,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self,
         log_dir: str | os.PathLike = "logs",
         *,
-        numerics_every: int | None = 500,
+        numerics_every: int | None = DEFAULT_NUMERICS_EVERY,
         forensic_budget: int = 20,
         forensic_spacing: int = 50,
         flush_every_steps: int = 500,
@@ -150,7 +151,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self._across_fits = AcrossFits(
             schedule=SampleSchedule(
                 self.settings.numerics_every, self.settings.forensic_budget,
-                self.settings.forensic_spacing,
+                self.settings.forensic_spacing, early=self.settings.numerics_default,
             ),
         )
         # The fit being profiled (or the last one).

@@ -1,11 +1,11 @@
 """When a train step is sampled for per-layer numerics.
 
-Regular samples come every `every` steps. With an interval of
-`EARLY_SAMPLES_FROM_EVERY` steps or more (the default 500), each fit also
-samples its steps `EARLY_SAMPLE_STEPS` that come before the first regular
-sample, so that a fit shorter than the interval is not blind: a handful of
-instrumented steps per fit, which costs nothing measurable over a fit's length
-(docs/performance.md). A step that overflowed arms a
+Regular samples come every `every` steps. At the profiler's default
+interval (`DEFAULT_NUMERICS_EVERY`, 500) each fit also samples its steps
+`EARLY_SAMPLE_STEPS` that come before the first regular sample, so that a fit
+shorter than the interval is not blind: three instrumented steps per fit, and
+the instrumented step's one-time trace at step 1 rather than 500
+(docs/performance.md). An interval the user passes is kept as given. A step that overflowed arms a
 forensic sample of the next step, within a budget per fit and no sooner than
 `forensic_spacing` steps after the previous forensic sample: a run that
 overflows on many early steps (the loss scale probing down from 2**15) would
@@ -17,10 +17,17 @@ from __future__ import annotations
 import math
 
 # Steps of each fit sampled before the regular interval starts (log-spaced:
-# the first weights, then after some training), when the interval is at
-# least EARLY_SAMPLES_FROM_EVERY steps (shorter intervals sample early anyway).
+# the first weights, then after some training), at the default interval.
 EARLY_SAMPLE_STEPS = (1, 10, 100)
-EARLY_SAMPLES_FROM_EVERY = 100
+
+
+class DefaultInterval(int):
+    """The default `numerics_every`: an int that says it was not chosen, so
+    that the schedule adds the early samples (an interval the user passes,
+    even 500, is kept as given)."""
+
+
+DEFAULT_NUMERICS_EVERY = DefaultInterval(500)
 
 
 class SampleSchedule:
@@ -30,10 +37,13 @@ class SampleSchedule:
         every: steps between regular samples; None: no sampling at all.
         forensic_budget: forensic samples a fit may take.
         forensic_spacing: least steps between two forensic samples.
+        early: sample each fit's `EARLY_SAMPLE_STEPS` too (the default interval).
     """
 
-    def __init__(self, every: int | None, forensic_budget: int, forensic_spacing: int):
+    def __init__(self, every: int | None, forensic_budget: int, forensic_spacing: int,
+                 early: bool = False):
         self.every = every
+        self.early = early
         self.forensic_budget = forensic_budget
         self.forensic_spacing = forensic_spacing
         self.start_fit()
@@ -49,7 +59,7 @@ class SampleSchedule:
     @property
     def early_steps(self) -> tuple[int, ...]:
         """The steps of each fit sampled before the regular interval."""
-        if self.every is None or self.every < EARLY_SAMPLES_FROM_EVERY:
+        if self.every is None or not self.early:
             return ()
         return tuple(step for step in EARLY_SAMPLE_STEPS if step < self.every)
 

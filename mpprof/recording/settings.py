@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from mpprof.recording import arguments
 from mpprof.recording.nvml import sampler
+from mpprof.recording.sampling import DefaultInterval
 from mpprof.records import schema
 
 # The loss-scale ring holds 2x the steps between two reads: more than this
@@ -21,6 +22,8 @@ class Settings:
 
     log_dir: str
     numerics_every: int | None
+    # Whether numerics_every was left at its default (the early samples).
+    numerics_default: bool
     forensic_budget: int
     forensic_spacing: int
     flush_every_steps: int
@@ -41,6 +44,7 @@ class Settings:
         """
         return cls(
             log_dir=arguments.log_dir(log_dir),
+            numerics_default=isinstance(numerics_every, DefaultInterval),
             numerics_every=(
                 None if numerics_every is None
                 else arguments.positive_int("numerics_every", numerics_every)

@@ -9,6 +9,7 @@ older mpprof lack newer fields; each property says what it gives then.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 
 # How the fit stands ("fit_state"): "running" from train begin (rewritten at
@@ -19,6 +20,23 @@ FIT_RUNNING = "running"
 FIT_ENDED = "ended"
 FIT_FAILED = "failed"
 FIT_STATES = (FIT_RUNNING, FIT_ENDED, FIT_FAILED)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_KERAS_WRAPPER = "Exception encountered when calling"
+
+
+def error_headline(message) -> str:
+    """A `fit_error` message's first line, ANSI codes dropped; for Keras'
+    "Exception encountered when calling X.call()." wrapper, with the user's
+    own first line after it."""
+    lines = [line.strip() for line in _ANSI.sub("", str(message or "")).splitlines()
+             if line.strip()]
+    if not lines:
+        return ""
+    if lines[0].startswith(_KERAS_WRAPPER) and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
 
 
 class RunContext(Mapping):

@@ -247,3 +247,8 @@ def test_a_failed_fit_on_jax_is_diagnosed_with_the_users_traceback(tmp_path):
     assert finding.evidence["kind"] == "other"  # not a dtype error: no advice
     assert "numerics_every" not in finding.fix and "cast" not in finding.fix
     assert _codes(run) == {"MP020", "MP011"}
+    # `mpprof summary` and the diagnosis text say what fit raised, too.
+    from mpprof.display.run_summary import cut_short_text
+
+    assert "model.fit raised ValueError:" in cut_short_text(run)
+    assert "boom in training" in cut_short_text(run)
