@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from mpprof._version import __version__
 
-__all__ = ["MixedPrecisionProfiler", "__version__"]
+__all__ = ["MixedPrecisionProfiler", "__version__", "advise"]
 
 
 def __getattr__(name: str):
@@ -19,4 +19,8 @@ def __getattr__(name: str):
         from mpprof.recording.callback import MixedPrecisionProfiler
 
         return MixedPrecisionProfiler
+    if name == "advise":
+        from mpprof.advisor import advise
+
+        return advise
     raise AttributeError(f"module 'mpprof' has no attribute {name!r}")

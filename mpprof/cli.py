@@ -258,6 +258,23 @@ def _bundle(args) -> int:
     return EXIT_OK
 
 
+def _advise(args) -> int:
+    from mpprof import advisor
+    from mpprof.advisor import gpus, text
+
+    try:
+        advice = advisor.advise(args.logdir, args.run, gpu=args.gpu, verify=args.verify)
+    except gpus.UnknownGpuError as e:
+        _say([f"mpprof: {e}"], sys.stderr)
+        return EXIT_USAGE
+    if args.format == "json":
+        # json.dumps escapes control characters (ensure_ascii).
+        print(json.dumps(advice, indent=2))
+    else:
+        print("\n".join(text.advice_lines(advice)))
+    return EXIT_OK
+
+
 def _run_replay(logdir: str, run: str, step: int) -> dict:
     """Replays one capture (Keras and the backend that trained it are
     imported only here)."""
@@ -332,6 +349,20 @@ def build_parser() -> argparse.ArgumentParser:
     bundle.add_argument("--include-batch", action="store_true",
                         help="also the step's batch and weights (they may be private)")
     bundle.set_defaults(handler=_bundle)
+    advise = command(
+        "advise",
+        "a per-layer precision plan from the run's data: which layers must be float32, "
+        "which can go lower (half precision, float8), the code, and the speed it buys",
+    )
+    advise.add_argument("logdir")
+    advise.add_argument("--run", help="the run (default: train)")
+    advise.add_argument("--format", choices=("text", "json"), default="text")
+    advise.add_argument("--gpu", help="the GPU to project for (default: the run's own, "
+                        "else H100); an unknown name lists the known ones")
+    advise.add_argument("--verify", action="store_true",
+                        help="replay the plan on the run's advise batches "
+                             "(imports the framework that trained it)")
+    advise.set_defaults(handler=_advise)
     return parser
 
 

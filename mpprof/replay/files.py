@@ -39,6 +39,10 @@ _DAMAGED_NPZ = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
 CAPTURE_VERSION = 1
 
 REPLAY_FOLDER = "replay"
+# Batches kept for the precision advisor (`advise_batches=N`): the same files,
+# in their own folder, so that `mpprof replay` never takes one for a step
+# that went wrong.
+ADVISE_FOLDER = "advise"
 STEP_FOLDER_PREFIX = "step_"
 MANIFEST = "manifest.json"
 BATCH = "batch.npz"
@@ -57,9 +61,10 @@ class ReplayError(ValueError):
     """A capture cannot be replayed (the message says what to do)."""
 
 
-def step_folder(step: int) -> str:
-    """The capture's folder for `step`, relative to its run directory."""
-    return f"{REPLAY_FOLDER}/{STEP_FOLDER_PREFIX}{int(step)}"
+def step_folder(step: int, folder: str = REPLAY_FOLDER) -> str:
+    """The capture's folder for `step`, relative to its run directory
+    (`folder`: REPLAY_FOLDER, or ADVISE_FOLDER for the advisor's batches)."""
+    return f"{folder}/{STEP_FOLDER_PREFIX}{int(step)}"
 
 
 def encode_structure(structure, leaves: list) -> object:
@@ -210,20 +215,24 @@ def run_path(logdir: str | os.PathLike, run: str) -> str:
 
 
 def find_captures(logdir: str | os.PathLike, run: str,
-                  on_skipped: Callable[[str], None] | None = None) -> list[Capture]:
+                  on_skipped: Callable[[str], None] | None = None,
+                  folder: str = REPLAY_FOLDER) -> list[Capture]:
     """Every complete capture of `run`, by step.
 
     Args:
         on_skipped: called with one line for each capture folder that is not
             offered (no manifest, or a damaged one), so it is never skipped
             without a word where the caller shows warnings.
+        folder: REPLAY_FOLDER (steps that went wrong) or ADVISE_FOLDER (the
+            batches kept for the advisor).
     """
-    return _scan_captures(logdir, run, on_skipped)[0]
+    return _scan_captures(logdir, run, on_skipped, folder)[0]
 
 
-def _scan_captures(logdir, run, on_skipped=None) -> tuple[list[Capture], dict[int, str]]:
+def _scan_captures(logdir, run, on_skipped=None,
+                   kind: str = REPLAY_FOLDER) -> tuple[list[Capture], dict[int, str]]:
     """(the complete captures, {step: why it is not one} for the others)."""
-    folder = filesystem.join(run_path(logdir, run), REPLAY_FOLDER)
+    folder = filesystem.join(run_path(logdir, run), kind)
     try:
         entries = filesystem.scan(folder)
     except OSError:
