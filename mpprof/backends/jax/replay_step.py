@@ -141,7 +141,9 @@ class StepPass:
             forward=seen["forward"], backward=seen["backward"],
             offender=offenders.get("forward") or offenders.get("backward"),
             forward_clean="forward" not in offenders, loss=loss,
-            gradients_finite=all(bool(np.all(np.isfinite(g))) for g in seen["gradients"]))
+            gradients_finite=all(bool(np.all(np.isfinite(g))) for g in seen["gradients"]),
+            # In the order the step hands them to its optimizers.
+            gradients={f"gradient {i}": g for i, g in enumerate(seen["gradients"])})
 
     def _patch(self, patches: Patches) -> None:
         model = self._model
