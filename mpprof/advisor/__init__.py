@@ -25,6 +25,7 @@ from mpprof.advisor import gpus
 from mpprof.advisor.facts import layer_facts
 from mpprof.advisor.plan import half_dtype_of, make_plan
 from mpprof.advisor.projection import project
+from mpprof.jsonsafe import json_safe
 from mpprof.records import reader, schema
 from mpprof.records.run import Run
 from mpprof.replay import files as replay_files
@@ -65,7 +66,7 @@ def advise(logdir: str | os.PathLike, run: str | None = None, *, gpu: str | None
     found = reader.read_run(logdir, name)
     advice = advise_run(found, gpu=chosen)
     advice["verification"] = _verification(logdir, name, advice, verify)
-    return advice
+    return json_safe(advice)
 
 
 def advise_run(run: Run, gpu: gpus.Gpu | None = None) -> dict:

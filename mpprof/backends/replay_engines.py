@@ -60,3 +60,17 @@ def replay(logdir_or_model, run: str | None = None, step: int | None = None,
     else:
         backend = _model_backend()
     return _engine(backend).replay(logdir_or_model, run, step, **kwargs)
+
+
+def advise_engine(captures: list):
+    """The verification engine (`mpprof.replay.verification.Engine`) over the
+    precision advisor's kept batches (`mpprof.advisor.verify`), on the
+    backend that trained them, its model rebuilt from their config."""
+    backend = capture_backend(captures[0].manifest)
+    module = _engine(backend)
+    if backend == TENSORFLOW and _model_backend() != TENSORFLOW:
+        raise ReplayError("this run was trained on TensorFlow but Keras runs on JAX in this "
+                          "process: verify it without KERAS_BACKEND=jax")
+    from mpprof.backends import keras_capture
+
+    return module.advise_engine(keras_capture.rebuild(captures[-1]), captures)

@@ -351,3 +351,13 @@ def policy_map_object(result: dict, default_policy: str):
     for path, policy in result["policy_map"].items():
         policy_map[path] = policy
     return policy_map
+
+
+def advise_engine(model, captures: list[files.Capture]) -> Engine:
+    """As `mpprof.backends.tensorflow.replay_engine.advise_engine`, on JAX."""
+    capture = captures[-1]
+    keras_capture.load_weights(model, capture)
+    _captured_policies(model, capture)
+    scale = float(capture.manifest.get("loss_scale") or 1.0)
+    step = (_CustomStep if overrides_train_step(model) else _KerasStep)(model, capture, scale)
+    return Engine(model, step, [c.batch() for c in captures], step.scale)

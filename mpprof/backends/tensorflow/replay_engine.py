@@ -156,3 +156,12 @@ def policy_map_object(result: dict, default_policy: str):
     for path, policy in result["policy_map"].items():
         policy_map[path] = policy
     return policy_map
+
+
+def advise_engine(model, captures: list[files.Capture]) -> Engine:
+    """The verification engine over the precision advisor's batches
+    (`advise_batches=N`): every kept batch, from the weights of the last one
+    (the most trained the run kept)."""
+    keras_capture.load_weights(model, captures[-1])
+    batches = [tuple(keras.utils.unpack_x_y_sample_weight(c.batch())) for c in captures]
+    return Engine(model, batches, float(captures[-1].manifest.get("loss_scale") or 1.0))
