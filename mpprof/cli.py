@@ -263,15 +263,22 @@ def _advise(args) -> int:
     from mpprof.advisor import gpus, text
 
     try:
-        advice = advisor.advise(args.logdir, args.run, gpu=args.gpu, verify=args.verify)
+        gpus.gpu(args.gpu) if args.gpu is not None else None
     except gpus.UnknownGpuError as e:
         _say([f"mpprof: {e}"], sys.stderr)
         return EXIT_USAGE
+    names = reader.select_runs(args.logdir, args.run, on_warning=_warn)
+    advice = []
+    for name in names:
+        if args.verify and args.format != "json":
+            _say([f"mpprof: verifying run {name}'s plan on its kept batches (imports the "
+                  "framework that trained it)"], sys.stderr)
+        advice.append(advisor.advise(args.logdir, name, gpu=args.gpu, verify=args.verify))
     if args.format == "json":
         # json.dumps escapes control characters (ensure_ascii).
-        print(json.dumps(advice, indent=2))
+        print(json.dumps(advice[0] if len(advice) == 1 else advice, indent=2))
     else:
-        print("\n".join(text.advice_lines(advice)))
+        print("\n\n".join("\n".join(text.advice_lines(a)) for a in advice))
     return EXIT_OK
 
 
@@ -355,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
         "which can go lower (half precision, float8), the code, and the speed it buys",
     )
     advise.add_argument("logdir")
-    advise.add_argument("--run", help="the run (default: train)")
+    advise.add_argument("--run", help="only this run (as `mpprof summary` names it)")
     advise.add_argument("--format", choices=("text", "json"), default="text")
     advise.add_argument("--gpu", help="the GPU to project for (default: the run's own, "
                         "else H100); an unknown name lists the known ones")

@@ -17,6 +17,7 @@ print(advice["plan"]["code"])
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -26,11 +27,11 @@ from mpprof.advisor.facts import layer_facts
 from mpprof.advisor.plan import half_dtype_of, make_plan
 from mpprof.advisor.projection import project
 from mpprof.jsonsafe import json_safe
-from mpprof.records import reader, schema
+from mpprof.records import filesystem, reader, schema
 from mpprof.records.run import Run
 from mpprof.replay import files as replay_files
 
-__all__ = ["advise", "advise_run", "gpus"]
+__all__ = ["advise", "advise_run", "gpus", "saved_verification"]
 
 # What a run needs for each part of the advice, told when it is missing.
 HOW_TO_SAMPLE = ("record numerics samples: MixedPrecisionProfiler(log_dir, "
@@ -46,7 +47,8 @@ def advise(logdir: str | os.PathLike, run: str | None = None, *, gpu: str | None
 
     Args:
         logdir: the LOG_DIR the profiler wrote (local or fsspec URL).
-        run: the run (default "train", else the only run there).
+        run: the run, as `mpprof summary` names it (default: the logdir's
+            only run, or its "train" run).
         gpu: the GPU to project for ("H100", "A100", ...: `gpus.known()`);
             default: the run's own GPU, else H100.
         verify: replay the plan on the run's advise batches (imports the
@@ -58,11 +60,15 @@ def advise(logdir: str | os.PathLike, run: str | None = None, *, gpu: str | None
 
     Raises:
         mpprof.advisor.gpus.UnknownGpuError: `gpu` is not in the table.
+        ValueError: several runs and no `run` (the message lists them).
         mpprof.records.reader.NoMpprofDataError / LogdirNotFoundError.
     """
     chosen = gpus.gpu(gpu) if gpu is not None else None
     names = reader.select_runs(logdir, run)
-    name = schema.TRAIN_RUN if schema.TRAIN_RUN in names else names[0]
+    if len(names) > 1 and schema.TRAIN_RUN not in names:
+        raise ValueError(f"{os.fspath(logdir)} holds {len(names)} runs ({', '.join(names)}): "
+                         "pass run= one of them")
+    name = names[0] if len(names) == 1 else schema.TRAIN_RUN
     found = reader.read_run(logdir, name)
     advice = advise_run(found, gpu=chosen)
     advice["verification"] = _verification(logdir, name, advice, verify)
@@ -112,20 +118,57 @@ def advise_run(run: Run, gpu: gpus.Gpu | None = None) -> dict:
     }
 
 
+# Where `--verify` saves its result, beside the kept batches.
+VERIFICATION_FILE = "verification.json"
+
+
 def _verification(logdir, run: str, advice: dict, verify: bool) -> dict:
-    """What verification there is: the batches to verify on, and the result
-    when `verify` ran it; otherwise the plan is labelled unverified."""
-    captures = replay_files.find_captures(logdir, run, folder=replay_files.ADVISE_FOLDER)
-    if not captures:
-        return {"state": "unverified", "batches": 0,
-                "detail": f"unverified: the run holds no advise batches; {HOW_TO_CAPTURE}"}
+    """What verification there is: the result when `verify` ran it (saved
+    beside the batches), else the saved one, else the plan labelled
+    unverified with how to record what verification needs."""
+    run_path = replay_files.run_path(logdir, run)
     if not verify:
-        return {"state": "unverified", "batches": len(captures),
-                "detail": (f"unverified: {len(captures)} advise batches recorded; "
-                           "verify with `mpprof advise LOGDIR --verify`")}
+        return saved_verification(run_path)
+    captures = replay_files.find_captures(run_path, ".", folder=replay_files.ADVISE_FOLDER)
+    if not captures:
+        return _unverified(0)
     from mpprof.advisor import verify as verifying
 
-    return verifying.verify(logdir, run, advice["plan"], captures)
+    result = json_safe(verifying.verify(logdir, run, advice["plan"], captures))
+    if result["state"] != "failed":
+        result["plan_code"] = advice["plan"]["code"]
+        try:
+            filesystem.write_bytes(
+                filesystem.join(run_path, replay_files.ADVISE_FOLDER, VERIFICATION_FILE),
+                replay_files.json_bytes(result))
+        except OSError as e:
+            result["not_saved"] = filesystem.error_text(e)
+    return result
+
+
+def saved_verification(run_path: str) -> dict:
+    """The verification `mpprof advise --verify` saved for the run at
+    `run_path`, or the unverified state (how many batches there are to
+    verify on, and how to record them)."""
+    captures = replay_files.find_captures(run_path, ".", folder=replay_files.ADVISE_FOLDER)
+    if not captures:
+        return _unverified(0)
+    try:
+        with filesystem.open_file(filesystem.join(
+                run_path, replay_files.ADVISE_FOLDER, VERIFICATION_FILE)) as f:
+            saved = json.loads(f.read())
+        return {**saved, "saved": True}
+    except (OSError, ValueError):
+        return _unverified(len(captures))
+
+
+def _unverified(batches: int) -> dict:
+    if not batches:
+        return {"state": "unverified", "batches": 0,
+                "detail": f"unverified: the run holds no advise batches; {HOW_TO_CAPTURE}"}
+    return {"state": "unverified", "batches": batches,
+            "detail": (f"unverified: {batches} advise batches recorded; verify with "
+                       "`mpprof advise LOGDIR --verify`")}
 
 
 def _run_gpu(context) -> gpus.Gpu | None:

@@ -143,6 +143,9 @@ def layer_facts(run: Run) -> list[LayerFacts]:
             continue
         if not record.get("is_leaf") and not record.get("gemm_macs"):
             continue
+        parent = by_name.get(record.get("parent"))
+        if parent and (parent.get("gemm_macs") or {}).get("per") == "timestep_output":
+            continue  # a recurrent cell: its layer holds its GEMMs and numerics
         mode = record.get("quantization_mode")
         multiple = dtypes.gemm_multiple(record.get("compute_dtype"), mode) or (
             dtypes.TENSOR_CORE_MULTIPLE)

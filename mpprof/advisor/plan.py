@@ -122,7 +122,9 @@ class Plan:
         ]
         for key, policy in self.policy_map().items():
             lines.append(f'policy["{key}"] = "{policy}"')
-        lines.append("# build the model with dtype=policy on its layers, or per layer:")
+        lines.append(f"{module}.mixed_precision.set_dtype_policy(policy)  # then build the "
+                     "model: each layer looks up its path")
+        lines.append("# a layer given its own dtype= in the model's code keeps it: change those:")
         for row in self.rows:
             if row.changed:
                 policy = _policy(row.planned if row.planned != FLOAT8 else self.half_dtype)
@@ -190,8 +192,10 @@ def _row(fact: LayerFacts, half: str) -> Row:
     if fact.quantization_mode is not None:
         return row(now, KEEP, f"already quantized ({fact.quantization_mode})")
     if fact.first_overflow:
+        peak = (f"abs max {_num(fact.forward_abs_max)}" if fact.forward_abs_max
+                else "its output non-finite")
         why = (f"overflowed {fact.compute_dtype}: the first layer in call order with a "
-               f"non-finite or beyond-max output (abs max {_num(fact.forward_abs_max)})")
+               f"non-finite or beyond-max output ({peak})")
         if now == FLOAT32:
             return row(FLOAT32, KEEP, why)
         return row(FLOAT32, FLOAT32, why)

@@ -84,9 +84,18 @@ class LayerTime:
     plan_bound: str
     now_cast_s: float
     plan_cast_s: float
+    # A float8 layer's time in the plan's half dtype instead: whether float8
+    # pays at these shapes on this GPU (its quantization casts included).
+    half_s: float | None = None
+
+    @property
+    def float8_pays(self) -> bool | None:
+        if self.half_s is None:
+            return None
+        return self.plan_s + self.plan_cast_s < self.half_s
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "float8_pays": self.float8_pays}
 
 
 def project(plan: Plan, facts: list[LayerFacts], gpu: Gpu, tf32_enabled: bool | None,
@@ -112,12 +121,18 @@ def project(plan: Plan, facts: list[LayerFacts], gpu: Gpu, tf32_enabled: bool | 
         plan_mode = mode_of(row.planned, gpu, tf32_enabled)
         now_s, now_bound = gemm_seconds(fact.gemm, now_mode, gpu)
         plan_s, plan_bound = gemm_seconds(fact.gemm, plan_mode, gpu)
+        half_s = None
+        if row.planned == FLOAT8:
+            half = mode_of(plan.half_dtype, gpu, tf32_enabled)
+            half_s = gemm_seconds(fact.gemm, half, gpu)[0] + _cast_s(
+                fact, half, plan_dtype, gpu, tf32_enabled)
         layers.append(LayerTime(
             layer=row.layer, flops=fact.gemm.step_flops, now_mode=now_mode,
             plan_mode=plan_mode, now_s=now_s, plan_s=plan_s, now_bound=now_bound,
             plan_bound=plan_bound,
             now_cast_s=_cast_s(fact, now_mode, now_dtype, gpu, tf32_enabled),
-            plan_cast_s=_cast_s(fact, plan_mode, plan_dtype, gpu, tf32_enabled)))
+            plan_cast_s=_cast_s(fact, plan_mode, plan_dtype, gpu, tf32_enabled),
+            half_s=half_s))
     now = sum(t.now_s + t.now_cast_s for t in layers)
     planned = sum(t.plan_s + t.plan_cast_s for t in layers)
     result = {

@@ -56,6 +56,11 @@ def advice_lines(advice: dict) -> list[str]:
                      f"{projection['step_speedup']:.2f}x")
     elif projection.get("step_note"):
         lines.append(f"    {projection['step_note']}")
+    slower = [t["layer"] for t in projection["layers"] if t.get("float8_pays") is False]
+    if slower:
+        lines.append(f"    float8 is projected slower than {plan['half_dtype']} at these shapes "
+                     f"on {projection['gpu']} (its casts cost more than the GEMM saves): "
+                     f"{', '.join(slower)}")
     if projection["unsized_layers"]:
         lines.append(f"    not sized (no sampled element counts): "
                      f"{', '.join(projection['unsized_layers'])}")

@@ -17,6 +17,8 @@ def summarize_run(run: reader.Run) -> str:
             f"  policy {context.model_policy} (global {context.global_policy}), "
             f"optimizer {context.optimizer}, strategy {context.strategy}"
         )
+        if context.float32_matmuls:
+            lines.append(f"  float32 matmuls: {context.float32_matmuls.get('setting')}")
     stopped = cut_short_text(run)
     if stopped:
         lines.append(f"  {stopped}")
