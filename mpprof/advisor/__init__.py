@@ -72,6 +72,10 @@ def advise(logdir: str | os.PathLike, run: str | None = None, *, gpu: str | None
     found = reader.read_run(logdir, name)
     advice = advise_run(found, gpu=chosen)
     advice["verification"] = _verification(logdir, name, advice, verify)
+    sensitivity = advice["verification"].get("sensitivity") or {}
+    for fact in advice["facts"]:
+        fact["sensitivity"] = {dtype: rows.get(fact["name"]) for dtype, rows in
+                               sensitivity.items() if isinstance(rows, dict)} or None
     return json_safe(advice)
 
 
@@ -134,7 +138,10 @@ def _verification(logdir, run: str, advice: dict, verify: bool) -> dict:
         return _unverified(0)
     from mpprof.advisor import verify as verifying
 
-    result = json_safe(verifying.verify(logdir, run, advice["plan"], captures))
+    # The steps that went wrong too (replay captures): the plan must hold on
+    # the batches that overflowed, not only on healthy ones.
+    wrong = replay_files.find_captures(run_path, ".")
+    result = json_safe(verifying.verify(logdir, run, advice["plan"], captures, wrong))
     if result["state"] != "failed":
         result["plan_code"] = advice["plan"]["code"]
         try:

@@ -74,7 +74,8 @@ class LayerFacts:
         sampled: whether the numerics samples hold the layer.
         forward_abs_max / backward_abs_max: the largest |value| of its output
             and of the (loss-scaled) gradient into it over the samples.
-        overflowed: a sample held a non-finite or beyond-the-dtype output.
+        overflowed: a sample held a non-finite or beyond-the-dtype output;
+            `overflow_samples` how many, `first_overflow_step` the first's step.
         first_overflow: it was the first layer in call order to overflow.
         forward_underflow / backward_underflow: the mean share of values
             below float16's smallest normal (zeros apart).
@@ -104,6 +105,8 @@ class LayerFacts:
     backward_abs_max: float | None = None
     overflowed: bool = False
     first_overflow: bool = False
+    overflow_samples: int = 0
+    first_overflow_step: int | None = None
     forward_underflow: float | None = None
     backward_underflow: float | None = None
     float8_input_loss: float | None = None
@@ -243,7 +246,11 @@ def _sampled(fact: LayerFacts, numerics, i: int, index: dict, record: dict,
     limit = dtypes.DTYPE_MAX.get(fact.compute_dtype, numerics.policy_max)
     nonfinite = np.nan_to_num(forward["nonfinite_frac"][:, i]) > 0
     peaks = forward["abs_max"][:, i]
-    fact.overflowed = bool(nonfinite.any() or (np.nan_to_num(peaks) > limit).any())
+    bad = nonfinite | (np.nan_to_num(peaks) > limit)
+    fact.overflowed = bool(bad.any())
+    fact.overflow_samples = int(bad.sum())
+    if bad.any():
+        fact.first_overflow_step = int(numerics.steps[int(np.flatnonzero(bad)[0])])
     fact.first_overflow = fact.name in first
     finite = peaks[np.isfinite(peaks)]
     fact.forward_abs_max = float(finite.max()) if len(finite) else None

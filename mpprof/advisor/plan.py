@@ -192,18 +192,18 @@ def _row(fact: LayerFacts, half: str) -> Row:
     if fact.quantization_mode is not None:
         return row(now, KEEP, f"already quantized ({fact.quantization_mode})")
     if fact.first_overflow:
-        peak = (f"abs max {_num(fact.forward_abs_max)}" if fact.forward_abs_max
-                else "its output non-finite")
         why = (f"overflowed {fact.compute_dtype}: the first layer in call order with a "
-               f"non-finite or beyond-max output ({peak})")
+               f"non-finite or beyond-max output, on {fact.overflow_samples} of "
+               f"{fact.samples} samples (first at step {fact.first_overflow_step}); "
+               f"abs max {_num(fact.forward_abs_max)} on the others")
         if now == FLOAT32:
             return row(FLOAT32, KEEP, why)
         return row(FLOAT32, FLOAT32, why)
+    if fact.is_output and now == FLOAT32:
+        return row(FLOAT32, KEEP, "the model's output: the loss sees it, it stays float32")
     if fact.overflowed:
         return row(now, KEEP, "its output was non-finite after an earlier layer overflowed: "
                    "never lowered")
-    if fact.is_output and now == FLOAT32:
-        return row(FLOAT32, KEEP, "the model's output: the loss sees it, it stays float32")
     if fact.is_output and now in HALF_DTYPES:
         return row(FLOAT32, FLOAT32, f"the model's output: the loss sees {now} (MP006)")
     if not fact.sampled:

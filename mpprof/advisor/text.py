@@ -32,6 +32,7 @@ def advice_lines(advice: dict) -> list[str]:
         (f"can go lower (-> {plan['half_dtype']})", lambda r: r["action"] == LOWER),
         ("float8 candidates (model.quantize)", lambda r: r["action"] == FLOAT8),
     )
+    sensitivity = {f["name"]: f.get("sensitivity") for f in advice["facts"]}
     for title, chosen in sections:
         rows = [r for r in plan["rows"] if chosen(r)]
         if not rows:
@@ -40,6 +41,12 @@ def advice_lines(advice: dict) -> list[str]:
         for row in rows:
             lines.append(f"    {row['layer']} ({row['cls']}, {row['now']} -> {row['planned']})")
             lines += [f"      - {reason}" for reason in row["reasons"]]
+            replayed = sensitivity.get(row["layer"]) or {}
+            errors = [f"{dtype} output {e['output']:.2g}, gradient {e['gradient']:.2g}"
+                      for dtype, e in replayed.items()
+                      if e and e.get("output") is not None and e.get("gradient") is not None]
+            if errors:
+                lines.append(f"      - replayed against float32: {'; '.join(errors)}")
     if not plan["nothing_to_change"]:
         lines.append("  code:")
         lines += [f"    {line}" for line in plan["code"].splitlines()]
@@ -66,4 +73,13 @@ def advice_lines(advice: dict) -> list[str]:
                      f"{', '.join(projection['unsized_layers'])}")
     verification = advice.get("verification") or {}
     lines.append(f"  verification: {verification.get('detail', 'unverified')}")
+    if verification.get("batch_steps"):
+        lines.append(f"    (on the run's batches of steps {verification['batch_steps']}, "
+                     f"from the weights of step {verification['weights_step']})")
+    for row in (verification.get("on_overflowed_steps") or {}).get("steps", []):
+        lines.append(f"  the batch of step {row['step']}, which overflowed in the run: with the "
+                     f"plan {row['plan']}; with the current policy {row['current']}")
+    current = verification.get("current") or {}
+    if current.get("verified_detail") and not advice["plan"]["nothing_to_change"]:
+        lines.append(f"  the current policy, the same way: {current['verified_detail']}")
     return [printable(line) for line in lines]

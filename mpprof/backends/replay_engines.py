@@ -62,10 +62,11 @@ def replay(logdir_or_model, run: str | None = None, step: int | None = None,
     return _engine(backend).replay(logdir_or_model, run, step, **kwargs)
 
 
-def advise_engine(captures: list):
+def advise_engine(captures: list, overflowed: list = ()):
     """The verification engine (`mpprof.replay.verification.Engine`) over the
     precision advisor's kept batches (`mpprof.advisor.verify`), on the
-    backend that trained them, its model rebuilt from their config."""
+    backend that trained them, its model rebuilt from their config; the
+    batches of `overflowed` (replay captures) in its `overflowed` list."""
     backend = capture_backend(captures[0].manifest)
     module = _engine(backend)
     if backend == TENSORFLOW and _model_backend() != TENSORFLOW:
@@ -73,4 +74,4 @@ def advise_engine(captures: list):
                           "process: verify it without KERAS_BACKEND=jax")
     from mpprof.backends import keras_capture
 
-    return module.advise_engine(keras_capture.rebuild(captures[-1]), captures)
+    return module.advise_engine(keras_capture.rebuild(captures[-1]), captures, overflowed)

@@ -353,11 +353,14 @@ def policy_map_object(result: dict, default_policy: str):
     return policy_map
 
 
-def advise_engine(model, captures: list[files.Capture]) -> Engine:
+def advise_engine(model, captures: list[files.Capture],
+                  overflowed: list[files.Capture] = ()) -> Engine:
     """As `mpprof.backends.tensorflow.replay_engine.advise_engine`, on JAX."""
     capture = captures[-1]
     keras_capture.load_weights(model, capture)
     _captured_policies(model, capture)
     scale = float(capture.manifest.get("loss_scale") or 1.0)
     step = (_CustomStep if overrides_train_step(model) else _KerasStep)(model, capture, scale)
-    return Engine(model, step, [c.batch() for c in captures], step.scale)
+    engine = Engine(model, step, [c.batch() for c in captures], step.scale)
+    engine.overflowed = [c.batch() for c in overflowed]
+    return engine

@@ -158,10 +158,18 @@ def policy_map_object(result: dict, default_policy: str):
     return policy_map
 
 
-def advise_engine(model, captures: list[files.Capture]) -> Engine:
+def advise_engine(model, captures: list[files.Capture],
+                  overflowed: list[files.Capture] = ()) -> Engine:
     """The verification engine over the precision advisor's batches
     (`advise_batches=N`): every kept batch, from the weights of the last one
-    (the most trained the run kept)."""
+    (the most trained the run kept); the batches of `overflowed` (replay
+    captures) wait in `engine.overflowed`."""
     keras_capture.load_weights(model, captures[-1])
-    batches = [tuple(keras.utils.unpack_x_y_sample_weight(c.batch())) for c in captures]
-    return Engine(model, batches, float(captures[-1].manifest.get("loss_scale") or 1.0))
+
+    def batch(capture):
+        return tuple(keras.utils.unpack_x_y_sample_weight(capture.batch()))
+
+    engine = Engine(model, [batch(c) for c in captures],
+                    float(captures[-1].manifest.get("loss_scale") or 1.0))
+    engine.overflowed = [batch(c) for c in overflowed]
+    return engine
