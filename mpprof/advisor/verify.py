@@ -62,7 +62,9 @@ def verify(logdir, run: str, plan: dict, captures: list[files.Capture],
     """
     started = time.perf_counter()
     try:
-        engine = replay_engines.advise_engine(captures, wrong)
+        model, scale = replay_engines.advise_model(captures)
+        engine = replay_engines.verification_engine(model, [c.batch() for c in captures],
+                                                    scale)
     except (files.ReplayError, files.NoCaptureError) as e:
         return {"state": "failed", "batches": len(captures),
                 "detail": f"unverified: the kept batches cannot be replayed ({e})"}
@@ -80,7 +82,7 @@ def verify(logdir, run: str, plan: dict, captures: list[files.Capture],
     except Exception as e:  # noqa: BLE001 - the verdict stands without it
         sensitivity = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     try:
-        on_overflowed = _on_overflowed(engine, plan_candidate(plan), wrong)
+        on_overflowed = _on_overflowed(model, scale, plan_candidate(plan), wrong)
     except Exception as e:  # noqa: BLE001 - the verdict stands without it
         on_overflowed = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     float8 = [r["layer"] for r in plan["rows"] if r["action"] == FLOAT8]
@@ -105,7 +107,8 @@ def verify(logdir, run: str, plan: dict, captures: list[files.Capture],
     }
 
 
-def _on_overflowed(engine, candidate: Candidate, wrong: list[files.Capture]) -> dict | None:
+def _on_overflowed(model, scale: float, candidate: Candidate,
+                   wrong: list[files.Capture]) -> dict | None:
     """The batches of the steps that went wrong (replay captures), run from
     the same weights with the plan and with the current policy: whether each
     overflows. They are not in the verification (an outlier batch, such as
@@ -114,22 +117,18 @@ def _on_overflowed(engine, candidate: Candidate, wrong: list[files.Capture]) -> 
     where the current policy did."""
     if not wrong:
         return None
-    kept = engine.batches
-    engine.batches = engine.overflowed
-    try:
-        rows = []
-        for index, capture in enumerate(wrong):
-            row = {"step": capture.step}
-            for label, tried in (("plan", candidate), ("current", Candidate())):
-                result = engine.run_pass(tried, index, engine.loss_scale)
-                clean = (result.forward_clean and np.isfinite(result.loss)
-                         and result.gradients_finite)
-                row[label] = "clean" if clean else (
-                    f"overflows ({result.offender.phase} {result.offender.op} in "
-                    f"{result.offender.layer})" if result.offender else "non-finite")
-            rows.append(row)
-    finally:
-        engine.batches = kept
+    engine = replay_engines.verification_engine(model, [c.batch() for c in wrong], scale)
+    rows = []
+    for index, capture in enumerate(wrong):
+        row = {"step": capture.step}
+        for label, tried in (("plan", candidate), ("current", Candidate())):
+            result = engine.run_pass(tried, index, scale)
+            clean = (result.forward_clean and np.isfinite(result.loss)
+                     and result.gradients_finite)
+            row[label] = "clean" if clean else (
+                f"overflows ({result.offender.phase} {result.offender.op} in "
+                f"{result.offender.layer})" if result.offender else "non-finite")
+        rows.append(row)
     return {"steps": rows,
             "plan_clean": all(r["plan"] == "clean" for r in rows),
             "current_clean": all(r["current"] == "clean" for r in rows)}

@@ -122,14 +122,17 @@ def trial_optimizer(model, dtype: str, loss_scale: float):
 
 @contextlib.contextmanager
 def random_draws_in_float32(tree: Mapping[str, object]) -> Iterator[list[str]]:
-    """Inside the block, each layer that draws random numbers (a
+    """Inside the block, each weightless layer that draws random numbers (a
     SeedGenerator of its own: Dropout, GaussianNoise, random augmentation)
     computes in float32 and casts its output back: stateless random ops draw
     in the tensor's dtype, so from the same seed float16 and float32 draw
     different masks, and a check comparing them would measure the masks, not
     the precision. Yields the layers' names."""
     patches = Patches()
-    names = [name for name, layer in tree.items() if getattr(layer, "_seed_generators", None)]
+    # Weightless ones only: a layer with weights and a seed (an LSTM cell's
+    # dropout) computes its state in its own dtype and cannot be cast whole.
+    names = [name for name, layer in tree.items()
+             if getattr(layer, "_seed_generators", None) and not layer.weights]
     try:
         for name in names:
             layer = tree[name]
@@ -177,6 +180,7 @@ class CandidateEngine:
         self.tree = layer_tree(model)
         self.run_policies = {name: layer.dtype_policy.name
                              for name, layer in self.tree.items()}
+        self.skipped_steps = 0  # by the loss scale, in the last trial
         # The captured state every trial starts from, and that it leaves:
         # weights, moving statistics and random seed states.
         self._variables = [*model.trainable_variables, *model.non_trainable_variables]
@@ -185,11 +189,15 @@ class CandidateEngine:
     def policies(self, candidate: Candidate) -> dict[str, str]:
         return verification.effective_policies(candidate, self.run_policies)
 
-    def trial_optimizer(self, candidate: Candidate):
+    def trial_optimizer(self, candidate: Candidate, loss_scale: float | None = None):
+        """A fresh optimizer of the run's config for the candidate's trial
+        (`trial_optimizer`), a LossScaleOptimizer's initial scale
+        `loss_scale` (None: the run's, or Keras' default without one)."""
         dtype = verification.candidate_dtype(candidate, self.run_policies)
-        scale = (self.loss_scale if self.loss_scale > 1
-                 else verification.DEFAULT_LOSS_SCALE)
-        return trial_optimizer(self.model, dtype, scale)
+        if loss_scale is None:
+            loss_scale = (self.loss_scale if self.loss_scale > 1
+                          else verification.DEFAULT_LOSS_SCALE)
+        return trial_optimizer(self.model, dtype, loss_scale)
 
     def restore(self) -> None:
         """The captured state back in the model's variables."""

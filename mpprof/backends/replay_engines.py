@@ -62,11 +62,23 @@ def replay(logdir_or_model, run: str | None = None, step: int | None = None,
     return _engine(backend).replay(logdir_or_model, run, step, **kwargs)
 
 
-def advise_engine(captures: list, overflowed: list = ()):
-    """The verification engine (`mpprof.replay.verification.Engine`) over the
-    precision advisor's kept batches (`mpprof.advisor.verify`), on the
-    backend that trained them, its model rebuilt from their config; the
-    batches of `overflowed` (replay captures) in its `overflowed` list."""
+def verification_engine(model, batches: list, loss_scale: float = 1.0):
+    """A `mpprof.replay.verification.Engine` for `model` in this process's
+    Keras backend, on `batches` from the model's current weights (the
+    precision advisor's way in: `Verifier(verification_engine(...))`)."""
+    return _engine(_model_backend()).engine_for(model, batches, loss_scale)
+
+
+def advise_model(captures: list):
+    """The model of the precision advisor's kept batches (`advise_batches=N`,
+    `mpprof.advisor.verify`), rebuilt from their config on the backend that
+    trained them, with the weights of the last of them (the most trained the
+    run kept) and its layers' captured policies; and its loss scale there.
+
+    Raises:
+        ReplayError: the model cannot be rebuilt, or Keras runs on another
+            backend in this process.
+    """
     backend = capture_backend(captures[0].manifest)
     module = _engine(backend)
     if backend == TENSORFLOW and _model_backend() != TENSORFLOW:
@@ -74,4 +86,10 @@ def advise_engine(captures: list, overflowed: list = ()):
                           "process: verify it without KERAS_BACKEND=jax")
     from mpprof.backends import keras_capture
 
-    return module.advise_engine(keras_capture.rebuild(captures[-1]), captures, overflowed)
+    model = keras_capture.rebuild(captures[-1])
+    keras_capture.load_weights(model, captures[-1])
+    if backend == JAX:
+        # A subclassed model rebuilt here makes its layers under this
+        # process's global policy: give them the ones they trained with.
+        module._captured_policies(model, captures[-1])
+    return model, float(captures[-1].manifest.get("loss_scale") or 1.0)

@@ -97,13 +97,19 @@ def criteria_line(result: dict) -> str | None:
     band = verification.get("trial_band")
     if not isinstance(tolerances, dict) or not isinstance(band, dict):
         return None
-    return (f"verified means: relative error to float32 ({tolerances.get('dtype')}) at most "
-            f"{_number(tolerances.get('loss'))} for the loss, "
-            f"{_number(tolerances.get('gradient'))} for each variable's gradient, "
-            f"{_number(tolerances.get('output'))} for each layer's output, no overflow; and "
-            f"a {band.get('steps')}-step trial from the captured weights losing at least "
-            f"{_number(band.get('min_progress'))} of float32's loss decrease with a mean "
-            f"loss within {_number(band.get('mean_band'))} of float32's")
+    return (f"verified means: relative error to float32 at most {_number(tolerances.get('loss'))}"
+            f" for the loss, {_number(tolerances.get('gradient'))} for each variable's "
+            f"gradient and {_number(tolerances.get('output'))} for each layer's output "
+            f"({tolerances.get('dtype')} tolerances), no overflow; and in a "
+            f"{band.get('steps')}-step trial from the captured weights, at least "
+            f"{_percent(band.get('min_progress'))} of float32's loss decrease and a mean loss "
+            f"within {_percent(band.get('mean_band'))} of float32's")
+
+
+def _percent(value) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:.0%}"
+    return str(value)
 
 
 def _lead(result: dict) -> dict | None:

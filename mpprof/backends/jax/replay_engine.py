@@ -63,8 +63,7 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
     keras_capture.load_weights(model, capture)
     _captured_policies(model, capture)
     captured_scale = float(capture.manifest.get("loss_scale") or 1.0)
-    step = (_CustomStep if overrides_train_step(model) else _KerasStep)(
-        model, capture, captured_scale)
+    step = _step_for(model, capture.batch(), captured_scale)
     try:
         run_policy = step.run(None, None)
     except Exception as e:
@@ -102,6 +101,19 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
     }
 
 
+def _step_for(model, data, scale: float):
+    return (_CustomStep if overrides_train_step(model) else _KerasStep)(model, data, scale)
+
+
+def engine_for(model, batches: list, loss_scale: float = 1.0) -> Engine:
+    """A verification engine (`mpprof.replay.verification.Engine`) of `model`
+    as it is now (its weights are the ones every pass and trial start from)
+    on `batches` (each as `train_step` receives it: (x, y) or (x, y,
+    sample_weight), or a custom step's own structure)."""
+    step = _step_for(model, batches[0], loss_scale)
+    return Engine(model, step, list(batches), step.scale)
+
+
 class _KerasStep:
     """Keras' own step, replayed as `stateless_call` and
     `stateless_compute_loss`: `run(loss_scale, float32_layers, all_float32=)`
@@ -109,9 +121,9 @@ class _KerasStep:
 
     what = "model.stateless_call and model.stateless_compute_loss"
 
-    def __init__(self, model, capture: files.Capture, scale: float):
+    def __init__(self, model, data, scale: float):
         self._model = model
-        self._data = capture.batch()
+        self._data = data
         self.scale = scale
 
     def run(self, loss_scale, float32_layers, *, all_float32=False, data=None,
@@ -133,9 +145,9 @@ class _CustomStep:
 
     what = "the model's own train_step"
 
-    def __init__(self, model, capture: files.Capture, optimizer_scale: float):
+    def __init__(self, model, data, optimizer_scale: float):
         self._model = model
-        self._data = capture.batch()
+        self._data = data
         self._optimizer_scale = optimizer_scale
         self._skip = _inside_recurrent(layer_tree(model))
         self._last: replay_step.StepPass | None = None
@@ -190,9 +202,10 @@ class Engine(replay_candidates.CandidateEngine):
                                                     candidate.input_scale),
                 policies=self.policies(candidate), model_policy=candidate.default_policy)
 
-    def train(self, candidate: verification.Candidate, steps: int) -> list[float]:
+    def train(self, candidate: verification.Candidate, steps: int,
+              loss_scale: float | None = None) -> list[float]:
         model = self.model
-        optimizer = self.trial_optimizer(candidate)
+        optimizer = self.trial_optimizer(candidate, loss_scale)
         batches = [replay_candidates.scale_inputs(b, candidate.input_scale)
                    for b in self.batches]
         losses = []
@@ -206,11 +219,18 @@ class Engine(replay_candidates.CandidateEngine):
             state = ([v.value for v in model.trainable_variables],
                      [v.value for v in model.non_trainable_variables],
                      [v.value for v in optimizer.variables], fresh_metrics)
-            for index in range(steps):
-                logs, state = train_step(state, batches[index % len(batches)])
-                losses.append(replay_candidates.trial_loss(logs))
+            counter = [id(v) for v in optimizer.variables].index(id(optimizer.iterations))
+            calls = 0
+            while len(losses) < steps and calls < steps + verification.TRIAL_MAX_SKIPS:
+                before = int(state[2][counter])
+                logs, state = train_step(state, batches[calls % len(batches)])
+                calls += 1
+                # A skipped step leaves `iterations` as it was.
+                if int(state[2][counter]) != before:
+                    losses.append(replay_candidates.trial_loss(logs))
                 # Metrics reset: the next logs hold that step's loss alone.
                 state = (*state[:3], fresh_metrics)
+        self.skipped_steps = calls - len(losses)
         return losses
 
 
@@ -351,16 +371,3 @@ def policy_map_object(result: dict, default_policy: str):
     for path, policy in result["policy_map"].items():
         policy_map[path] = policy
     return policy_map
-
-
-def advise_engine(model, captures: list[files.Capture],
-                  overflowed: list[files.Capture] = ()) -> Engine:
-    """As `mpprof.backends.tensorflow.replay_engine.advise_engine`, on JAX."""
-    capture = captures[-1]
-    keras_capture.load_weights(model, capture)
-    _captured_policies(model, capture)
-    scale = float(capture.manifest.get("loss_scale") or 1.0)
-    step = (_CustomStep if overrides_train_step(model) else _KerasStep)(model, capture, scale)
-    engine = Engine(model, step, [c.batch() for c in captures], step.scale)
-    engine.overflowed = [c.batch() for c in overflowed]
-    return engine

@@ -110,6 +110,15 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
     }
 
 
+def engine_for(model, batches: list, loss_scale: float = 1.0) -> Engine:
+    """A verification engine (`mpprof.replay.verification.Engine`) of `model`
+    as it is now (its weights are the ones every pass and trial start from)
+    on `batches` (each as `train_step` receives it: (x, y) or (x, y,
+    sample_weight))."""
+    return Engine(model, [keras.utils.unpack_x_y_sample_weight(b) for b in batches],
+                  loss_scale)
+
+
 class Engine(replay_candidates.CandidateEngine):
     """`mpprof.replay.verification.Engine` on TensorFlow: passes watched op by
     op (`replay_passes.run_pass`) and trials of the model's own `train_step`
@@ -130,9 +139,10 @@ class Engine(replay_candidates.CandidateEngine):
                             loss_scale, None, policies=self.policies(candidate),
                             model_policy=candidate.default_policy)
 
-    def train(self, candidate: verification.Candidate, steps: int) -> list[float]:
+    def train(self, candidate: verification.Candidate, steps: int,
+              loss_scale: float | None = None) -> list[float]:
         model = self.model
-        optimizer = self.trial_optimizer(candidate)
+        optimizer = self.trial_optimizer(candidate, loss_scale)
         batches = [replay_candidates.scale_inputs(b, candidate.input_scale)
                    for b in self.batches]
         losses = []
@@ -142,11 +152,17 @@ class Engine(replay_candidates.CandidateEngine):
             optimizer.build(model.trainable_variables)
             # A new function: traced with these policies and this optimizer.
             train_step = tf.function(model.train_step)
-            for index in range(steps):
+            calls = 0
+            while len(losses) < steps and calls < steps + verification.TRIAL_MAX_SKIPS:
                 for metric in model.metrics:
                     metric.reset_state()
-                logs = train_step(batches[index % len(batches)])
-                losses.append(replay_candidates.trial_loss(logs))
+                before = int(optimizer.iterations.numpy())
+                logs = train_step(batches[calls % len(batches)])
+                calls += 1
+                # A skipped step leaves `iterations` as it was.
+                if int(optimizer.iterations.numpy()) != before:
+                    losses.append(replay_candidates.trial_loss(logs))
+        self.skipped_steps = calls - len(losses)
         return losses
 
 
@@ -156,20 +172,3 @@ def policy_map_object(result: dict, default_policy: str):
     for path, policy in result["policy_map"].items():
         policy_map[path] = policy
     return policy_map
-
-
-def advise_engine(model, captures: list[files.Capture],
-                  overflowed: list[files.Capture] = ()) -> Engine:
-    """The verification engine over the precision advisor's batches
-    (`advise_batches=N`): every kept batch, from the weights of the last one
-    (the most trained the run kept); the batches of `overflowed` (replay
-    captures) wait in `engine.overflowed`."""
-    keras_capture.load_weights(model, captures[-1])
-
-    def batch(capture):
-        return tuple(keras.utils.unpack_x_y_sample_weight(capture.batch()))
-
-    engine = Engine(model, [batch(c) for c in captures],
-                    float(captures[-1].manifest.get("loss_scale") or 1.0))
-    engine.overflowed = [batch(c) for c in overflowed]
-    return engine
