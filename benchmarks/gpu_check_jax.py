@@ -127,6 +127,11 @@ def median_step_seconds(name: str, policy, sizes: dict, float8: list[str]) -> fl
     `model.quantize` filters), without the profiler, past the compilation."""
     model = build(name, policy, sizes)
     if float8:
+        # A layer holding a DTypePolicyMap cannot be quantized (Keras builds
+        # "float8_from_map_..."): each takes its own entry first.
+        for layer in model._flatten_layers(include_self=False):
+            if isinstance(layer.dtype_policy, keras.dtype_policies.DTypePolicyMap):
+                layer.dtype_policy = layer.dtype_policy[layer.path]
         model.quantize("float8", filters=float8)
         model.compile(optimizer="adam",
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

@@ -323,3 +323,25 @@ def test_amdahl_over_a_measured_step_by_hand(advice):
     assert measured["step_speedup"] == pytest.approx(1 / (0.75 + 0.25 * planned / now))
     assert 1 < measured["step_speedup"] < alone["gemm_speedup"]
     assert advise_run(run)["projection"]["step_speedup"] is None  # a CPU run: GEMMs only
+
+
+def test_an_attention_island_is_never_lowered_on_its_output_headroom():
+    """Its query-key scores (what overflows) are inside it, never sampled:
+    the same output numbers lower a Dense island but not an Attention one."""
+    from mpprof.advisor.facts import LayerFacts
+    from mpprof.advisor.plan import make_plan
+
+    def island(name, cls):
+        return LayerFacts(name=name, path=name, cls=cls, compute_dtype="float32",
+                          policy="float32", quantization_mode=None, is_output=False,
+                          gemm=None, gemm_dims=None, aligned=None, float8_eligible=False,
+                          sampled=True, samples=8, forward_abs_max=3.0,
+                          backward_abs_max=1.0, forward_underflow=0.0,
+                          backward_underflow=0.0)
+
+    plan = make_plan([island("attention", "Attention"), island("dense", "Dense")],
+                     "mixed_float16", "float16")
+    attention, dense = plan.rows
+    assert (attention.action, attention.planned) == ("keep", "float32")
+    assert "attention scores" in attention.reasons[0]
+    assert (dense.action, dense.planned) == ("lower", "float16")

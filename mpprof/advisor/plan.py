@@ -24,6 +24,12 @@ FLOAT8_MAX_LOSS = 0.01
 # (scale from the amax history) absorbs without saturating e4m3.
 FLOAT8_MAX_AMAX_GROWTH = 2.0
 
+# Layers whose products inside (attention scores: query x key) are larger
+# than anything at their output: the numerics sample outputs, so their
+# headroom cannot be read there. A float32 island of these is never lowered.
+INSIDE_PRODUCTS = ("Attention", "AdditiveAttention", "MultiHeadAttention",
+                   "GroupedQueryAttention", "GroupQueryAttention")
+
 KEEP = "keep"
 FLOAT32 = "float32"
 LOWER = "lower"
@@ -116,20 +122,27 @@ class Plan:
         module = "tf_keras" if self.flavor == "tf_keras" else "keras"
         if self.nothing_to_change:
             return "# nothing to change: the data support the current policies"
-        lines = [
-            f"policy = {module}.dtype_policies.DTypePolicyMap("
-            f'default_policy="{self.default_policy}")',
-        ]
-        for key, policy in self.policy_map().items():
-            lines.append(f'policy["{key}"] = "{policy}"')
-        lines.append(f"{module}.mixed_precision.set_dtype_policy(policy)  # then build the "
-                     "model: each layer looks up its path")
-        lines.append("# a layer given its own dtype= in the model's code keeps it: change those:")
-        for row in self.rows:
-            if row.changed:
-                policy = _policy(row.planned if row.planned != FLOAT8 else self.half_dtype)
-                lines.append(f'#   {module}.layers.{row.cls}(..., name="'
-                             f'{row.layer.rpartition("/")[2]}", dtype="{policy}")')
+        filters = self.float8_filters()
+        changed = [r for r in self.rows if r.changed and r.action != FLOAT8]
+        lines = []
+        if filters:
+            # A layer whose policy is a DTypePolicyMap cannot be quantized
+            # (Keras 3.15 builds "float8_from_map_..." and fails): the plain
+            # policy, and each changed layer's own dtype.
+            lines.append(f'{module}.mixed_precision.set_dtype_policy("{self.default_policy}")')
+            if changed:
+                lines.append("# each changed layer's dtype, in the model's code:")
+        else:
+            lines.append(f"policy = {module}.dtype_policies.DTypePolicyMap("
+                         f'default_policy="{self.default_policy}")')
+            lines += [f'policy["{key}"] = "{policy}"' for key, policy in self.policy_map().items()]
+            lines.append(f"{module}.mixed_precision.set_dtype_policy(policy)  # then build the "
+                         "model: each layer looks up its path")
+            lines.append("# a layer given its own dtype= in the model's code keeps it: change "
+                         "those:")
+        for row in changed:
+            lines.append(f'{"" if filters else "#   "}{module}.layers.{row.cls}(..., name="'
+                         f'{row.layer.rpartition("/")[2]}", dtype="{_policy(row.planned)}")')
         filters = self.float8_filters()
         if filters:
             lines.append("# after the model is built, before compile:")
@@ -218,6 +231,11 @@ def _row(fact: LayerFacts, half: str) -> Row:
                 f"within {HEADROOM_FACTOR:g}x of 65504 ({headroom:.1f}x left)"))
         return row(now, KEEP, f"fits {now} (abs max {_num(fact.forward_abs_max)})")
     # A float32 layer: an island, or a float32 run.
+    if fact.cls in INSIDE_PRODUCTS:
+        return row(FLOAT32, KEEP, (
+            f"stays float32: a {fact.cls} computes its attention scores inside, larger than "
+            "its output and never sampled, so its output's headroom "
+            f"({_num(headroom)}x) says nothing of them"))
     if low_headroom:
         return row(FLOAT32, KEEP, (
             f"needs float32: abs max {_num(fact.forward_abs_max)} leaves {headroom:.1f}x "
