@@ -81,5 +81,5 @@ def advice_lines(advice: dict) -> list[str]:
                      f"plan {row['plan']}; with the current policy {row['current']}")
     current = verification.get("current") or {}
     if current.get("verified_detail") and not advice["plan"]["nothing_to_change"]:
-        lines.append(f"  the current policy, the same way: {current['verified_detail']}")
+        lines.append(f"  the current policy on the same batches: {current['verified_detail']}")
     return [printable(line) for line in lines]
