@@ -32,13 +32,16 @@ demo: install
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
+# mypy checks the backend protocol (pyproject's [tool.mypy]) before pytest.
 test: install docs
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 	MPPROF_REQUIRE_TF_KERAS=1 $(PY) -m pytest -q
-	KERAS_BACKEND=jax $(PY) -m pytest -q tests/jax
+	KERAS_BACKEND=jax $(PY) -m pytest -q tests/jax tests/test_backend_contract.py
 
 lint: install
 	$(VENV)/bin/ruff check mpprof tensorboard_plugin tests examples benchmarks
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) $(LOGDIR) .pytest_cache site

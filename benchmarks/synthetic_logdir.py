@@ -19,6 +19,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
+import tiny  # benchmarks/, on the path when run as a script
 
 from mpprof.records import schema
 from mpprof.records.writer import RecordWriter
@@ -249,7 +250,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=200)
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = tiny.parse_args(parser, steps=2000, layers=10, samples=10)
     start = time.perf_counter()
     run_dir = os.path.join(args.logdir, "synthetic_large", schema.TRAIN_RUN)
     write_synthetic_run(

@@ -104,9 +104,10 @@ def run_summary(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
         "gpu_mode": getattr(run.gpu, "mode", None),
         "warnings": len(run.warnings),
         "findings": severity_counts(result),
-        # "running" | "ended" | "failed" (None in runs older than the key), and
-        # for a fit that never recorded its end, where its records stop.
-        "fit_state": context.fit_state,
+        # How the fit stands, read as the CLI reads it (`Run.fit_outcome`):
+        # "ended" | "failed" | "cut_short" | "unknown"; and for a run cut
+        # short, where its records stop.
+        "fit_state": run.fit_outcome,
         "cut_short": run.cut_short,
         "readable": run.readable,
     }
@@ -120,7 +121,7 @@ def findings_payload(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
     """The findings of `run`, most severe first, and the rules not checked;
     under those a replay bears on, the run's replay (`mpprof replay`), as
     lines of text."""
-    replays = replay_files.saved_results(run.path, ".")
+    replays = replay_files.saved_results(run.path, "." + run.writer_suffix)
     findings = []
     for finding in result.findings:
         row = finding.to_dict()

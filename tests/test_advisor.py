@@ -172,8 +172,8 @@ def _on_gpu(tmp_path, logdir, gpu, **context):
 
 def _mp020(run):
     result = diagnosis.evaluate(run)
-    status = next(c.status for c in result.checks if c.code == "MP020")
-    return status, [f for f in result.findings if f.code == "MP020"]
+    status = next(c.status for c in result.checks if c.code == "MP021")
+    return status, [f for f in result.findings if f.code == "MP021"]
 
 
 def test_mp020_a_float32_island_runs_tf32_on_ampere(advice, tmp_path):

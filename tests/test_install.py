@@ -218,3 +218,60 @@ def test_installed_wheel_records_a_fit_and_serves_it(installed, tmp_path):
     assert [run["run"] for run in answer["runs"]] == ["train"]
     assert answer["module_bytes"] == len((ROOT / "tensorboard_plugin/static/index.js").read_bytes())
     assert all(path.startswith(site_packages) for path in answer["files"])
+
+
+# ---------------------------------------------------------------- packaging
+
+
+def _metadata(dist: pathlib.Path) -> str:
+    return zipfile.ZipFile(_wheel(dist)).read(
+        f"mpprof-{mpprof.__version__}.dist-info/METADATA").decode()
+
+
+def test_the_license_is_in_the_repository_the_sdist_and_the_wheel(dist):
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text
+    (sdist,) = dist.glob("mpprof-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {n.split("/", 1)[1] for n in archive.getnames() if "/" in n}
+    assert "LICENSE" in names
+    wheel_names = zipfile.ZipFile(_wheel(dist)).namelist()
+    assert f"mpprof-{mpprof.__version__}.dist-info/licenses/LICENSE" in wheel_names
+    metadata = _metadata(dist)
+    assert "License-Expression: Apache-2.0" in metadata
+    assert "License-File: LICENSE" in metadata
+
+
+def test_the_metadata_says_what_mpprof_is_for(dist):
+    metadata = _metadata(dist)
+    classifiers = {line.split(": ", 1)[1] for line in metadata.splitlines()
+                   if line.startswith("Classifier: ")}
+    assert {"Programming Language :: Python :: 3.10", "Programming Language :: Python :: 3.13",
+            "Topic :: Scientific/Engineering :: Artificial Intelligence",
+            "Framework :: Jupyter", "Operating System :: POSIX :: Linux"} <= classifiers
+    assert "Requires-Python: >=3.10" in metadata
+
+
+def test_the_sdist_holds_no_half_test_suite(dist):
+    """The tests need the repository (examples, docs, benchmarks, real
+    training, Chromium): the sdist holds none rather than some."""
+    (sdist,) = dist.glob("mpprof-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {n.split("/", 1)[1] for n in archive.getnames() if "/" in n}
+    assert not {n for n in names if n.startswith("tests/")}
+
+
+def test_the_package_page_has_no_relative_link_or_image(dist):
+    """A package index shows the README without the repository's files:
+    links into the repository become text naming the file (there is no
+    public repository URL to point them at yet), images go."""
+    description = _metadata(dist).split("\n\n", 1)[1]
+    assert description.startswith("# mpprof")
+    assert "Content-Type: text/markdown" in _metadata(dist)
+    assert "](docs/" not in description and "](CHANGELOG.md" not in description
+    assert "![" not in description
+    # The link's text stays, with where to find it.
+    assert "[docs/findings.md](docs/findings.md)" in (ROOT / "README.md").read_text()
+    assert "docs/findings.md (in the source repository)" in description
+    # Links within the page still work there.
+    assert "](#install)" in description

@@ -2,6 +2,7 @@
 training of tiny models whose float16 step overflows in a known place."""
 
 import json
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -403,7 +404,7 @@ def _one_line_error(code: int, out: str, err: str, *names: str) -> None:
 def test_a_truncated_weights_file_exits_2_with_one_line_naming_it(
         faulty_logdir, tmp_path, capsys):
     logdir = _copy(faulty_logdir, tmp_path)
-    weights = logdir / "train" / files.step_folder(1) / files.WEIGHTS
+    weights = pathlib.Path(files.select_capture(logdir, "train", 1).path) / files.WEIGHTS
     weights.write_bytes(weights.read_bytes()[:100])
     for command in (["replay", logdir], ["bundle", logdir, "-o", tmp_path / "b.zip"],
                     ["bundle", logdir, "-o", tmp_path / "b.zip", "--include-batch"],
@@ -415,7 +416,7 @@ def test_a_truncated_weights_file_exits_2_with_one_line_naming_it(
 def test_a_capture_with_a_garbage_manifest_is_named_not_skipped_silently(
         faulty_logdir, tmp_path, capsys):
     logdir = _copy(faulty_logdir, tmp_path)
-    manifest = logdir / "train" / files.step_folder(1) / files.MANIFEST
+    manifest = pathlib.Path(files.select_capture(logdir, "train", 1).path) / files.MANIFEST
     manifest.write_bytes(b"\x00garbage{")
     code, out, err = _cli(capsys, "replay", logdir, "--step", 1)
     _one_line_error(code, out, err, str(manifest), "damaged")

@@ -130,7 +130,8 @@ def _verification(logdir, run: str, advice: dict, verify: bool) -> dict:
     """What verification there is: the result when `verify` ran it (saved
     beside the batches), else the saved one, else the plan labelled
     unverified with how to record what verification needs."""
-    run_path = replay_files.run_path(logdir, run)
+    logdir = os.fspath(logdir)
+    run_path = logdir if run == "." else filesystem.join(logdir, run)
     if not verify:
         return saved_verification(run_path)
     captures = replay_files.find_captures(run_path, ".", folder=replay_files.ADVISE_FOLDER)

@@ -10,10 +10,12 @@ step's values and in how they run the step again.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 
 import keras
 import numpy as np
@@ -29,12 +31,38 @@ from mpprof.replay.files import ReplayError
 def model_config(model) -> tuple[dict | None, str]:
     """The model's Keras serialization, or None with why not."""
     try:
-        config = keras.saving.serialize_keras_object(model)
+        with _tensorflow_left_unimported():
+            config = keras.saving.serialize_keras_object(model)
         files.json_bytes(config)
     except Exception as e:  # noqa: BLE001 - a custom model without get_config
         return None, (f"not serializable ({type(e).__name__}: {str(e)[:200]}); "
                       "replay it in-process: mpprof.replay.replay(model, logdir=...)")
     return config, "rebuilt by keras.saving.deserialize_keras_object"
+
+
+@contextlib.contextmanager
+def _tensorflow_left_unimported() -> Iterator[None]:
+    """Keras' serializer asks `tf.available` (its lazy TensorFlow module) to
+    test whether a value is a `tf.TensorShape`, which imports TensorFlow when
+    it is installed: seconds and hundreds of MB a JAX fit would pay for
+    nothing. While TensorFlow is not imported no value can be one of its
+    objects, so for the call Keras is told it is unavailable; a Keras without
+    that module is left as it is."""
+    try:
+        from keras.src.utils import module_utils
+    except ImportError:
+        yield
+        return
+    lazy = getattr(module_utils, "tensorflow", None)
+    if "tensorflow" in sys.modules or getattr(lazy, "_available", True) is not None:
+        yield  # imported already, decided already, or not Keras' lazy module
+        return
+    lazy._available = False
+    try:
+        yield
+    finally:
+        if lazy._available is False:
+            lazy._available = None  # undecided again: Keras asks for itself later
 
 
 def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarray],
@@ -51,9 +79,9 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
         skipped: whether the step was skipped (its weights are then the ones
             it ran with, trainable ones included).
         config: `model_config(model)`.
-        backend: the manifest's "backend" entry (omitted for TensorFlow,
-            the only backend of older captures) and framework versions, e.g.
-            `{"backend": "jax", "jax": "0.10.2"}`.
+        backend: the manifest's "backend" entry (the backend's registered
+            name, `mpprof.backends.REGISTRY`; older TensorFlow captures have
+            none) and framework versions, e.g. `{"backend": "jax", "jax": "0.10.2"}`.
         weights_before: whether `weights` were copied before the step ran
             (then they are the ones it ran with, skipped or not).
         folder: `files.REPLAY_FOLDER`, or `files.ADVISE_FOLDER` for a batch
@@ -67,6 +95,8 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
         **({"backend": framework.pop("backend")} if "backend" in framework else {}),
         "run": schema.TRAIN_RUN,
         "purpose": "advise" if folder == files.ADVISE_FOLDER else "replay",
+        # The fit that wrote it: its run is its writer's (`files.step_folder`).
+        "writer": fit.writer.writer_id,
         "step": step,
         "reasons": reasons,
         "loss": loss if math.isfinite(loss) else str(loss),
@@ -106,7 +136,7 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
             "python": platform.python_version(), "numpy": np.__version__,
         },
     }
-    folder = files.step_folder(step, folder)
+    folder = files.step_folder(step, fit.writer.writer_id, folder)
     payloads = [
         (files.BATCH, files.npz_bytes({f"leaf_{i}": a for i, a in enumerate(batch)})),
         (files.WEIGHTS, files.npz_bytes({f"weight_{i}": w for i, w in enumerate(weights)})),

@@ -18,7 +18,7 @@ import keras
 import numpy as np
 
 from mpprof.backends.layer_records import called_method, walk_layers
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 from mpprof.replay import verification
 from mpprof.replay.files import ReplayError
 from mpprof.replay.verification import Candidate

@@ -97,19 +97,25 @@ def _busy_tensor_util(gpu) -> tuple[float, int] | None:
 
 
 def _tensor_core_fix(view: RunView) -> str:
-    misaligned = [found.layer for found in quiet("MP007", view) if found.layer]
+    misaligned = [name for found in quiet("MP007", view) for name in found.evidence["layers"]]
     lines = ["Tensor-Core-eligible work is not reaching the Tensor Cores:"]
     if misaligned:
         lines.append(
             f"- round the GEMM dimensions of {', '.join(misaligned[:5])} to the "
             "multiples MP007 names;"
         )
-    lines += [
-        "- use batch sizes and sequence lengths that are multiples of 8;",
-        "- compile with XLA: model.compile(..., jit_compile=True);",
-        "- if the GPU is mostly idle, the input pipeline is the bottleneck: "
-        "dataset.prefetch(tf.data.AUTOTUNE).",
-    ]
+    lines.append("- use batch sizes and sequence lengths that are multiples of 8;")
+    if view.syntax.backend == "jax":
+        # JAX compiles every step with XLA already; its input pipeline is the user's.
+        lines.append("- if the GPU is mostly idle, the input pipeline is the bottleneck: "
+                     "prefetch batches ahead of the step (e.g. a tf.data or grain "
+                     "pipeline with prefetch).")
+    else:
+        lines += [
+            "- compile with XLA: model.compile(..., jit_compile=True);",
+            "- if the GPU is mostly idle, the input pipeline is the bottleneck: "
+            "dataset.prefetch(tf.data.AUTOTUNE).",
+        ]
     return "\n".join(lines)
 
 
@@ -132,7 +138,7 @@ def hardware(view: RunView) -> list:
         }
         fix = (
             "CPUs have no float16 Tensor Cores: mixed_float16 is usually slower than "
-            "float32 there (2x to 50x in mpprof's tests, by TensorFlow's CPU "
+            "float32 there (2x to 50x in mpprof's tests, by the backend's CPU "
             "kernels). Train in float32 on this machine, or in bfloat16 if the "
             "CPU has AVX512_BF16/AMX:\n"
             f"    {view.syntax.set_policy('mixed_bfloat16')}  # or \"float32\""
@@ -216,7 +222,7 @@ def bfloat16_hint(view: RunView) -> list:
 TF32_CAPABILITY = (8, 0)
 
 
-@rule("MP020", "info", "float32 layers run their matmuls in TF32 on this GPU",
+@rule("MP021", "info", "float32 layers run their matmuls in TF32 on this GPU",
       view="inventory", data="inventory, context (float32 matmuls)")
 def float32_islands_in_tf32(view: RunView) -> list:
     """A mixed-precision run pins layers to float32 (float32 islands with a
@@ -265,4 +271,4 @@ def float32_islands_in_tf32(view: RunView) -> list:
         f"TF32 off before building the model:\n    {matmuls.get('disable')}\n"
         "(every float32 matmul then runs at float32 speed: up to 8x slower on an A100).")
     title = f"{len(islands)} float32 layer(s) run their matmuls in TF32 on this GPU"
-    return [finding("MP020", title, layer=islands[0], evidence=evidence, fix=fix)]
+    return [finding("MP021", title, layer=islands[0], evidence=evidence, fix=fix)]

@@ -38,7 +38,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
       state;
     - replay captures: when a sampled step overflowed or had a non-finite
       loss, its batch, the weights it ran with, the model's config and every
-      layer's dtype policy go to `log_dir/train/replay/step_<N>/` (up to
+      layer's dtype policy go to `log_dir/train/replay/step_<N>@<writer>/` (up to
       `replay_budget` per fit), for `mpprof replay LOG_DIR` to run that step
       again offline: the first op that overflowed, float16 against float32
       per layer, and a verified per-layer float32 fix.
@@ -73,7 +73,9 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             `s3://bucket/logs` with `mpprof[s3]` installed);
             the same `log_dir` as `keras.callbacks.TensorBoard` is fine.
         numerics_every: sample per-layer numerics every this many train
-            steps; None turns sampling off (forensic samples too).
+            steps; None turns sampling off (forensic samples too). At 100 or
+            more (the default 500) each fit also samples its steps 1, 10 and
+            100, so that a fit shorter than the interval is not blind.
         forensic_budget: how many overflow-triggered samples a fit may take.
         forensic_spacing: least train steps between two forensic samples, so
             that a run overflowing on many early steps is not mostly
@@ -105,8 +107,9 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
 
     Raises:
         ValueError: an argument is out of range.
-        mpprof.backends.UnsupportedBackendError: Keras runs on another
-            backend than TensorFlow.
+        mpprof.backends.UnsupportedBackendError: Keras runs on a backend
+            mpprof has no registration for (`mpprof.backends.REGISTRY`:
+            TensorFlow and JAX).
 
     Example:
 

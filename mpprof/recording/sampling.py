@@ -1,6 +1,11 @@
 """When a train step is sampled for per-layer numerics.
 
-Regular samples come every `every` steps. A step that overflowed arms a
+Regular samples come every `every` steps. With an interval of
+`EARLY_SAMPLES_FROM_EVERY` steps or more (the default 500), each fit also
+samples its steps `EARLY_SAMPLE_STEPS` that come before the first regular
+sample, so that a fit shorter than the interval is not blind: a handful of
+instrumented steps per fit, which costs nothing measurable over a fit's length
+(docs/performance.md). A step that overflowed arms a
 forensic sample of the next step, within a budget per fit and no sooner than
 `forensic_spacing` steps after the previous forensic sample: a run that
 overflows on many early steps (the loss scale probing down from 2**15) would
@@ -10,6 +15,12 @@ otherwise run mostly instrumented steps at first.
 from __future__ import annotations
 
 import math
+
+# Steps of each fit sampled before the regular interval starts (log-spaced:
+# the first weights, then after some training), when the interval is at
+# least EARLY_SAMPLES_FROM_EVERY steps (shorter intervals sample early anyway).
+EARLY_SAMPLE_STEPS = (1, 10, 100)
+EARLY_SAMPLES_FROM_EVERY = 100
 
 
 class SampleSchedule:
@@ -29,9 +40,18 @@ class SampleSchedule:
 
     def start_fit(self) -> None:
         self.forensic_used = 0
+        self._steps_in_fit = 0
+        self._early = list(self.early_steps)
         self._steps_since_sample = 0
         self._steps_since_forensic: int | None = None
         self._forensic_due = False
+
+    @property
+    def early_steps(self) -> tuple[int, ...]:
+        """The steps of each fit sampled before the regular interval."""
+        if self.every is None or self.every < EARLY_SAMPLES_FROM_EVERY:
+            return ()
+        return tuple(step for step in EARLY_SAMPLE_STEPS if step < self.every)
 
     @property
     def watching_overflows(self) -> bool:
@@ -50,7 +70,10 @@ class SampleSchedule:
             return math.inf
         if self._forensic_due:
             return 0
-        return self.every - self._steps_since_sample
+        regular = self.every - self._steps_since_sample
+        if self._early:
+            return min(regular, self._early[0] - self._steps_in_fit)
+        return regular
 
     def sampled(self) -> bool:
         """Takes the sample that `due` announced; returns whether it is forensic."""
@@ -59,11 +82,16 @@ class SampleSchedule:
             self._forensic_due = False
             self.forensic_used += 1
             self._steps_since_forensic = 0
+        elif self._early and self._early[0] <= self._steps_in_fit < self.every:
+            # An early sample leaves the regular ones at multiples of `every`.
+            self._early = [step for step in self._early if step > self._steps_in_fit]
         else:
+            self._early = [step for step in self._early if step > self._steps_in_fit]
             self._steps_since_sample = 0
         return forensic
 
     def after_call(self, steps: int) -> None:
+        self._steps_in_fit += steps
         self._steps_since_sample += steps
         if self._steps_since_forensic is not None:
             self._steps_since_forensic += steps

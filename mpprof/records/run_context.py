@@ -64,6 +64,14 @@ class RunContext(Mapping):
         return self._record.get("fit_state")
 
     @property
+    def fit_error(self) -> dict | None:
+        """What `model.fit` raised, for a fit that failed inside a train step:
+        {"type", "module", "message", "step" (the first step of the call that
+        raised)}; None when it did not raise there (or for older runs)."""
+        error = self._record.get("fit_error")
+        return error if isinstance(error, dict) else None
+
+    @property
     def keras_flavor(self) -> str | None:
         """"keras" (Keras 3) or "tf_keras" (Keras 2)."""
         return self._record.get("keras_flavor")
@@ -119,8 +127,10 @@ class RunContext(Mapping):
     @property
     def gpus_visible(self) -> int | None:
         """How many GPUs the framework saw; None when not recorded."""
-        # (The JAX backend writes what JAX sees under its own key.)
         record = self._record
+        if "gpus_visible" in record:
+            return record["gpus_visible"]
+        # Runs written before the keys were framework-neutral.
         return record.get("gpus_visible_to_tensorflow", record.get("gpus_visible_to_jax"))
 
     @property
@@ -133,12 +143,28 @@ class RunContext(Mapping):
         return self._record.get("float32_matmuls")
 
     @property
+    def framework(self) -> dict:
+        """The framework the model trained on: `{"name", "version",
+        "libraries"}` (its other libraries' versions); from the older
+        per-framework keys for older runs."""
+        record = self._record
+        found = record.get("framework")
+        if isinstance(found, dict):
+            return {"name": found.get("name"), "version": found.get("version"),
+                    "libraries": found.get("libraries") or {}}
+        # Runs written before the keys were framework-neutral.
+        if "jax_version" in record:
+            return {"name": "JAX", "version": record["jax_version"],
+                    "libraries": {"jaxlib": record.get("jaxlib_version")}}
+        return {"name": "TensorFlow", "version": record.get("tensorflow_version"),
+                "libraries": {}}
+
+    @property
     def versions(self) -> str:
         """The framework, Keras, mpprof and Python versions, in words."""
-        record = self._record
-        framework = (f"JAX {record['jax_version']}" if "jax_version" in record
-                     else f"TensorFlow {record.get('tensorflow_version')}")
-        return (f"{framework}, Keras {record.get('keras_version')}, "
+        record, framework = self._record, self.framework
+        return (f"{framework['name']} {framework['version']}, "
+                f"Keras {record.get('keras_version')}, "
                 f"mpprof {record.get('mpprof_version')}, Python {record.get('python_version')}")
 
     @property

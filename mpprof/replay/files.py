@@ -1,6 +1,7 @@
 """The files of a replay capture, and of the replay result beside it.
 
-A capture is one folder per captured step, `RUN/replay/step_<N>/`:
+A capture is one folder per captured step, `RUN/replay/step_<N>@<writer>/`
+(`step_<N>/` before captures were named by their writer):
 
     manifest.json   what was captured: step, run, why, shapes, bytes,
                     versions, the dtype policy of each layer, and whether
@@ -15,6 +16,12 @@ A capture is one folder per captured step, `RUN/replay/step_<N>/`:
 
 The manifest is written last: a folder without one (a disk that filled up
 midway) is not a capture. Reading needs neither TensorFlow nor Keras.
+
+`<writer>` is the id of the writer of the fit's records
+(`run_files.writer_id`): where two fits write into one run directory at
+once, each one's records are a run of their own (`train@<host>-<pid>`), and
+each capture is found under the run of the fit that took it, never mixed
+into the other's or overwritten by it.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mpprof.records import filesystem
+from mpprof.records import filesystem, run_files
 
 # What a damaged .npz raises while it is opened or read: a truncated or
 # overwritten zip (BadZipFile), a member cut short (EOFError, ValueError), a
@@ -50,7 +57,7 @@ WEIGHTS = "weights.npz"
 MODEL_CONFIG = "model.json"
 RESULT = "replay.json"
 
-_STEP_FOLDER = re.compile(r"^step_(\d+)$")
+_STEP_FOLDER = re.compile(r"^step_(\d+)(?:@(.+))?$")
 
 
 class NoCaptureError(LookupError):
@@ -61,10 +68,13 @@ class ReplayError(ValueError):
     """A capture cannot be replayed (the message says what to do)."""
 
 
-def step_folder(step: int, folder: str = REPLAY_FOLDER) -> str:
-    """The capture's folder for `step`, relative to its run directory
-    (`folder`: REPLAY_FOLDER, or ADVISE_FOLDER for the advisor's batches)."""
-    return f"{folder}/{STEP_FOLDER_PREFIX}{int(step)}"
+def step_folder(step: int, writer: str | None = None, folder: str = REPLAY_FOLDER) -> str:
+    """The capture's folder for `step`, relative to its run directory, named
+    by the `writer` of the fit that took it (None: a writer that writes
+    nothing, or the folder of captures older than writer names); `folder`:
+    REPLAY_FOLDER, or ADVISE_FOLDER for the advisor's batches."""
+    name = f"{STEP_FOLDER_PREFIX}{int(step)}"
+    return f"{folder}/{name}@{writer}" if writer else f"{folder}/{name}"
 
 
 def encode_structure(structure, leaves: list) -> object:
@@ -209,11 +219,6 @@ class Capture:
             return None
 
 
-def run_path(logdir: str | os.PathLike, run: str) -> str:
-    logdir = os.fspath(logdir)
-    return logdir if run == "." else filesystem.join(logdir, run)
-
-
 def find_captures(logdir: str | os.PathLike, run: str,
                   on_skipped: Callable[[str], None] | None = None,
                   folder: str = REPLAY_FOLDER) -> list[Capture]:
@@ -229,23 +234,42 @@ def find_captures(logdir: str | os.PathLike, run: str,
     return _scan_captures(logdir, run, on_skipped, folder)[0]
 
 
+def has_capture_folder(logdir: str | os.PathLike, run: str, step: int | None) -> bool:
+    """Whether `run` has a folder for the capture of `step`, readable or not
+    (asking for a damaged one must name its damage, not say it is missing)."""
+    if step is None:
+        return False
+    captures, skipped = _scan_captures(logdir, run)
+    return step in skipped or any(capture.step == step for capture in captures)
+
+
 def _scan_captures(logdir, run, on_skipped=None,
                    kind: str = REPLAY_FOLDER) -> tuple[list[Capture], dict[int, str]]:
     """(the complete captures, {step: why it is not one} for the others)."""
-    folder = filesystem.join(run_path(logdir, run), kind)
+    logdir = os.fspath(logdir)
+    try:
+        directory, writers = run_files.writers_of_directory(logdir, run)
+    except (OSError, LookupError):  # not a run of records: its own folder, if any
+        directory, writers = run, {}
+    suffix = run[len(directory):]
+    folder = filesystem.join(logdir if directory == "." else filesystem.join(logdir, directory),
+                             kind)
     try:
         entries = filesystem.scan(folder)
     except OSError:
         return [], {}
-    steps = sorted(
-        int(match.group(1)) for entry in entries
+    # A capture named by a writer belongs to that writer's run; an older
+    # one, or one whose writer left no records here, to the directory's run.
+    found = sorted(
+        (int(match.group(1)), entry.name) for entry in entries
         if entry.kind is filesystem.Kind.DIRECTORY
         and (match := _STEP_FOLDER.match(entry.name))
+        and writers.get(match.group(2) or "", "") == suffix
     )
     captures, skipped = [], {}
-    for step in steps:
+    for step, name in found:
         try:
-            captures.append(Capture(filesystem.join(folder, f"{STEP_FOLDER_PREFIX}{step}"), run))
+            captures.append(Capture(filesystem.join(folder, name), run))
         except NoCaptureError as e:
             skipped[step] = str(e)
             if on_skipped is not None:
@@ -293,7 +317,7 @@ def write_result(capture: Capture, result: dict) -> None:
 
 
 def _read(path: str) -> bytes:
-    with filesystem.open_file(path) as f:
+    with filesystem.open_file(path, large=True) as f:  # weights may be large
         return f.read()
 
 

@@ -28,15 +28,16 @@ first: captures are off.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mpprof.backends import keras_capture
+from mpprof.backends.collector import Collector
 from mpprof.backends.jax.custom_step import overrides_train_step
 from mpprof.backends.jax.step_state import LAST_LOSS, LOSS_ROW
-from mpprof.recording.collectors.base import Collector
 from mpprof.replay import files
 
 
@@ -66,8 +67,8 @@ class ReplayCapture(Collector):
         self._api = keras_api
         self._health = health
         self._unavailable: str | None = None
-        self._before = None
-        self._after = None
+        self._before: Any = None
+        self._after: Any = None
         self._config: tuple = (None, "")
         self._custom_step = False
         self.captured: list[dict] = []

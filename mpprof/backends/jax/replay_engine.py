@@ -38,8 +38,8 @@ from mpprof.backends.jax import replay_step
 from mpprof.backends.jax.custom_step import overrides_train_step
 from mpprof.backends.jax.jaxpr_eval import MODEL_SCOPE, Evaluator, scoped_layer_call
 from mpprof.backends.layer_records import called_method, variable_path, walk_layers
+from mpprof.backends.patching import Patches
 from mpprof.backends.replay_candidates import layer_tree, policies_applied
-from mpprof.recording.patching import Patches
 from mpprof.replay import files, fixes, search, verification
 from mpprof.replay.files import ReplayError
 from mpprof.replay.search import PassResult, subtree

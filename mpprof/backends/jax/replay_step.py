@@ -42,7 +42,7 @@ from mpprof.backends.jax.jaxpr_eval import (
     scoped_layer_call,
 )
 from mpprof.backends.layer_records import called_method
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 from mpprof.replay.search import PassResult
 
 

@@ -23,10 +23,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from mpprof.backends.collector import Collector
 from mpprof.backends.layer_records import variable_path
-from mpprof.recording.collectors.base import Collector
-from mpprof.recording.optimizer_usage import OptimizerUsage
-from mpprof.recording.patching import Patches
+from mpprof.backends.optimizer_usage import OptimizerUsage
+from mpprof.backends.patching import Patches
 from mpprof.records import schema
 
 
@@ -66,9 +66,20 @@ class LossWatch:
 
 
 class RunHealth(Collector):
-    """The loss watch of the step, and the weight check.
+    """The loss watch of the step, and the weight check
+    (`mpprof.backends.protocol.RunHealth`).
 
-    Args: as `mpprof.backends.tensorflow.run_health.RunHealth`.
+    Args:
+        keras_api: the fit's `JaxBackend` (its step state counts the
+            non-finite losses inside the jitted step).
+        usage: the model's `OptimizerUsage`.
+        strategy: the backend's stand-in strategy (unused: one process).
+        step_of: for an optimizer's name, its step inside the step (unused:
+            the step state dates the first non-finite loss).
+        reuse: watchers of an earlier fit, by optimizer id (they keep the
+            first non-finite step across fits).
+        instrumenting: returns whether the step being traced is the
+            instrumented one.
     """
 
     name = "loss_health"

@@ -2,7 +2,7 @@
 
 When a numerics-sampled (instrumented) step overflowed (its loss-scale skip
 counter moved) or had a non-finite loss, everything needed to run that step
-again offline is saved under `RUN/replay/step_<N>/` (see
+again offline is saved under `RUN/replay/step_<N>@<writer>/` (see
 `mpprof.replay.files`): its batch, the weights it ran with, the model's
 config and every layer's dtype policy. `mpprof replay` runs it again.
 
@@ -38,9 +38,9 @@ import numpy as np
 import tensorflow as tf
 
 from mpprof.backends import keras_capture
-from mpprof.backends.tf_keras import support as tf_keras_support
-from mpprof.recording.collectors.base import Collector
-from mpprof.recording.patching import Patches
+from mpprof.backends.collector import Collector
+from mpprof.backends.flavor import KERAS_3
+from mpprof.backends.patching import Patches
 from mpprof.replay import files
 
 # The logs key the instrumented step returns the capture's tensors under
@@ -53,7 +53,7 @@ class ReplayCapture(Collector):
 
     Args:
         budget: captures this fit may write (0: off).
-        keras_api: the model's `mpprof.backends.tensorflow.backend.KerasApi`.
+        keras_api: the fit's `Backend` (`mpprof.backends.base`).
         loss_scales: the `LossScales` (the in-graph skip counter and step).
         health: the `RunHealth` (the sampled step's loss).
         instrumenting: tells, while a train function is traced, whether it is
@@ -132,7 +132,7 @@ class ReplayCapture(Collector):
             return "replay_budget=0"
         if sample_every is None:
             return "numerics_every=None: only sampled (instrumented) steps are captured"
-        if self._api.flavor != tf_keras_support.KERAS_3:
+        if self._api.flavor != KERAS_3:
             return "replay captures need Keras 3 (this model is tf-keras)"
         replicas = int(model.distribute_strategy.num_replicas_in_sync)
         if replicas > 1:
@@ -199,7 +199,7 @@ class ReplayCapture(Collector):
             weights=weights, reasons=reasons,
             loss=loss, loss_scale=self._loss_scale_of_step(skipped), skipped=skipped,
             structure=self._structure, config=keras_capture.model_config(model),
-            backend={"tensorflow": tf.__version__}, folder=folder,
+            backend={"backend": "tensorflow", "tensorflow": tf.__version__}, folder=folder,
         )
 
     def _loss_scale_of_step(self, skipped: bool) -> float:

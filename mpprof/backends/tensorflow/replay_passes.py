@@ -1,7 +1,7 @@
 """One eager pass of a captured step: forward, loss, scaled backward, watched.
 
 Every layer's `call` is wrapped at instance level for the length of the pass
-(`Operation.__call__` looks `self.call` up; `mpprof.recording.patching.Patches` puts
+(`Operation.__call__` looks `self.call` up; `mpprof.backends.patching.Patches` puts
 back what was there), so that each TensorFlow op TensorFlow's eager op
 callbacks see is attributed to the innermost layer running it, and each
 layer's output and the gradient flowing into it are kept. The pass runs
@@ -23,9 +23,9 @@ import tensorflow as tf
 from tensorflow.python.framework import op_callbacks
 
 from mpprof.backends.layer_records import variable_path
+from mpprof.backends.patching import Patches
 from mpprof.backends.replay_candidates import layer_tree, policies_applied
 from mpprof.dtypes import DTYPE_MAX
-from mpprof.recording.patching import Patches
 
 # A layer's input cast runs in its `__call__`, just before its `call`: an
 # offending Cast right before a layer's call is that layer's.

@@ -28,7 +28,7 @@ import dataclasses
 
 import numpy as np
 
-from mpprof.recording.guard import describe_error
+from mpprof.backends.traced_guard import describe_error
 from mpprof.records import filesystem, reader, schema
 from mpprof.records.event_file import ReadWarnings, Record, read_event_file, series_key
 
