@@ -131,7 +131,9 @@ def median_step_seconds(name: str, policy, sizes: dict, float8: list[str]) -> fl
         # "float8_from_map_..."): each takes its own entry first.
         for layer in model._flatten_layers(include_self=False):
             if isinstance(layer.dtype_policy, keras.dtype_policies.DTypePolicyMap):
-                layer.dtype_policy = layer.dtype_policy[layer.path]
+                policy = layer.dtype_policy
+                layer.dtype_policy = (policy[layer.path] if layer.path
+                                      else policy.default_policy)
         model.quantize("float8", filters=float8)
         model.compile(optimizer="adam",
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
