@@ -1,5 +1,6 @@
 """`make demo`: train a healthy model and a faulty one, diagnose, fix, check;
-then the faulty one again on Keras 3's JAX backend.
+then the faulty one again on Keras 3's JAX backend; then the precision
+advisor's verified plan for the faulty one.
 
 Runs each step as its own process and prints the command before its output,
 so the transcript shows what to type yourself. TensorFlow's C++ log lines
@@ -78,6 +79,9 @@ def main() -> None:
     run(python, "examples/attention_overflow.py", "--verbose", "0",
         "--log-dir", str(logdir / "attention_overflow_jax"), backend="jax")
     run(mpprof, "diagnose", str(logdir / "attention_overflow_jax"), "--replay")
+    print("\n5. The precision advisor: which layers must be float32, which can go lower,"
+          " verified on the run's own batches, and the speed it buys on an H100")
+    run(mpprof, "advise", str(logdir / "attention_overflow"), "--verify", "--gpu", "H100")
     run(mpprof, "report", str(logdir), "-o", str(logdir / "report.html"), "--quiet")
     print(f"\nNext: the mpprof tab in TensorBoard (tensorboard --logdir {logdir}, "
           f"http://127.0.0.1:{args.port}/#mpprof),\n"

@@ -18,10 +18,10 @@ from mpprof._version import __version__
 # for by a program that only needs the version or one of the others.
 _SUBMODULES = (
     "backends", "cli", "diagnosis", "display", "dtypes", "reader", "recording", "records",
-    "replay", "report", "terminal",
+    "replay", "report", "terminal", "advisor",
 )
 
-__all__ = ["MixedPrecisionProfiler", "__version__", *_SUBMODULES]
+__all__ = ["MixedPrecisionProfiler", "__version__", "advise", *_SUBMODULES]
 
 
 def __getattr__(name: str):
@@ -29,6 +29,10 @@ def __getattr__(name: str):
         from mpprof.recording.callback import MixedPrecisionProfiler
 
         return MixedPrecisionProfiler
+    if name == "advise":
+        from mpprof.advisor import advise
+
+        return advise
     if name in _SUBMODULES:
         # import_module binds the submodule on this package too: later
         # lookups find it without coming here.

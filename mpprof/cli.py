@@ -281,6 +281,30 @@ def _bundle(args) -> int:
     return EXIT_OK
 
 
+def _advise(args) -> int:
+    from mpprof import advisor
+    from mpprof.advisor import gpus, text
+
+    try:
+        gpus.gpu(args.gpu) if args.gpu is not None else None
+    except gpus.UnknownGpuError as e:
+        _say([f"mpprof: {e}"], sys.stderr)
+        return EXIT_USAGE
+    names = reader.select_runs(args.logdir, args.run, on_warning=_warn)
+    advice = []
+    for name in names:
+        if args.verify and args.format != "json" and args.verbosity >= 0:
+            _say([f"mpprof: verifying run {name}'s plan on its kept batches (imports the "
+                  "framework that trained it)"], sys.stderr)
+        advice.append(advisor.advise(args.logdir, name, gpu=args.gpu, verify=args.verify))
+    if args.format == "json":
+        # json.dumps escapes control characters (ensure_ascii).
+        print(json.dumps(advice[0] if len(advice) == 1 else advice, indent=2))
+    else:
+        print("\n\n".join("\n".join(text.advice_lines(a)) for a in advice))
+    return EXIT_OK
+
+
 def _run_replay(logdir: str, run: str, step: int) -> dict:
     """Replays one capture (Keras and the backend that trained it are
     imported only here)."""
@@ -316,6 +340,10 @@ EXAMPLES = {
     "bundle": """\
   mpprof bundle logs/run1 -o repro.zip
   mpprof bundle logs/run1 --include-batch            # with the batch and weights (private?)""",
+    "advise": """\
+  mpprof advise logs/run1 --gpu H100                 # the plan, its code, the projection
+  mpprof advise logs/run1 --verify                   # replayed on the run's kept batches
+  mpprof advise logs --run run1/train --format json""",
 }
 
 
@@ -408,6 +436,21 @@ def build_parser() -> argparse.ArgumentParser:
     bundle.add_argument("--include-batch", action="store_true",
                         help="also the step's batch and weights (they may be private)")
     bundle.set_defaults(handler=_bundle)
+    advise = command(
+        "advise",
+        "a per-layer precision plan from the run's data: which layers must be float32, "
+        "which can go lower (half precision, float8), the code, and the speed it buys",
+    )
+    advise.add_argument("--run", help="only this run (as `mpprof summary` names it)")
+    advise.add_argument("--format", choices=("text", "json"), default="text",
+                        help="json: one run's advice as an object, several as a list "
+                             "(default: %(default)s)")
+    advise.add_argument("--gpu", help="the GPU to project for (default: the run's own, "
+                        "else H100); an unknown name lists the known ones")
+    advise.add_argument("--verify", action="store_true",
+                        help="replay the plan on the run's advise batches "
+                             "(imports the framework that trained it)")
+    advise.set_defaults(handler=_advise)
     return parser
 
 

@@ -73,6 +73,7 @@ class MpprofPlugin(base_plugin.TBPlugin):
             "/histogram": self._run_route(self._histogram),
             "/gpu": self._run_route(self._gpu),
             "/float8": self._run_route(self._float8),
+            "/advice": self._run_route(lambda args: ("advice", payloads.advice_payload)),
         }
 
     def is_active(self) -> bool:

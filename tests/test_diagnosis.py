@@ -681,3 +681,4 @@ def test_mp005_names_a_nested_layer_by_its_full_path():
     finding = only(read("attention_underflow"), "MP005")
     assert finding.layer in ("attention/key", "attention/query", "attention/value")
     assert finding.layer in read("attention_underflow").numerics.layers
+

@@ -68,7 +68,8 @@ def _tensorflow_left_unimported() -> Iterator[None]:
 def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarray],
                   weights: list[np.ndarray], reasons: list[str], loss: float,
                   loss_scale: float, skipped: bool, structure, config: tuple[dict | None, str],
-                  backend: dict[str, str], weights_before: bool = False) -> None:
+                  backend: dict[str, str], weights_before: bool = False,
+                  folder: str = files.REPLAY_FOLDER) -> None:
     """Writes one capture into `fit.writer`'s run, noting it in `captured`.
 
     Args:
@@ -83,6 +84,8 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
             none) and framework versions, e.g. `{"backend": "jax", "jax": "0.10.2"}`.
         weights_before: whether `weights` were copied before the step ran
             (then they are the ones it ran with, skipped or not).
+        folder: `files.REPLAY_FOLDER`, or `files.ADVISE_FOLDER` for a batch
+            kept for the precision advisor (`AdviseBatches`).
     """
     model = fit.model
     config_dict, config_note = config
@@ -91,6 +94,7 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
         "capture_version": files.CAPTURE_VERSION,
         **({"backend": framework.pop("backend")} if "backend" in framework else {}),
         "run": schema.TRAIN_RUN,
+        "purpose": "advise" if folder == files.ADVISE_FOLDER else "replay",
         # The fit that wrote it: its run is its writer's (`files.step_folder`).
         "writer": fit.writer.writer_id,
         "step": step,
@@ -132,7 +136,7 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
             "python": platform.python_version(), "numpy": np.__version__,
         },
     }
-    folder = files.step_folder(step, fit.writer.writer_id)
+    folder = files.step_folder(step, fit.writer.writer_id, folder)
     payloads = [
         (files.BATCH, files.npz_bytes({f"leaf_{i}": a for i, a in enumerate(batch)})),
         (files.WEIGHTS, files.npz_bytes({f"weight_{i}": w for i, w in enumerate(weights)})),
@@ -147,6 +151,42 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
         if not fit.writer.write_file(f"{folder}/{name}", data):
             captured[-1]["written"] = False
             return
+
+
+class AdviseBatches:
+    """Which sampled steps keep their batch for the precision advisor
+    (`MixedPrecisionProfiler(advise_batches=N)`): N of the fit's own batches,
+    spread across it. The fit's steps are split into N equal parts and the
+    first sampled (instrumented) step at or after the middle of each part is
+    kept (only a sampled step returns its batch); when the fit does not say
+    how many steps it runs, the first N sampled steps.
+
+    Args:
+        wanted: N (0: off).
+        params: the callback's `params` (Keras: "epochs", "steps").
+        origin: the step the fit starts at.
+    """
+
+    def __init__(self, wanted: int, params: dict | None, origin: int = 0):
+        self.wanted = wanted
+        self.kept: list[dict] = []
+        self._origin = int(origin)
+        params = params or {}
+        steps, epochs = params.get("steps"), params.get("epochs")
+        total = int(steps) * int(epochs or 1) if steps else None
+        self.targets = ([int((i + 0.5) * total / wanted) for i in range(wanted)]
+                        if total and wanted else None)
+
+    def due(self, step: int) -> bool:
+        """Whether the sampled `step` is one to keep."""
+        if len(self.kept) >= self.wanted:
+            return False
+        if self.targets is None:
+            return True
+        return step - self._origin >= self.targets[len(self.kept)]
+
+    def context(self) -> dict:
+        return {"wanted": self.wanted, "kept": self.kept, "targets": self.targets}
 
 
 def load_weights(model, capture: files.Capture) -> None:

@@ -286,6 +286,11 @@ def _layer_record(name, layer, parent, *, is_leaf, mixed, call_index,
         "gemm_arguments": [d["argument"] for d in gemm] if gemm else None,
         "output_shape": output_shape,
         "gemm_flops": gemm_flops(layer, dims, output_shape) if gemm else None,
+        # The precision advisor sizes each GEMM from this and the element
+        # counts of the numerics samples; `path` keys a DTypePolicyMap.
+        "gemm_macs": (gemm_macs(layer) if own_gemm or type(layer).__name__ in _RNN_GATES
+                      else None),
+        "path": getattr(layer, "path", None),
         "misaligned_dims": misaligned,
         "tensor_core_friendly": (not misaligned) if (dims and multiple) else None,
         "float32_island": bool(
@@ -390,6 +395,54 @@ def gemm_flops(layer, dims: list[int], output_shape: list[int] | None) -> int | 
         return None
     contracted = math.prod(int(d) for d in kernel.shape) / dims[-1]
     return int(2 * math.prod(output_shape) * contracted)
+
+
+# Gate matrices per recurrent cell step.
+_RNN_GATES = {"LSTM": 4, "GRU": 3, "SimpleRNN": 1}
+
+
+def gemm_macs(layer) -> dict | None:
+    """How many multiply-adds the layer's GEMMs do per element of a tensor
+    whose size the numerics samples count: `{"per": what, "macs": n}`.
+
+    "output": per element of the layer's output (Dense, EinsumDense,
+    ConvND: the contracted size, kernel window included; SeparableConvND:
+    its pointwise part). "attention_scores": per element of the attention
+    probabilities (MultiHeadAttention's softmax output: the QK^T and AV
+    GEMMs, key_dim + value_dim). "timestep_output": per element of a
+    recurrent layer's output at each timestep (gates x (inputs + units)),
+    exact when the layer returns sequences. None: no GEMM of its own, or
+    one this does not size (a transposed convolution, `Attention`).
+    """
+    cls = type(layer).__name__
+    if cls == "MultiHeadAttention":
+        layout = gemm_layout(layer)
+        return {"per": "attention_scores",
+                "macs": int(sum(d["size"] for d in layout))} if layout else None
+    if cls in _RNN_GATES:
+        cell = getattr(layer, "cell", layer)
+        kernel = _weight(cell, "kernel")
+        units = getattr(cell, "units", None)
+        if kernel is None or not units:
+            return None
+        inputs = int(kernel.shape[0])
+        gates = _RNN_GATES[cls]
+        return {"per": "timestep_output", "macs": gates * (inputs + int(units)),
+                "inputs": inputs, "units": int(units), "gates": gates,
+                "return_sequences": bool(getattr(layer, "return_sequences", False))}
+    if "Depthwise" in cls or cls.endswith("Transpose"):
+        return None
+    kernel = _weight(layer, "pointwise_kernel" if cls.startswith("SeparableConv")
+                     else "kernel")
+    if kernel is None or len(kernel.shape) < 2:
+        return None
+    layout = gemm_layout(layer)
+    if layout is None:
+        return None
+    if getattr(layer, "equation", None):
+        return {"per": "output", "macs": int(layout[0]["size"])}
+    shape = [int(d) for d in kernel.shape]
+    return {"per": "output", "macs": int(math.prod(shape[:-1]))}
 
 
 def gemm_dims(layer) -> list[int] | None:

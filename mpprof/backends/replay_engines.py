@@ -88,3 +88,26 @@ def verification_engine(model, batches: list, loss_scale: float = 1.0):
     Keras backend, on `batches` from the model's current weights (the
     precision advisor's way in: `Verifier(verification_engine(...))`)."""
     return _engine(_model_backend(model)).engine_for(model, batches, loss_scale)
+
+
+def advise_model(captures: list):
+    """The model of the precision advisor's kept batches (`advise_batches=N`,
+    `mpprof.advisor.verify`), rebuilt from their config on the backend that
+    trained them, with the weights of the last of them (the most trained the
+    run kept) and its layers' captured policies; and its loss scale there.
+
+    Raises:
+        ReplayError: the model cannot be rebuilt, or Keras runs on another
+            backend in this process.
+    """
+    backend = capture_backend(captures[0].manifest)
+    module = _engine(backend)  # refuses a process whose Keras runs on another backend
+    from mpprof.backends import keras_capture
+
+    model = keras_capture.rebuild(captures[-1])
+    keras_capture.load_weights(model, captures[-1])
+    if backend == "jax":
+        # A subclassed model rebuilt here makes its layers under this
+        # process's global policy: give them the ones they trained with.
+        module._captured_policies(model, captures[-1])
+    return model, float(captures[-1].manifest.get("loss_scale") or 1.0)

@@ -17,7 +17,8 @@ def run_facts(run: reader.Run) -> dict:
     Keys: run, readable, fit_state ("ended", "failed", "cut_short", "unknown"),
     cut_short and recording_stopped (where the records stop, or None),
     model_policy, global_policy, optimizer, strategy (None without a run
-    context), inventory (leaf_layers, output_dtypes, casts, float32_islands:
+    context), float32_matmuls (what float32 matmuls ran as, in words),
+    inventory (leaf_layers, output_dtypes, casts, float32_islands:
     the layer names; None if not recorded), loss_scale (initial, final,
     first_step, steps_run, overflows, growths; None without a dynamic loss
     scale) and warnings.
@@ -34,6 +35,8 @@ def run_facts(run: reader.Run) -> dict:
         "recording_stopped": run.recording_stopped,
         **{key: getattr(context, key) if context else None
            for key in ("model_policy", "global_policy", "optimizer", "strategy")},
+        # What float32 matmuls ran as (TF32 or not), in words; None if not recorded.
+        "float32_matmuls": (context.float32_matmuls or {}).get("setting") if context else None,
         "inventory": None if not inventory else {
             "leaf_layers": len(layers),
             "output_dtypes": inventory.get("model", {}).get("output_dtypes"),
@@ -62,6 +65,8 @@ def summarize_run(run: reader.Run) -> str:
             f"  policy {facts['model_policy']} (global {facts['global_policy']}), "
             f"optimizer {facts['optimizer']}, strategy {facts['strategy']}"
         )
+        if facts["float32_matmuls"]:
+            lines.append(f"  float32 matmuls: {facts['float32_matmuls']}")
     stopped = cut_short_text(run)
     if stopped:
         lines.append(f"  {stopped}")

@@ -94,6 +94,12 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             Each holds one batch and one copy of the weights (Keras 3, one
             replica; only sampled steps are checked, so `numerics_every=None`
             captures nothing).
+        advise_batches: how many of the run's own batches to keep, with the
+            weights at that step, for the precision advisor to verify its plan
+            on (`mpprof advise LOG_DIR --verify`), spread across the fit: the
+            first numerics-sampled step at or after the middle of each of N
+            equal parts of the fit (`log_dir/train/advise/step_<N>/`, the
+            same files as a replay capture; Keras 3, one replica). 0: none.
         profile_steps: (start, stop) train steps to capture an XProf trace
             of, inclusive; after the window mpprof records the share of GPU
             kernel time spent in Tensor Core kernels. None (default) traces
@@ -139,6 +145,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         gpu_interval: float | None = sampler.DEFAULT_INTERVAL_S,
         profile_steps: tuple[int, int] | None = None,
         replay_budget: int = 2,
+        advise_batches: int = 0,
     ):
         super().__init__()
         check_backend()
@@ -147,6 +154,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             forensic_spacing=forensic_spacing, flush_every_steps=flush_every_steps,
             flush_every_seconds=flush_every_seconds, gpu_interval=gpu_interval,
             profile_steps=profile_steps, replay_budget=replay_budget,
+            advise_batches=advise_batches,
         )
         self._across_fits = AcrossFits(
             schedule=SampleSchedule(

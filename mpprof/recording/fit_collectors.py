@@ -87,5 +87,6 @@ def build(backend: Backend, model, settings: Settings, across_fits: AcrossFits, 
         float8_state=backend.Float8State(model, loss_scales),
         float8_shares=backend.Float8Shares(model, settings.sampling),
         replay=backend.ReplayCapture(settings.replay_budget, backend, loss_scales, health,
-                                     instrumenting),
+                                     instrumenting, advise_batches=settings.advise_batches,
+                                     fit_params=getattr(profiler, "params", None)),
     )

@@ -31,11 +31,13 @@ class Settings:
     gpu_interval: float | None
     profile_steps: tuple[int, int] | None
     replay_budget: int
+    advise_batches: int = 0
 
     @classmethod
     def checked(
         cls, log_dir: str | os.PathLike, *, numerics_every, forensic_budget, forensic_spacing,
         flush_every_steps, flush_every_seconds, gpu_interval, profile_steps, replay_budget,
+        advise_batches=0,
     ) -> Settings:
         """The settings, each argument checked.
 
@@ -64,6 +66,7 @@ class Settings:
             ),
             profile_steps=arguments.validate_profile_steps(profile_steps),
             replay_budget=arguments.non_negative_int("replay_budget", replay_budget),
+            advise_batches=arguments.non_negative_int("advise_batches", advise_batches),
         )
 
     @property

@@ -152,6 +152,15 @@ class RunContext(Mapping):
         return record.get("gpus_visible_to_tensorflow", record.get("gpus_visible_to_jax"))
 
     @property
+    def float32_matmuls(self) -> dict | None:
+        """What the framework runs a float32 matmul as: `{"framework",
+        "tf32_enabled" (TensorFlow's TF32 switch, or JAX's default matmul
+        precision other than "highest"), "setting" (in words), "disable" (the
+        code that turns it off), "jax_default_matmul_precision" (JAX)}`;
+        None in runs recorded before mpprof said."""
+        return self._record.get("float32_matmuls")
+
+    @property
     def framework(self) -> dict:
         """The framework the model trained on: `{"name", "version",
         "libraries"}` (its other libraries' versions); from the older

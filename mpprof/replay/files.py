@@ -46,6 +46,10 @@ _DAMAGED_NPZ = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
 CAPTURE_VERSION = 1
 
 REPLAY_FOLDER = "replay"
+# Batches kept for the precision advisor (`advise_batches=N`): the same files,
+# in their own folder, so that `mpprof replay` never takes one for a step
+# that went wrong.
+ADVISE_FOLDER = "advise"
 STEP_FOLDER_PREFIX = "step_"
 MANIFEST = "manifest.json"
 BATCH = "batch.npz"
@@ -64,12 +68,13 @@ class ReplayError(ValueError):
     """A capture cannot be replayed (the message says what to do)."""
 
 
-def step_folder(step: int, writer: str | None = None) -> str:
+def step_folder(step: int, writer: str | None = None, folder: str = REPLAY_FOLDER) -> str:
     """The capture's folder for `step`, relative to its run directory, named
     by the `writer` of the fit that took it (None: a writer that writes
-    nothing, or the folder of captures older than writer names)."""
+    nothing, or the folder of captures older than writer names); `folder`:
+    REPLAY_FOLDER, or ADVISE_FOLDER for the advisor's batches."""
     name = f"{STEP_FOLDER_PREFIX}{int(step)}"
-    return f"{REPLAY_FOLDER}/{name}@{writer}" if writer else f"{REPLAY_FOLDER}/{name}"
+    return f"{folder}/{name}@{writer}" if writer else f"{folder}/{name}"
 
 
 def encode_structure(structure, leaves: list) -> object:
@@ -215,15 +220,18 @@ class Capture:
 
 
 def find_captures(logdir: str | os.PathLike, run: str,
-                  on_skipped: Callable[[str], None] | None = None) -> list[Capture]:
+                  on_skipped: Callable[[str], None] | None = None,
+                  folder: str = REPLAY_FOLDER) -> list[Capture]:
     """Every complete capture of `run`, by step.
 
     Args:
         on_skipped: called with one line for each capture folder that is not
             offered (no manifest, or a damaged one), so it is never skipped
             without a word where the caller shows warnings.
+        folder: REPLAY_FOLDER (steps that went wrong) or ADVISE_FOLDER (the
+            batches kept for the advisor).
     """
-    return _scan_captures(logdir, run, on_skipped)[0]
+    return _scan_captures(logdir, run, on_skipped, folder)[0]
 
 
 def has_capture_folder(logdir: str | os.PathLike, run: str, step: int | None) -> bool:
@@ -235,7 +243,8 @@ def has_capture_folder(logdir: str | os.PathLike, run: str, step: int | None) ->
     return step in skipped or any(capture.step == step for capture in captures)
 
 
-def _scan_captures(logdir, run, on_skipped=None) -> tuple[list[Capture], dict[int, str]]:
+def _scan_captures(logdir, run, on_skipped=None,
+                   kind: str = REPLAY_FOLDER) -> tuple[list[Capture], dict[int, str]]:
     """(the complete captures, {step: why it is not one} for the others)."""
     logdir = os.fspath(logdir)
     try:
@@ -244,7 +253,7 @@ def _scan_captures(logdir, run, on_skipped=None) -> tuple[list[Capture], dict[in
         directory, writers = run, {}
     suffix = run[len(directory):]
     folder = filesystem.join(logdir if directory == "." else filesystem.join(logdir, directory),
-                             REPLAY_FOLDER)
+                             kind)
     try:
         entries = filesystem.scan(folder)
     except OSError:

@@ -14,6 +14,7 @@ from mpprof import diagnosis
 from mpprof.display.run_summary import cut_short_text
 from mpprof.records import reader
 from mpprof.replay import text as replay_text
+from mpprof.report import advice
 from mpprof.terminal import printable
 
 # Findings per run listed in the summary at the top (the rest: a link).
@@ -55,6 +56,7 @@ def run_section(index: int, run: reader.Run, result: diagnosis.Diagnosis, data: 
     parts.append(_context_html(run))
     parts.append(_findings_html(index, result))
     parts.append(_replays_html(replays))
+    parts.append(advice.advice_html(run))
     parts.append(_inventory_html(run.inventory, run.context))
     parts.append("<h3>Loss scale</h3>")
     if "loss_scale" in data:
@@ -100,6 +102,7 @@ def _context_html(run: reader.Run) -> str:
         ("devices", ", ".join(str(d.get("name")) for d in context.devices)),
         ("GPUs visible to the framework", context.gpus_visible),
         ("hardware", context.hardware),
+        ("float32 matmuls", (context.float32_matmuls or {}).get("setting")),
         ("versions", context.versions),
         ("host", context.host),
     ]

@@ -33,6 +33,7 @@ def run_context(
         "num_replicas": _model_replicas(distribution),
         "distribution": distribution_facts(model, distribution),
         "devices": [{"name": str(d), "type": d.platform.upper()} for d in devices],
+        "float32_matmuls": float32_matmuls(),
     }
 
 
@@ -82,4 +83,24 @@ def distribution_facts(model, distribution) -> dict | None:
         "batch_dim_name": getattr(distribution, "batch_dim_name", None),
         "sharded_variables": sharded,
         "not_measured": NOT_MEASURED_PER_DEVICE,
+    }
+
+
+# jax_default_matmul_precision values whose float32 dots keep full float32
+# (on GPU: no TF32, no bfloat16 passes).
+_FULL_FLOAT32 = ("highest", "float32")
+
+
+def float32_matmuls() -> dict:
+    """What a float32 matmul runs as (`RunContext.float32_matmuls`): JAX's
+    default matmul precision uses TF32 on A100/H100 and bfloat16 passes on
+    TPU (jax#18934) unless `jax_default_matmul_precision` is "highest"."""
+    precision = jax.config.jax_default_matmul_precision
+    shown = "None (the default)" if precision is None else repr(str(precision))
+    return {
+        "framework": "jax",
+        "jax_default_matmul_precision": None if precision is None else str(precision),
+        "tf32_enabled": str(precision).lower() not in _FULL_FLOAT32,
+        "setting": f"jax.config.jax_default_matmul_precision = {shown}",
+        "disable": 'jax.config.update("jax_default_matmul_precision", "highest")',
     }

@@ -34,4 +34,18 @@ def run_context(
         "devices": [
             {"name": d.name, "type": d.device_type} for d in tf.config.list_logical_devices()
         ],
+        "float32_matmuls": float32_matmuls(),
+    }
+
+
+def float32_matmuls() -> dict:
+    """What a float32 matmul or convolution runs as (`RunContext.float32_matmuls`):
+    TensorFlow runs them in TF32 on Ampere and newer GPUs unless
+    `tf.config.experimental.enable_tensor_float_32_execution(False)`."""
+    enabled = bool(tf.config.experimental.tensor_float_32_execution_enabled())
+    return {
+        "framework": "tensorflow",
+        "tf32_enabled": enabled,
+        "setting": f"tf.config.experimental.tensor_float_32_execution_enabled() = {enabled}",
+        "disable": "tf.config.experimental.enable_tensor_float_32_execution(False)",
     }
