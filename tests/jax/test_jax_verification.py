@@ -38,9 +38,12 @@ def test_raw_inputs_lead_to_bounding_them_verified_on_jax(raw):
     assert 'x = x.astype("float32") * (1 / 65535)' in lead["code"][1]  # NumPy, not tf
     assert lead["verification"]["step"][0]["failed"] is None
     assert alternative["kind"] == "float32_layers" and "conv2d" in alternative["float32_layers"]
+    # Not verified, by the trial (float32 itself does not learn from the raw
+    # inputs, or the map's loss stays flat or goes non-finite), with numbers.
     assert alternative["verified"] is False
-    assert "float32 itself does not learn" in alternative["verified_detail"] or (
-        alternative["verification"]["trial"]["progress"] < verification.TRIAL_MIN_PROGRESS)
+    trial = alternative["verification"]["trial"]
+    assert trial is not None and trial["passed"] is False, alternative["verified_detail"]
+    assert trial["reason"] in alternative["verified_detail"]
 
 
 def test_the_bounded_inputs_applied_train_like_float32_on_jax(raw):
