@@ -24,6 +24,9 @@ import mpprof
 from mpprof.replay import replay, text, verification
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "models"))
+
+from raw_mnist_convnet import mnist_convnet, raw_mnist_data  # noqa: E402
 
 
 def _epoch_losses(model, x, y, epochs: int, batch_size: int) -> list[float]:
@@ -40,42 +43,6 @@ def _trains_like_float32(fixed: list[float], float32: list[float]) -> verificati
 
 
 # --- keras-io mnist_convnet, raw 16-bit inputs ---------------------------------
-
-def mnist_convnet(policy: str, *, rescale: bool = False,
-                  float32_layers: tuple[str, ...] = ()) -> keras.Model:
-    """keras-io's examples/vision/mnist_convnet.py model, as published
-    (keras.layers as `layers`, its names kept), with the fixes applied."""
-    keras.mixed_precision.set_dtype_policy(policy)
-    layers = keras.layers
-    first = [layers.Rescaling(1 / 65535, dtype="float32")] if rescale else []
-
-    def dtype(name):
-        return "float32" if name in float32_layers else None
-
-    model = keras.Sequential([
-        keras.Input(shape=(28, 28, 1)),
-        *first,
-        layers.Conv2D(32, kernel_size=(3, 3), activation="relu", name="conv2d",
-                      dtype=dtype("conv2d")),
-        layers.MaxPooling2D(pool_size=(2, 2), name="max_pooling2d"),
-        layers.Conv2D(64, kernel_size=(3, 3), activation="relu", name="conv2d_1",
-                      dtype=dtype("conv2d_1")),
-        layers.MaxPooling2D(pool_size=(2, 2), name="max_pooling2d_1"),
-        layers.Flatten(name="flatten"),
-        layers.Dropout(0.5, name="dropout"),
-        layers.Dense(10, activation="softmax", name="dense", dtype=dtype("dense")),
-    ], name="sequential")
-    model.compile(loss="categorical_crossentropy", optimizer="adam", metrics=["accuracy"])
-    return model
-
-
-def raw_mnist_data(samples: int = 64):
-    """Random 16-bit images in raw units (whole numbers 0..65535, as float32)."""
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 65536, (samples, 28, 28, 1)).astype("float32")
-    y = keras.utils.to_categorical(rng.integers(0, 10, samples), 10)
-    return x, y
-
 
 @pytest.fixture(scope="module")
 def raw_mnist(tmp_path_factory):
