@@ -345,3 +345,13 @@ def test_an_attention_island_is_never_lowered_on_its_output_headroom():
     assert (attention.action, attention.planned) == ("keep", "float32")
     assert "attention scores" in attention.reasons[0]
     assert (dense.action, dense.planned) == ("lower", "float16")
+
+
+def test_the_summary_says_what_float32_matmuls_ran_as(advice, capsys):
+    logdir = str(advice["mlp"][0])
+    assert cli.main(["summary", logdir]) == 0
+    assert "  float32 matmuls: tf.config.experimental.tensor_float_32_execution_enabled() = " \
+        "True" in capsys.readouterr().out
+    assert cli.main(["summary", logdir, "--format", "json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["float32_matmuls"].endswith("= True")

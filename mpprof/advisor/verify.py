@@ -11,6 +11,7 @@ the run (`mpprof.backends.replay_engines.advise_engine`).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -48,7 +49,7 @@ def plan_candidate(plan: dict) -> Candidate:
 
 
 def verify(logdir, run: str, plan: dict, captures: list[files.Capture],
-           wrong: list[files.Capture] = ()) -> dict:
+           wrong: Sequence[files.Capture] = ()) -> dict:
     """Verifies the plan and the current policy; marks the plan's rows.
 
     Args:
@@ -108,7 +109,7 @@ def verify(logdir, run: str, plan: dict, captures: list[files.Capture],
 
 
 def _on_overflowed(model, scale: float, candidate: Candidate,
-                   wrong: list[files.Capture]) -> dict | None:
+                   wrong: Sequence[files.Capture]) -> dict | None:
     """The batches of the steps that went wrong (replay captures), run from
     the same weights with the plan and with the current policy: whether each
     overflows. They are not in the verification (an outlier batch, such as
@@ -120,7 +121,7 @@ def _on_overflowed(model, scale: float, candidate: Candidate,
     engine = replay_engines.verification_engine(model, [c.batch() for c in wrong], scale)
     rows = []
     for index, capture in enumerate(wrong):
-        row = {"step": capture.step}
+        row: dict[str, object] = {"step": capture.step}
         for label, tried in (("plan", candidate), ("current", Candidate())):
             result = engine.run_pass(tried, index, scale)
             clean = (result.forward_clean and np.isfinite(result.loss)

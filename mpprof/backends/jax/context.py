@@ -95,7 +95,7 @@ def float32_matmuls() -> dict:
     """What a float32 matmul runs as (`RunContext.float32_matmuls`): JAX's
     default matmul precision uses TF32 on A100/H100 and bfloat16 passes on
     TPU (jax#18934) unless `jax_default_matmul_precision` is "highest"."""
-    precision = jax.config.jax_default_matmul_precision
+    precision = getattr(jax.config, "jax_default_matmul_precision", None)
     shown = "None (the default)" if precision is None else repr(str(precision))
     return {
         "framework": "jax",
