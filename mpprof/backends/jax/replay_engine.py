@@ -222,16 +222,22 @@ class Engine(replay_candidates.CandidateEngine):
                      [v.value for v in model.non_trainable_variables],
                      [v.value for v in optimizer.variables] if optimizer is not None else [],
                      fresh_metrics)
+            # A skipped step leaves the optimizer's `iterations` as it was; a
+            # custom step with optimizers of its own (none swapped in) shows
+            # it by leaving the trainable weights as they were.
+            counter = (None if optimizer is None else
+                       [id(v) for v in optimizer.variables].index(id(optimizer.iterations)))
             calls = 0
             while len(losses) < steps and calls < steps + verification.TRIAL_MAX_SKIPS:
-                before = state[0]
+                before = state[0] if counter is None else int(state[2][counter])
                 logs, state = train_step(state, batches[calls % len(batches)])
                 calls += 1
-                # A skipped step leaves the trainable weights as they were
-                # (a custom step's own optimizers too, which `iterations` of
-                # model.optimizer would not show).
-                if any(not bool(jnp.array_equal(old, new))
-                       for old, new in zip(before, state[0], strict=True)):
+                if counter is None:
+                    applied = any(not bool(jnp.array_equal(old, new))
+                                  for old, new in zip(before, state[0], strict=True))
+                else:
+                    applied = int(state[2][counter]) != before
+                if applied:
                     losses.append(replay_candidates.trial_loss(logs))
                 # Metrics reset: the next logs hold that step's loss alone.
                 state = (*state[:3], fresh_metrics)
