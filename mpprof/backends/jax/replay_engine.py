@@ -223,9 +223,10 @@ class Engine(replay_candidates.CandidateEngine):
                      [v.value for v in optimizer.variables] if optimizer is not None else [],
                      fresh_metrics)
             # A skipped step leaves the optimizer's `iterations` as it was; a
-            # custom step with optimizers of its own (none swapped in) shows
-            # it by leaving the trainable weights as they were.
-            counter = (None if optimizer is None else
+            # custom step, which may use optimizers of its own (a GAN's,
+            # beside an unused model.optimizer), shows it by leaving the
+            # trainable weights as they were.
+            counter = (None if optimizer is None or self.uses_own_optimizers else
                        [id(v) for v in optimizer.variables].index(id(optimizer.iterations)))
             calls = 0
             while len(losses) < steps and calls < steps + verification.TRIAL_MAX_SKIPS:
