@@ -434,9 +434,9 @@ def test_mnist_raw_units_verified_fix_retrains_like_float32(mnist_runs, capsys):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "issue 36 (replay verification, branch i36a): the float32 conv2d map passes "
-    "verification's trial from the captured weights but, retrained from the start on "
-    "raw inputs, reaches 76% of float32's loss decrease (band 80%)"))
+    "issue 36, open: on this variant (learnable digits) replay calls the float32 conv2d "
+    "map verified (its trial from the captured weights passes), but retrained from the "
+    "start on raw inputs its mean loss is 233% from float32's (band 10%)"))
 def test_mnist_raw_units_float32_map_if_verified_retrains_like_float32(mnist_runs, capsys):
     """The alternative fix, a float32 conv2d: where replay calls it verified,
     it must retrain like float32 too; else it says "not verified"."""
