@@ -13,6 +13,9 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev,tf-keras]'
+	# The torch suite (tests/torch): pinned, so that pip takes the CPU build
+	# where one is at hand rather than the newest (CUDA) release.
+	$(PY) -m pip install --quiet 'torch==2.13.0'
 	touch $@
 
 install: $(VENV)/.installed
@@ -36,6 +39,7 @@ test: install docs
 	$(VENV)/bin/lint-imports
 	MPPROF_REQUIRE_TF_KERAS=1 $(PY) -m pytest -q
 	KERAS_BACKEND=jax $(PY) -m pytest -q tests/jax
+	KERAS_BACKEND=torch $(PY) -m pytest -q tests/torch
 
 lint: install
 	$(VENV)/bin/ruff check mpprof tensorboard_plugin tests examples benchmarks

@@ -13,7 +13,7 @@ from mpprof.backends.base import Backend
 from mpprof.backends.flavor import is_tf_keras
 
 # The Keras 3 backends mpprof can profile.
-SUPPORTED = ("tensorflow", "jax")
+SUPPORTED = ("tensorflow", "jax", "torch")
 
 
 class UnsupportedBackendError(RuntimeError):
@@ -31,9 +31,9 @@ def check_backend() -> None:
     backend = keras.backend.backend()
     if backend not in SUPPORTED:
         raise UnsupportedBackendError(
-            "mpprof.MixedPrecisionProfiler profiles Keras on TensorFlow or JAX "
+            "mpprof.MixedPrecisionProfiler profiles Keras on TensorFlow, JAX or PyTorch "
             f"(KERAS_BACKEND is {os.environ.get('KERAS_BACKEND', backend)!r}). "
-            "Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax before importing keras, "
+            "Set KERAS_BACKEND=tensorflow, jax or torch before importing keras, "
             "or train without the profiler."
         )
 
@@ -51,6 +51,10 @@ def backend_for(model) -> Backend:
         from mpprof.backends.jax.backend import JaxBackend
 
         return JaxBackend(model)
+    if keras.backend.backend() == "torch":
+        from mpprof.backends.torch.backend import TorchBackend
+
+        return TorchBackend(model)
     from mpprof.backends.tensorflow.backend import TensorFlowBackend
 
     return TensorFlowBackend()

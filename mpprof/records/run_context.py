@@ -119,8 +119,10 @@ class RunContext(Mapping):
     @property
     def gpus_visible(self) -> int | None:
         """How many GPUs the framework saw; None when not recorded."""
-        # (The JAX backend writes what JAX sees under its own key.)
         record = self._record
+        if "gpus_visible" in record:  # the framework-neutral key (PyTorch writes it)
+            return record["gpus_visible"]
+        # (The JAX backend writes what JAX sees under its own key.)
         return record.get("gpus_visible_to_tensorflow", record.get("gpus_visible_to_jax"))
 
     @property
@@ -128,6 +130,7 @@ class RunContext(Mapping):
         """The framework, Keras, mpprof and Python versions, in words."""
         record = self._record
         framework = (f"JAX {record['jax_version']}" if "jax_version" in record
+                     else f"PyTorch {record['torch_version']}" if "torch_version" in record
                      else f"TensorFlow {record.get('tensorflow_version')}")
         return (f"{framework}, Keras {record.get('keras_version')}, "
                 f"mpprof {record.get('mpprof_version')}, Python {record.get('python_version')}")
