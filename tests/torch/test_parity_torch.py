@@ -5,11 +5,10 @@ facts the findings are dated by are PyTorch's own."""
 
 from __future__ import annotations
 
+import jax_runs
 import parity_runs
 import pytest
 from test_backend_parity import EXPECTED
-
-import jax_runs
 
 
 @pytest.fixture(scope="module")
