@@ -6,8 +6,11 @@ defaults, the same architecture profiled; once both are warm it alternates
 blocks of `--block` steps of the plain model's own train function and of the
 profiled one (mpprof's dispatcher, after the profiler's
 `on_train_batch_begin`, as fit calls them), the order rotated every round.
-PyTorch runs each step eagerly: a block's time is what its steps took. A
-control arm, a second plain model, shows the noise floor (ratio 1.00).
+PyTorch runs each step eagerly: a block's time is what its steps took,
+read twice, on the wall clock and as this process's CPU time (with `--pin`,
+one core and one torch thread: the CPU time leaves out the time other
+processes of a loaded machine took from it). A control arm, a second plain
+model, shows the noise floor (ratio 1.00).
 
     KERAS_BACKEND=torch python benchmarks/bench_paired_steps_torch.py --rounds 300
 """
@@ -65,6 +68,7 @@ class _PairedBlocks(keras.callbacks.Callback):
         self._arms, self._profiler, self._batches = arms, profiler, batches
         self._block, self._rounds = block, rounds
         self.times: dict[str, list[float]] = {}
+        self.cpu_times: dict[str, list[float]] = {}
 
     def on_epoch_end(self, epoch, logs=None):
         if epoch + 1 < self.params["epochs"]:
@@ -72,6 +76,7 @@ class _PairedBlocks(keras.callbacks.Callback):
         self._arms["mpprof defaults"] = self.model.train_function
         iterators = {name: itertools.cycle(self._batches) for name in self._arms}
         self.times = {name: [] for name in self._arms}
+        self.cpu_times = {name: [] for name in self._arms}
         names = list(self._arms)
         synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
         for round_index in range(self._rounds):
@@ -80,19 +85,21 @@ class _PairedBlocks(keras.callbacks.Callback):
                 function, iterator = self._arms[name], iterators[name]
                 profiled = name == "mpprof defaults"
                 synchronize()
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 for _ in range(self._block):
                     if profiled:
                         self._profiler.on_train_batch_begin(0)
                     function(next(iterator))
                 synchronize()
                 self.times[name].append(time.perf_counter() - start)
+                self.cpu_times[name].append(time.process_time() - cpu_start)
 
 
 def measure(policy: str, block: int, rounds: int, samples: int = 16384,
             past_first_sample: bool = True, model_name: str = "seed") -> dict:
-    """{arm: block seconds, round by round}; `past_first_sample=False` warms
-    up two epochs only (a smoke test: the first sample may fall in the blocks)."""
+    """{"wall"|"cpu": {arm: block seconds, round by round}};
+    `past_first_sample=False` warms up two epochs only (a smoke test: the
+    first sample may fall in the blocks)."""
     keras.mixed_precision.set_dtype_policy(policy)
     rng = np.random.default_rng(0)
     build, shape = SHAPES[model_name]
@@ -115,7 +122,7 @@ def measure(policy: str, block: int, rounds: int, samples: int = 16384,
         epochs = FIRST_SAMPLE_STEP // steps_per_epoch + 2 if past_first_sample else 2
         model.fit(x, y, batch_size=BATCH_SIZE, epochs=epochs, verbose=0,
                   callbacks=[profiler, blocks])
-    return blocks.times
+    return {"wall": blocks.times, "cpu": blocks.cpu_times}
 
 
 def report(times: dict[str, list[float]], block: int) -> dict:
@@ -145,7 +152,10 @@ def main() -> None:
     if args.pin:
         torch.set_num_threads(1)
     load_before = os.getloadavg()
-    report(measure(args.policy, args.block, args.rounds, model_name=args.model), args.block)
+    measured = measure(args.policy, args.block, args.rounds, model_name=args.model)
+    for clock, times in measured.items():
+        print(f"\n{clock} clock")
+        report(times, args.block)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"\n{args.model} model, {args.policy}, batch {BATCH_SIZE}, {args.rounds} rounds of "
           f"{args.block} steps on {device} (torch {torch.__version__}); load average before "

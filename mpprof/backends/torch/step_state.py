@@ -19,13 +19,16 @@ kept, detached, and checked at the next read (a flush, an alarm, a sample):
 one stacked check for all the steps since, exact to the step, with no
 per-step wait on a GPU.
 
-The counts are kept in the JAX backend's table layout
-(`mpprof.backends.jax.step_state`: the same rows and columns), so that the
-loss-scale series and the loss watch read them the same way on both.
+The host reads are those of the JAX backend's step state
+(`mpprof.backends.jax.step_state`), so that its loss-scale series and loss
+watch read both alike. The counts are plain Python numbers, each step's
+update a few additions (a numpy table costs microseconds a step more), and
+each ring a numpy array written only on an event.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,11 +38,6 @@ import torch
 from mpprof.recording.optimizer_usage import OptimizerUsage, applied_steps
 from mpprof.recording.patching import Patches
 from mpprof.records import schema
-
-SCRATCH_ROW, LOSS_ROW, BLOCK_START = 0, 1, 2
-NONFINITE, FIRST_NONFINITE, LAST_LOSS = range(3)
-SKIPPED, EVENTS, APPLIED = range(3)
-SCALE, COUNTER = range(2)
 
 
 def host_value(variable) -> float:
@@ -51,12 +49,22 @@ def host_value(variable) -> float:
 
 @dataclass
 class _Block:
-    """One followed optimizer: its counter rows and, under loss scaling, its ring."""
+    """One followed optimizer's counts and, under loss scaling, its event ring
+    ([capacity, 4]: step, scale before, scale after, kind)."""
 
     optimizer: object
-    row: int
-    ring: int | None
-    growth_steps: int = 0
+    growth_steps: int = 0  # (0: no loss scaling)
+    ring: np.ndarray | None = None
+    applied: int = 0
+    skipped: int = 0
+    events: int = 0
+    scale: float = 1.0
+    counter: int = 0
+
+    @property
+    def step(self) -> int:
+        """Steps run: apply calls plus skipped steps."""
+        return self.applied + self.skipped
 
 
 class StepState:
@@ -75,30 +83,28 @@ class StepState:
         self._usage = usage
         self._blocks: dict[int, _Block] = {}
         self.unfollowed: dict[int, str] = {}
-        row = BLOCK_START
         for use in usage.uses:
             optimizer = use.optimizer
             if not getattr(optimizer, "built", True):
                 self.unfollowed[id(optimizer)] = "not built before the fit"
                 continue
             growth = int(optimizer.dynamic_growth_steps) if is_loss_scale(optimizer) else 0
-            self._blocks[id(optimizer)] = _Block(optimizer, row, None, growth)
-            row += 2
-        for block in self._blocks.values():
-            if block.growth_steps:
-                block.ring, row = row, row + self.capacity
-        self._rows = row
+            self._blocks[id(optimizer)] = _Block(
+                optimizer, growth, np.zeros((self.capacity, 4)) if growth else None)
         self.start_skipped: dict[int, int] = {}
         self.start_nonfinite = 0
         self.start_first_nonfinite = -1
-        # The table (None before `start`): the counters are current at all
-        # times but for the losses not yet checked (`_pending_losses`).
-        self.arrays: np.ndarray | None = None
+        # Set by `start` (None before): the JAX step state's marker of "the
+        # fit's counts exist", which its series and loss watch ask.
+        self.arrays: bool | None = None
+        self._nonfinite = 0
+        self._first_nonfinite = -1
+        self._last_loss = math.nan
+        # (step, loss) of the steps since the last read, losses on the device.
         self._pending_losses: list[tuple[int, torch.Tensor]] = []
         self.loss_watched: bool | None = None
         # The losses handed over in the step under way (several: a GAN's).
         self._step_losses: list = []
-        self._primary: _Block | None = None
 
     def follows(self, optimizer) -> bool:
         return id(optimizer) in self._blocks
@@ -112,9 +118,8 @@ class StepState:
                 nonfinite = optimizer._stateful_handle_non_finite_grads
 
                 def on_finite(*args, _original=finite, _block=block, **kwargs):
-                    grows = self._counter_before(_block) == _block.growth_steps - 1
                     result = _original(*args, **kwargs)
-                    self._applied(_block, grew=grows)
+                    self._applied_scaled(_block)
                     return result
 
                 def on_nonfinite(*args, _original=nonfinite, _block=block, **kwargs):
@@ -129,59 +134,51 @@ class StepState:
 
                 def on_apply(*args, _original=apply, _block=block, **kwargs):
                     result = _original(*args, **kwargs)
-                    self._applied(_block, grew=False)
+                    _block.applied += 1
                     return result
 
                 patches.set(optimizer, "apply", on_apply)
 
     def start(self) -> None:
-        """The table at the start of the fit, from the variables."""
-        table = np.zeros((self._rows, 4), np.float64)
-        table[LOSS_ROW, :3] = [self.start_nonfinite, self.start_first_nonfinite, np.nan]
+        """The counts at the start of the fit, from the variables."""
+        self._nonfinite = self.start_nonfinite
+        self._first_nonfinite = self.start_first_nonfinite
+        self._last_loss = math.nan
         for key, block in self._blocks.items():
             optimizer = block.optimizer
-            table[block.row, :3] = [self.start_skipped.get(key, 0), 0,
-                                    host_value(applied_steps(optimizer))]
+            block.skipped = self.start_skipped.get(key, 0)
+            block.events = 0
+            block.applied = int(host_value(applied_steps(optimizer)))
             if block.growth_steps:
-                table[block.row + 1, :2] = [host_value(optimizer.dynamic_scale),
-                                            host_value(optimizer.step_counter)]
-            else:
-                table[block.row + 1, SCALE] = 1.0
-        self.arrays = table
+                block.scale = host_value(optimizer.dynamic_scale)
+                block.counter = int(host_value(optimizer.step_counter))
         self._pending_losses.clear()
+        self.arrays = True
 
     # The step, as it runs.
 
-    def _counter_before(self, block: _Block) -> float:
-        return self.arrays[block.row + 1, COUNTER]
+    def _event(self, block: _Block, kind: float) -> None:
+        """An overflow or growth at the step under way: the scale after it is
+        read from the variable (events are rare)."""
+        scale_after = host_value(block.optimizer.dynamic_scale)
+        block.ring[block.events % self.capacity] = (block.step, block.scale, scale_after, kind)
+        block.events += 1
+        block.scale = scale_after
 
-    def _step_of(self, block: _Block) -> int:
-        row = self.arrays[block.row]
-        return int(row[APPLIED] + row[SKIPPED])
-
-    def _event(self, block: _Block, kind: float, scale_after: float) -> None:
-        table = self.arrays
-        counts = table[block.row]
-        slot = block.ring + int(counts[EVENTS]) % self.capacity
-        table[slot] = [self._step_of(block), table[block.row + 1, SCALE], scale_after, kind]
-        counts[EVENTS] += 1
-        table[block.row + 1, SCALE] = scale_after
-
-    def _applied(self, block: _Block, *, grew: bool) -> None:
-        table = self.arrays
-        if block.growth_steps:
-            if grew:
-                self._event(block, schema.EVENT_GROWTH,
-                            host_value(block.optimizer.dynamic_scale))
-                table[block.row + 1, COUNTER] = 0
-            else:
-                table[block.row + 1, COUNTER] += 1
-        table[block.row, APPLIED] += 1
+    def _applied_scaled(self, block: _Block) -> None:
+        """A LossScaleOptimizer's finite step: a growth where Keras' counter
+        stood at `dynamic_growth_steps - 1` before it."""
+        if block.counter == block.growth_steps - 1:
+            self._event(block, schema.EVENT_GROWTH)
+            block.counter = 0
+        else:
+            block.counter += 1
+        block.applied += 1
 
     def _skipped(self, block: _Block) -> None:
-        self._event(block, schema.EVENT_OVERFLOW, host_value(block.optimizer.dynamic_scale))
-        self.arrays[block.row, SKIPPED] += 1
-        self.arrays[block.row + 1, COUNTER] = 0
+        self._event(block, schema.EVENT_OVERFLOW)
+        block.skipped += 1
+        block.counter = 0
 
     def capture_loss(self, loss) -> None:
         """A loss the step handed to a loss metric (before its update)."""
@@ -195,18 +192,15 @@ class StepState:
         """After a step: keeps its loss (the sum of its losses) under the
         primary optimizer's step before the update."""
         losses = self._step_losses
-        self.loss_watched = bool(losses) or bool(self.loss_watched)
         if not losses:
+            if self.loss_watched is None:
+                self.loss_watched = False
             return
-        loss = losses[0].float().sum() if len(losses) == 1 else torch.stack(
+        self.loss_watched = True
+        loss = losses[0] if len(losses) == 1 else torch.stack(
             [x.float().sum() for x in losses]).sum()
-        self._pending_losses.append((self._loss_step(), loss))
-
-    def _loss_step(self) -> int:
-        """The step the loss check dates: the primary optimizer's, before
-        this step's update (its count now, less the update just made)."""
         block = self._primary_block()
-        return 0 if block is None else self._step_of(block) - 1
+        self._pending_losses.append((0 if block is None else block.step - 1, loss))
 
     def _primary_block(self) -> _Block | None:
         primary = self._usage.primary()
@@ -214,26 +208,21 @@ class StepState:
             return self._blocks[id(primary.optimizer)]
         return next(iter(self._blocks.values()), None)
 
-    def read(self) -> np.ndarray:
-        """The table, with the losses of the steps since the last read checked
-        (one stacked check)."""
+    def _check_losses(self) -> None:
+        """Checks the losses of the steps since the last read (one stacked
+        copy to the host)."""
         pending = self._pending_losses
-        if pending:
-            self._pending_losses = []
-            values = torch.stack([loss for _, loss in pending]).to("cpu", torch.float64).numpy()
-            row = self.arrays[LOSS_ROW]
-            bad = ~np.isfinite(values)
-            if bad.any():
-                row[NONFINITE] += int(bad.sum())
-                if row[FIRST_NONFINITE] < 0:
-                    row[FIRST_NONFINITE] = pending[int(np.argmax(bad))][0]
-            row[LAST_LOSS] = values[-1]
-        return self.arrays
-
-    def nonfinite_so_far(self) -> int:
-        """Skipped steps plus non-finite losses, checked now: the call alarm."""
-        table = self.read()
-        return int(table[LOSS_ROW, NONFINITE]) + self.all_skipped(table)
+        if not pending:
+            return
+        self._pending_losses = []
+        values = torch.stack([loss.float().sum() for _, loss in pending]).to(
+            "cpu", torch.float64).numpy()
+        bad = ~np.isfinite(values)
+        if bad.any():
+            self._nonfinite += int(bad.sum())
+            if self._first_nonfinite < 0:
+                self._first_nonfinite = pending[int(np.argmax(bad))][0]
+        self._last_loss = float(values[-1])
 
     # Host reads: the interface of `mpprof.backends.jax.step_state.StepState`.
 
@@ -241,44 +230,36 @@ class StepState:
         return self._blocks[id(optimizer)]
 
     def skipped(self, optimizer) -> int:
-        return int(self.arrays[self._block(optimizer).row, SKIPPED])
+        return self._block(optimizer).skipped
 
     def applied(self, optimizer) -> int:
-        return int(self.arrays[self._block(optimizer).row, APPLIED])
+        return self._block(optimizer).applied
 
     def steps_run(self, optimizer) -> int:
-        return self._step_of(self._block(optimizer))
+        return self._block(optimizer).step
 
     def scale(self, optimizer) -> float:
-        return float(self.arrays[self._block(optimizer).row + 1, SCALE])
+        return self._block(optimizer).scale
 
     def counter(self, optimizer) -> int:
-        return int(self.arrays[self._block(optimizer).row + 1, COUNTER])
+        return self._block(optimizer).counter
 
     def events(self, optimizer) -> tuple[int, np.ndarray]:
-        table, block = self.arrays, self._block(optimizer)
-        return int(table[block.row, EVENTS]), table[block.ring:block.ring + self.capacity].copy()
+        """(events written so far, a copy of the ring [capacity, 4])."""
+        block = self._block(optimizer)
+        return block.events, block.ring.copy()
 
-    def all_skipped(self, table: np.ndarray | None = None) -> int:
-        table = self.arrays if table is None else table
-        return int(sum(table[b.row, SKIPPED] for b in self._blocks.values()))
+    def all_skipped(self) -> int:
+        return sum(block.skipped for block in self._blocks.values())
 
     def last_loss(self) -> float:
-        return float(self.read()[LOSS_ROW, LAST_LOSS])
+        self._check_losses()
+        return self._last_loss
 
     def nonfinite(self) -> int:
-        return int(self.read()[LOSS_ROW, NONFINITE])
+        self._check_losses()
+        return self._nonfinite
 
     def first_nonfinite(self) -> int | None:
-        first = int(self.read()[LOSS_ROW, FIRST_NONFINITE])
-        return None if first < 0 else first
-
-    def primary_overflows(self) -> tuple[int, set[int]] | None:
-        primary = self._usage.primary()
-        block = self._blocks.get(id(primary.optimizer)) if primary is not None else None
-        if block is None or block.ring is None:
-            return None
-        written, ring = self.events(block.optimizer)
-        rows = ring if written >= self.capacity else ring[:written]
-        return (self.steps_run(block.optimizer),
-                {int(r[0]) for r in rows if r[3] == schema.EVENT_OVERFLOW})
+        self._check_losses()
+        return None if self._first_nonfinite < 0 else self._first_nonfinite
