@@ -236,3 +236,30 @@ def json_text(value) -> str:
     import json
 
     return json.dumps(value, default=str)
+
+
+def test_a_failing_gradient_tap_leaves_training_and_the_records(tmp_path, monkeypatch):
+    """The gradient rows are taken inside the user's `loss.backward()` and
+    `optimizer.apply`: what fails there switches the numerics off (the run
+    context says why), never the step; the weights stay the twin's."""
+    from mpprof.backends.torch import numerics_taps
+
+    measure = numerics_taps.raw_statistics
+
+    def failing(tensor):
+        if not tensor.requires_grad:  # a gradient, not a layer's output
+            raise RuntimeError("tap failed")
+        return measure(tensor)
+
+    monkeypatch.setattr(numerics_taps, "raw_statistics", failing)
+    x, y = jax_runs.classes()
+    plain = jax_runs.classifier("mixed_float16")
+    plain.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    profiled = jax_runs.classifier("mixed_float16")
+    with pytest.warns(RuntimeWarning, match="tap failed"):
+        run = jax_runs.fit(tmp_path, profiled, x, y, numerics_every=2)
+    assert run.context["collectors"]["numerics"]["state"] != "ok"
+    assert "tap failed" in json_text(run.context["collectors"]["numerics"])
+    assert run.loss_scale.steps_run == 8 and run.health["loss_watched"]
+    for a, b in zip(weights(plain), weights(profiled), strict=True):
+        np.testing.assert_array_equal(a, b)

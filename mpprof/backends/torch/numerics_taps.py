@@ -96,8 +96,9 @@ class NumericsTaps:
         self._backward: dict[int, list] = {}
         self._calls: dict[int, int] = {}
         self._gradients: tuple | None = None
-        self._loss = None
         self._sample = None
+        # What a gradient hook raised in the sampled call (None: nothing).
+        self._failure: Exception | None = None
         backend.numerics = self
 
     # The sampled step, as it runs.
@@ -105,6 +106,7 @@ class NumericsTaps:
     def begin_sample(self) -> None:
         self._forward, self._backward, self._calls = {}, {}, {}
         self._gradients = None
+        self._failure = None
 
     def on_call(self, layer, args, kwargs, outputs):
         row = self._rows.get(id(layer))
@@ -126,7 +128,12 @@ class NumericsTaps:
             backward = self._backward.setdefault(row, [])
 
             def on_gradient(gradient, _rows=backward):
-                _rows.append(raw_statistics(gradient))
+                # Runs inside the user's `loss.backward()`: whatever fails
+                # here is raised after the call instead (`end_sample`).
+                try:
+                    _rows.append(raw_statistics(gradient))
+                except Exception as error:  # noqa: BLE001 - never break the step
+                    self._failure = error
 
             output.register_hook(on_gradient)
         return outputs
@@ -138,9 +145,12 @@ class NumericsTaps:
         positions = {id(v): i for i, v in enumerate(self._variables)}
 
         def measured_apply(grads, trainable_variables=None, *args, **kwargs):
-            if self.instrumenting:
-                variables = trainable_variables or optimizer._trainable_variables
-                self._measure_gradients(grads, variables, positions, loss_scale_getter())
+            if self.instrumenting and self._failure is None:
+                try:
+                    variables = trainable_variables or optimizer._trainable_variables
+                    self._measure_gradients(grads, variables, positions, loss_scale_getter())
+                except Exception as error:  # noqa: BLE001 - never break the step
+                    self._failure = error
             return apply(grads, trainable_variables, *args, **kwargs)
 
         patches.set(optimizer, "apply", measured_apply)
@@ -157,7 +167,11 @@ class NumericsTaps:
         self._gradients = (scaled, unscaled)
 
     def end_sample(self) -> None:
-        """Gathers the rows on the host (one copy), once the call is done."""
+        """Gathers the rows on the host (one copy), once the call is done;
+        raises what a gradient hook raised during it."""
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
         rows = len(self.layer_names)
         unseen = torch.zeros(RAW_COLUMNS, dtype=torch.float32)
         forward = [merge_rows(self._forward[r]).cpu() if r in self._forward else unseen
