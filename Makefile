@@ -7,7 +7,15 @@ PORT ?= 6006
 # SERVE=0 skips serving TensorBoard at the end of `make demo`.
 SERVE ?= 1
 
-.PHONY: demo docs test lint install clean
+# The lowest versions pyproject.toml allows for the JAX extra
+# (tests/lowest/constraints-jax.txt), on the lowest Python it allows where
+# there is one: a fit with the callback, the CLI and the tab
+# (tests/lowest/check.py). The first run installs (about a minute).
+LOWEST ?= .venv-lowest
+LOWEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3.10) \
+                   $(shell command -v python3.10 2>/dev/null) $(PYTHON))
+
+.PHONY: demo docs test test-lowest lint install clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +27,21 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+$(LOWEST)/.installed: pyproject.toml tests/lowest/constraints-jax.txt
+	rm -rf $(LOWEST)
+	$(LOWEST_PYTHON) -m venv $(LOWEST)
+	$(LOWEST)/bin/python -m pip install --quiet --upgrade pip
+	$(LOWEST)/bin/python -m pip install --quiet -c tests/lowest/constraints-jax.txt '.[jax]'
+	touch $@
+
+# mpprof itself is installed again each time (as a wheel, not editable):
+# the check runs the tree's code as a user's install would.
+test-lowest: $(LOWEST)/.installed
+	$(LOWEST)/bin/python -m pip install --quiet --no-deps --force-reinstall .
+	rm -rf $(LOWEST)/work && mkdir -p $(LOWEST)/work
+	cd $(LOWEST)/work && JAX_PLATFORMS=cpu $(CURDIR)/$(LOWEST)/bin/python \
+	  $(CURDIR)/tests/lowest/check.py .
 
 # oneDNN's float16 kernels are emulated on most CPUs (~50x slower steps):
 # the demo trains on CPU with the plain kernels unless you set it yourself.
@@ -35,14 +58,18 @@ demo: install
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
+# mypy checks the backend protocol (pyproject's [tool.mypy]) before pytest.
 test: install docs
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 	MPPROF_REQUIRE_TF_KERAS=1 $(PY) -m pytest -q
-	KERAS_BACKEND=jax $(PY) -m pytest -q tests/jax
-	KERAS_BACKEND=torch $(PY) -m pytest -q tests/torch
+	KERAS_BACKEND=jax $(PY) -m pytest -q tests/jax tests/test_backend_contract.py
+	KERAS_BACKEND=torch $(PY) -m pytest -q tests/torch tests/test_backend_contract.py
+	$(MAKE) test-lowest
 
 lint: install
 	$(VENV)/bin/ruff check mpprof tensorboard_plugin tests examples benchmarks
+	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(LOGDIR) .pytest_cache site
+	rm -rf $(VENV) $(LOWEST) $(LOGDIR) .pytest_cache site

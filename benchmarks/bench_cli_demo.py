@@ -23,18 +23,21 @@ import subprocess
 import sys
 import tempfile
 
+import tiny  # benchmarks/, on the path when run as a script
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GOAL_S = 1.0
 DEMO_RUNS = ("mnist_mixed_float16", "overflow_storm")
 
 
-def train_demo(logdir: pathlib.Path) -> None:
-    """The runs `make demo` records, with the plain CPU kernels it uses."""
+def train_demo(logdir: pathlib.Path, epochs: int | None = None) -> None:
+    """The runs `make demo` records, with the plain CPU kernels it uses
+    (`epochs`: fewer than the examples' own)."""
     env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPP_MIN_LOG_LEVEL": "2"}
     for name in DEMO_RUNS:
         subprocess.run(
             [sys.executable, str(REPO / "examples" / f"{name}.py"), "--log-dir",
-             str(logdir / name)],
+             str(logdir / name), *([] if epochs is None else ["--epochs", str(epochs)])],
             check=True, env=env, stdout=subprocess.DEVNULL,
         )
 
@@ -54,12 +57,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--logdir", help="a recorded logdir (default: train the demo runs)")
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="epochs of each demo run (default: the example's)")
+    args = tiny.parse_args(parser, repeats=1, epochs=1)
     with tempfile.TemporaryDirectory(prefix="mpprof-demo-") as scratch:
         logdir = pathlib.Path(args.logdir or scratch)
         if args.logdir is None:
             print(f"training the demo runs into {logdir} ...", flush=True)
-            train_demo(logdir)
+            train_demo(logdir, args.epochs)
         mpprof = str(pathlib.Path(sys.executable).with_name("mpprof"))
         runs = [time_command([mpprof, "diagnose", str(logdir)]) for _ in range(args.repeats)]
     walls = [wall for wall, _ in runs]

@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+import tiny  # benchmarks/, on the path when run as a script
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -167,19 +169,23 @@ def main() -> None:
     parser.add_argument(
         "--pages-only", action="store_true", help="skip the route latencies"
     )
-    args = parser.parse_args()
-    logdir = args.logdir or os.path.join(tempfile.gettempdir(), "mpprof-bench-dashboard")
+    parser.add_argument("--steps", type=int, default=1_000_000,
+                        help="steps of the synthetic run")
+    args = tiny.parse_args(parser, repeats=1, pages=0, steps=2000)
+    logdir = args.logdir or os.path.join(
+        tempfile.gettempdir(), "mpprof-bench-dashboard" + ("-tiny" if args.tiny else ""))
     run_dir = os.path.join(logdir, RUN)
     if not os.path.isdir(run_dir):
         start = time.perf_counter()
-        write_synthetic_run(run_dir)
+        write_synthetic_run(run_dir, steps=args.steps)
         print(f"wrote {run_dir} in {time.perf_counter() - start:.1f} s")
     size = sum(p.stat().st_size for p in pathlib.Path(run_dir).iterdir())
     print(f"logdir {logdir}: {size / 1e6:.0f} MB of mpprof events")
-    print(json.dumps({"steps": 1_000_000, "layers": 200, "numerics_samples": 1000}))
+    print(json.dumps({"steps": args.steps, "layers": 200, "numerics_samples": 1000}))
     if not args.pages_only:
         bench_routes(logdir, args.repeats)
-    bench_page(logdir, args.pages)
+    if args.pages:  # the tiny run: no browser
+        bench_page(logdir, args.pages)
 
 
 if __name__ == "__main__":

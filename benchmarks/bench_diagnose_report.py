@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+import tiny  # benchmarks/, on the path when run as a script
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -60,7 +62,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10_000_000)
     parser.add_argument("--logdir", help="default: a folder of the temp dir named by --steps")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = tiny.parse_args(parser, steps=2000, repeats=1)
 
     logdir = pathlib.Path(
         args.logdir or os.path.join(tempfile.gettempdir(), f"mpprof-bench-{args.steps}-steps")

@@ -34,6 +34,7 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import keras
 import numpy as np
+import tiny  # benchmarks/, on the path when run as a script
 from bench_overhead import EpochTimer
 
 import mpprof
@@ -121,7 +122,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8192)
     parser.add_argument("--flush-every-steps", type=int, default=50)
     parser.add_argument("--numerics-every", type=int, default=50)
-    args = parser.parse_args()
+    args = tiny.parse_args(parser, repeats=1, epochs=1, samples=256, flush_every_steps=4,
+                           numerics_every=4)
     rng = np.random.default_rng(0)
     x = rng.random((args.samples, 784), dtype=np.float32)
     y = rng.integers(0, 10, args.samples)

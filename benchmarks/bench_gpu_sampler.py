@@ -26,6 +26,8 @@ import time
 import timeit
 from pathlib import Path
 
+import tiny  # benchmarks/, on the path when run as a script
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -95,7 +97,7 @@ def main(argv=None) -> int:
                         help="TensorFlow intra/inter-op threads (0: TF's default); "
                         "1 keeps spinning thread pools from drowning the figures "
                         "on a shared machine")
-    args = parser.parse_args(argv)
+    args = tiny.parse_args(parser, argv, repeats=1, steps=16)
     if args.tf_threads:
         import tensorflow as tf
 

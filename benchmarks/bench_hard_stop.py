@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 
+import tiny  # benchmarks/, on the path when run as a script
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(os.path.dirname(HERE), "tests")
 sys.path.insert(0, TESTS)
@@ -64,7 +66,7 @@ def trial(delay_s: float) -> tuple[int, float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
-    args = parser.parse_args()
+    args = tiny.parse_args(parser, trials=1)
     rng = random.Random(0)
     worst = 0.0
     print(f"flush_every_seconds={FLUSH_EVERY_SECONDS}")

@@ -8,7 +8,9 @@ a fresh process:
 1. `/runs` through TensorBoard's WSGI app with the mpprof plugin: the first
    request (every run read and diagnosed), then the median of 10 later ones
    (nothing changed; the listing's 2 s reuse is switched off so each walks
-   the logdir), and the process's peak RSS;
+   the logdir), and the process's peak RSS; then the same in a new process,
+   as TensorBoard restarted on the sweep ("dashboard_restarted": the run
+   summaries the first saved are trusted, `summary_store`);
 2. `mpprof diagnose LOGDIR --format json` and `mpprof report LOGDIR`: wall time
    and peak RSS of the command.
 
@@ -29,6 +31,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import tiny  # benchmarks/, on the path when run as a script
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -98,7 +102,8 @@ def main() -> None:
                                                         "mpprof-bench-many-runs"))
     parser.add_argument("--source", default="", help="another checkout to measure")
     parser.add_argument("--no-cli", action="store_true")
-    args = parser.parse_args()
+    args = tiny.parse_args(parser, sizes="3", steps=200, cache=os.path.join(
+        tempfile.gettempdir(), "mpprof-bench-many-runs-tiny"))
     root = pathlib.Path(args.cache)
     root.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -106,14 +111,18 @@ def main() -> None:
         env["PYTHONPATH"] = args.source
     for size in map(int, args.sizes.split(",")):
         logdir = make_logdir(root, size, args.steps)
-        # Each measure in its own process: peak RSS is per process.
-        routes = subprocess.run([sys.executable, "-c", _ROUTES, str(logdir), args.source],
-                                capture_output=True, text=True, env=env, timeout=3600)
         line = {"size": size, "steps": args.steps}
-        if routes.returncode == 0:
-            line["dashboard"] = json.loads(routes.stdout.strip().splitlines()[-1])
-        else:
-            line["dashboard"] = {"error": routes.stderr[-500:]}
+        # Each measure in its own process: peak RSS is per process. The first
+        # with no run summaries saved (a first TensorBoard on the sweep), the
+        # second as TensorBoard restarted on it (`summary_store`).
+        with tempfile.TemporaryDirectory() as saved:
+            for key in ("dashboard", "dashboard_restarted"):
+                routes = subprocess.run(
+                    [sys.executable, "-c", _ROUTES, str(logdir), args.source],
+                    capture_output=True, text=True, timeout=3600,
+                    env={**env, "MPPROF_SUMMARY_CACHE": saved})
+                line[key] = (json.loads(routes.stdout.strip().splitlines()[-1])
+                             if routes.returncode == 0 else {"error": routes.stderr[-500:]})
         if not args.no_cli:
             cli = [sys.executable, "-m", "mpprof.cli"]
             line["diagnose"] = command(cli + ["diagnose", str(logdir), "--format", "json"], env)

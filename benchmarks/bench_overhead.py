@@ -54,6 +54,7 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 import keras
 import numpy as np
 import tensorflow as tf
+import tiny  # benchmarks/, on the path when run as a script
 from bench_models import cnn_model, seed_model
 
 import mpprof
@@ -282,7 +283,8 @@ def main() -> None:
                              "to measure in the same session, interleaved with this one")
     parser.add_argument("--raw", action="store_true",
                         help="print every fit's seconds as one JSON line instead of tables")
-    args = parser.parse_args()
+    args = tiny.parse_args(parser, repeats=1, epochs=1, models=["cnn"],
+                           configs=["plain", "mpprof_defaults"])
     if "plain" not in args.configs:
         parser.error("--configs must include plain: every ratio is to plain fit")
     load_before = os.getloadavg()

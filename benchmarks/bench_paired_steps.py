@@ -47,6 +47,7 @@ from keras.src.utils.python_utils import pythonify_logs
 import mpprof
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tiny  # benchmarks/, on the path when run as a script
 from bench_overhead import BATCH_SIZE, FIRST_SAMPLE_STEP, MODELS
 
 
@@ -147,7 +148,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=150)
     parser.add_argument("--pin", action="store_true",
                         help="TensorFlow on one thread, the process on one core")
-    args = parser.parse_args()
+    args = tiny.parse_args(parser, rounds=2, block=2)
     if args.pin:
         os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
         tf.config.threading.set_intra_op_parallelism_threads(1)

@@ -36,6 +36,7 @@ if "--pin" in os.sys.argv:
 import jax
 import keras
 import numpy as np
+import tiny  # benchmarks/, on the path when run as a script
 from bench_models import SHAPES
 
 import mpprof
@@ -149,7 +150,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=150)
     parser.add_argument("--pin", action="store_true",
                         help="one core, XLA on one thread (read before jax is imported)")
-    args = parser.parse_args()
+    args = tiny.parse_args(parser, rounds=2, block=2)
     load_before = os.getloadavg()
     report(measure(args.policy, args.block, args.rounds, model_name=args.model), args.block)
     print(f"\n{args.model} model, {args.policy}, batch {BATCH_SIZE}, {args.rounds} rounds of "

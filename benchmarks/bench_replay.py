@@ -35,6 +35,7 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import keras
 import numpy as np
+import tiny  # benchmarks/, on the path when run as a script
 from bench_overhead import EpochTimer
 
 import mpprof
@@ -60,22 +61,20 @@ def seed_model(first_kernel: float | None) -> keras.Model:
 class _Clock:
     """Seconds spent in one method of a class, per call."""
 
-    def __init__(self, owner, name: str, only_instrumented: bool = False):
+    def __init__(self, owner, name: str):
         self.calls: list[float] = []
         self._owner, self._name = owner, name
         self._original = getattr(owner, name)
-        self._only_instrumented = only_instrumented
 
     def __enter__(self):
-        original, calls, only = self._original, self.calls, self._only_instrumented
+        original, calls = self._original, self.calls
 
         def timed(obj, *args, **kwargs):
             start = time.perf_counter()
             try:
                 return original(obj, *args, **kwargs)
             finally:
-                if not only or args[1]:  # TrainFunctions.run(iterator, instrumented)
-                    calls.append(time.perf_counter() - start)
+                calls.append(time.perf_counter() - start)
 
         setattr(self._owner, self._name, timed)
         return self
@@ -91,7 +90,7 @@ def capture_run(batch_size: int, budget: int, x, y) -> dict:
     profiler = mpprof.MixedPrecisionProfiler(logdir, numerics_every=4, replay_budget=budget,
                                              forensic_spacing=1)
     with _Clock(replay_capture.ReplayCapture, "_write") as write, \
-            _Clock(TrainFunctions, "run", only_instrumented=True) as sampled:
+            _Clock(TrainFunctions, "run_instrumented") as sampled:
         model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0, callbacks=[profiler])
     captures = files.find_captures(logdir, "train")
     disk = [sum(os.path.getsize(os.path.join(c.path, n)) for n in os.listdir(c.path))
@@ -114,7 +113,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--samples", type=int, default=8192)
-    args = parser.parse_args()
+    args = tiny.parse_args(parser, batch_sizes=[32], repeats=1, epochs=1, samples=1280)
     rng = np.random.default_rng(0)
     x = rng.random((args.samples, 784), dtype=np.float32)
     y = rng.integers(0, 10, args.samples)

@@ -26,6 +26,8 @@ import time
 import types
 from pathlib import Path
 
+import tiny  # benchmarks/, on the path when run as a script
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -120,7 +122,7 @@ def main(argv=None) -> int:
     parser.add_argument("--interval", type=float, default=0.2, help="sampling s")
     parser.add_argument("--dry-run", action="store_true",
                         help="only start and stop the sampler; no load")
-    args = parser.parse_args(argv)
+    args = tiny.parse_args(parser, argv, dry_run=True)
 
     gpu = load_sampler_module()
     sampler = gpu.GpuSampler(args.interval)

@@ -7,7 +7,10 @@ mixed_bfloat16; reads back each run (steps, skipped steps, NVML GPM Tensor
 Core utilisation when the GPU has it, over the run and over the window's
 steps, beside XProf's Tensor Core kernel share of the same steps, numerics
 samples);
-runs `mpprof diagnose` on the whole log_dir; measures the paired overhead of
+runs `mpprof diagnose` on the whole log_dir; asks the precision advisor for a
+plan for each model's mixed_bfloat16 run and trains the run's policy and the
+plan without the profiler, printing both measured step times beside the
+plan's projection; measures the paired overhead of
 the profiler on the seed model (`bench_paired_steps_jax`); writes it all to
 `--out`. Sized for at most 8 minutes on one GPU; `--tiny` runs it on a CPU in
 seconds (CI's smoke test: the same code path, tiny sizes).
@@ -68,13 +71,21 @@ def _data(name: str, samples: int, sequence: int, vocabulary: int):
     return rng.integers(0, vocabulary, (samples, sequence)).astype("int32"), y
 
 
-def train(log_dir: str, name: str, policy: str, sizes: dict) -> dict:
+def build(name: str, policy, sizes: dict) -> keras.Model:
+    """The model under `policy` (a name or a DTypePolicyMap: its keys are the
+    layers' paths, the same in every build after `clear_session`)."""
+    keras.backend.clear_session()
     keras.mixed_precision.set_dtype_policy(policy)
     keras.utils.set_random_seed(0)
     model = (seed_model() if name == "seed" else
              small_transformer(sizes["sequence"], sizes["vocabulary"], sizes["width"]))
     model.compile(optimizer="adam",
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def train(log_dir: str, name: str, policy: str, sizes: dict) -> dict:
+    model = build(name, policy, sizes)
     x, y = _data(name, sizes["samples"], sizes["sequence"], sizes["vocabulary"])
     run_dir = os.path.join(log_dir, f"{name}_{policy}")
     start = time.perf_counter()
@@ -97,6 +108,65 @@ def train(log_dir: str, name: str, policy: str, sizes: dict) -> dict:
         figures.update({f"{column}_median": value for column, value in medians.items()})
     figures["xprof"] = xprof_beside_nvml(run, sizes["profile_steps"])
     return figures
+
+
+class _StepTimes(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        # The loss read forces the step to finish (JAX dispatches asynchronously).
+        if logs:
+            float(logs.get("loss", 0.0))
+        self.ends.append(time.perf_counter())
+
+
+def median_step_seconds(name: str, policy, sizes: dict, float8: list[str]) -> float:
+    """The median step time of the model under `policy` (float8: the
+    `model.quantize` filters), without the profiler, past the compilation."""
+    model = build(name, policy, sizes)
+    if float8:
+        # A layer holding a DTypePolicyMap cannot be quantized (Keras builds
+        # "float8_from_map_..."): each takes its own entry first.
+        for layer in model._flatten_layers(include_self=False):
+            if isinstance(layer.dtype_policy, keras.dtype_policies.DTypePolicyMap):
+                policy = layer.dtype_policy
+                layer.dtype_policy = (policy[layer.path] if layer.path
+                                      else policy.default_policy)
+        model.quantize("float8", filters=float8)
+        model.compile(optimizer="adam",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data(name, sizes["samples"], sizes["sequence"], sizes["vocabulary"])
+    times = _StepTimes()
+    model.fit(x, y, batch_size=sizes["batch"], epochs=1, verbose=0, callbacks=[times])
+    gaps = np.diff(times.ends)[2:]
+    return float(np.median(gaps)) if len(gaps) else float("nan")
+
+
+def advisor_check(run_dir: str, name: str, policy: str, sizes: dict) -> dict:
+    """The advisor's plan for a run, trained beside the run's own policy: both
+    step times measured, printed beside the plan's projection (so the first
+    GPU run calibrates the projection)."""
+    advice = mpprof.advise(run_dir)
+    plan, projection = advice["plan"], advice["projection"]
+    planned = keras.dtype_policies.DTypePolicyMap(default_policy=plan["default_policy"])
+    for path, layer_policy in plan["policy_map"].items():
+        planned[path] = layer_policy
+    baseline_s = median_step_seconds(name, policy, sizes, [])
+    plan_s = (baseline_s if plan["nothing_to_change"]
+              else median_step_seconds(name, planned, sizes, plan["float8_filters"]))
+    keras.mixed_precision.set_dtype_policy("float32")
+    return {
+        "model": name, "policy": policy,
+        "plan": {key: plan[key] for key in ("must_float32", "lower", "float8",
+                                            "nothing_to_change", "policy_map")},
+        "projection": {key: projection.get(key) for key in (
+            "gpu", "float32_runs_as", "gemm_seconds_now", "gemm_seconds_plan", "gemm_speedup",
+            "measured_step_seconds", "step_speedup")},
+        "measured": {"baseline_step_seconds": baseline_s, "plan_step_seconds": plan_s,
+                     "speedup": baseline_s / plan_s if plan_s else None},
+    }
 
 
 def xprof_beside_nvml(run, window: tuple[int, int]) -> dict:
@@ -177,6 +247,12 @@ def main() -> int:
                 continue
             result["runs"].append(train(log_dir, name, policy, sizes))
     result["diagnosis"] = diagnose(log_dir)
+    result["advisor"] = [advisor_check(os.path.join(log_dir, f"{name}_mixed_bfloat16"), name,
+                                       "mixed_bfloat16", sizes)
+                         for name in ("seed", "transformer")]
+    for check in result["advisor"]:
+        print(json.dumps({"advisor": check["model"], "projected": check["projection"],
+                          "measured": check["measured"]}, default=float))
     import bench_paired_steps_jax
 
     times = bench_paired_steps_jax.measure("mixed_float16", paired["block"], paired["rounds"],

@@ -19,6 +19,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
+import tiny  # benchmarks/, on the path when run as a script
 
 from mpprof.records import schema
 from mpprof.records.writer import RecordWriter
@@ -62,7 +63,8 @@ def _context() -> dict:
         "distribution_strategy": "_DefaultDistributionStrategy",
         "num_replicas": 1,
         "devices": [{"name": "/device:GPU:0", "type": "GPU"}],
-        "gpus_visible_to_tensorflow": 1,
+        "framework": {"name": "TensorFlow", "version": "synthetic", "libraries": {}},
+        "gpus_visible": 1,
         "collectors": {
             "gpu": {
                 "state": "ok",
@@ -249,7 +251,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=200)
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = tiny.parse_args(parser, steps=2000, layers=10, samples=10)
     start = time.perf_counter()
     run_dir = os.path.join(args.logdir, "synthetic_large", schema.TRAIN_RUN)
     write_synthetic_run(

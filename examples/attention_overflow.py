@@ -81,7 +81,10 @@ def main() -> None:
         x, y, batch_size=BATCH, epochs=args.epochs, shuffle=False, verbose=args.verbose,
         callbacks=[
             keras.callbacks.TensorBoard(log_dir=args.log_dir),
-            mpprof.MixedPrecisionProfiler(log_dir=args.log_dir, numerics_every=16),
+            # advise_batches: 4 of the run's own batches, spread across it, for
+            # `mpprof advise --verify` to check its plan on.
+            mpprof.MixedPrecisionProfiler(log_dir=args.log_dir, numerics_every=16,
+                                          advise_batches=4),
         ],
     )
 

@@ -1,5 +1,6 @@
 """`make demo`: train a healthy model and a faulty one, diagnose, fix, check;
-then the faulty one again on Keras 3's JAX backend.
+then the faulty one again on Keras 3's JAX backend; then the precision
+advisor's verified plan for the faulty one.
 
 Runs each step as its own process and prints the command before its output,
 so the transcript shows what to type yourself. TensorFlow's C++ log lines
@@ -66,7 +67,8 @@ def main() -> None:
         "--log-dir", str(logdir / "mnist_mixed_float16"))
     run(python, "examples/attention_overflow.py", "--verbose", "0",
         "--log-dir", str(logdir / "attention_overflow"))
-    print("\n2. Diagnose: the first layer that overflowed, replayed op by op to a verified fix")
+    print("\n2. Diagnose: the first layer that overflowed, replayed op by op to a fix, verified"
+          " (close to float32 on the step, and a short trial that trains like float32)")
     run(mpprof, "diagnose", str(logdir / "attention_overflow"), "--replay")
     print("\n3. Train again with the fix (Attention in float32 via a DTypePolicyMap), diagnose")
     run(python, "examples/attention_overflow.py", "--verbose", "0", "--fix",
@@ -77,6 +79,9 @@ def main() -> None:
     run(python, "examples/attention_overflow.py", "--verbose", "0",
         "--log-dir", str(logdir / "attention_overflow_jax"), backend="jax")
     run(mpprof, "diagnose", str(logdir / "attention_overflow_jax"), "--replay")
+    print("\n5. The precision advisor: which layers must be float32, which can go lower,"
+          " verified on the run's own batches, and the speed it buys on an H100")
+    run(mpprof, "advise", str(logdir / "attention_overflow"), "--verify", "--gpu", "H100")
     run(mpprof, "report", str(logdir), "-o", str(logdir / "report.html"), "--quiet")
     print(f"\nNext: the mpprof tab in TensorBoard (tensorboard --logdir {logdir}, "
           f"http://127.0.0.1:{args.port}/#mpprof),\n"

@@ -16,7 +16,12 @@ from collections.abc import Callable, Iterable
 
 from mpprof import diagnosis
 from mpprof._version import __version__
-from mpprof.display.run_summary import NOTHING_READABLE, cut_short_text, summarize_run
+from mpprof.display.run_summary import (
+    NOTHING_READABLE,
+    cut_short_text,
+    run_facts,
+    summarize_run,
+)
 from mpprof.records import filesystem, reader
 from mpprof.replay import files as replay_files
 from mpprof.replay import text as replay_text
@@ -35,7 +40,10 @@ exit status:
   {EXIT_USAGE}  bad arguments, no such logdir or run, or no mpprof records in it;
      replay, bundle: no such capture, or one that cannot be replayed
   {EXIT_UNREADABLE}  nothing readable: a run none of whose records could be read
-     (corrupt files, or written by a newer mpprof); the warnings say why"""
+     (corrupt files, or written by a newer mpprof); the warnings say why;
+     diagnose --fail-on: also a run some of whose records could not be read
+  report exits 0 once the file is written, 2 as above, or 3 as above (the
+  report is written, and says what could not be read)"""
 
 # Above this many bytes of event files, diagnose and summary say on stderr
 # what they are reading (a 10M-step run is ~230 MB and takes seconds).
@@ -52,14 +60,14 @@ def _warn(text: str) -> None:
     _say([f"mpprof: warning: {text}"], sys.stderr)
 
 
-def _read(logdir: str, run: str | None,
+def _read(logdir: str, run: str | None, verbosity: int = 0,
           progress: Callable[[str], None] | None = None) -> tuple[dict[str, reader.Run], bool]:
-    """The selected runs of `logdir`, and whether they are big enough to say
-    on stderr what is being done (said here for the reading, to `progress`
-    when given, else on stderr for big runs only)."""
+    """The selected runs of `logdir`, and whether to say on stderr what is
+    being done: with -v always, with -q never, else for big runs only (said
+    here for the reading, to `progress` when given, else on stderr)."""
     names = reader.select_runs(logdir, run, on_warning=_warn)
     sizes = {name: _bytes(logdir, name) for name in names}
-    chatty = sum(sizes.values()) > PROGRESS_BYTES
+    chatty = verbosity > 0 or (verbosity == 0 and sum(sizes.values()) > PROGRESS_BYTES)
     if progress is None and chatty:
         def progress(message: str) -> None:
             _say([f"mpprof: {message}"], sys.stderr)
@@ -84,29 +92,45 @@ def _bytes(logdir: str, run: str) -> int:
         return 0  # reading it will say what is wrong
 
 
-def _unreadable_status(runs: dict[str, reader.Run]) -> int | None:
+def _unreadable_status(runs: dict[str, reader.Run], whole: bool = False) -> int | None:
+    """EXIT_UNREADABLE, with a warning per run, where a run had nothing
+    readable; with `whole` (a CI gate: `--fail-on`), also where any of a
+    run's records could not be read: a gate never passes what it could not
+    read whole as "no findings"."""
     unreadable = [name for name, run in runs.items() if not run.readable]
     for name in unreadable:
-        _warn(f"run {name}: {NOTHING_READABLE}")
-    return EXIT_UNREADABLE if unreadable or not runs else None
+        why = cut_short_text(runs[name])  # a write that failed before the first record
+        _warn(f"run {name}: {NOTHING_READABLE}" + (f"; {why}" if why else ""))
+    damaged = [name for name, run in runs.items()
+               if whole and run.readable and run.losses]
+    for name in damaged:
+        lost = "; ".join(f"{loss.file}: {loss.describe()}" for loss in runs[name].losses)
+        _warn(f"run {name}: records could not be read ({lost}); --fail-on does not pass a "
+              "run it could not read whole")
+    return EXIT_UNREADABLE if unreadable or damaged or not runs else None
 
 
 def _summary(args) -> int:
-    runs, _ = _read(args.logdir, None)
-    for run in runs.values():
-        print(summarize_run(run))
+    runs, _ = _read(args.logdir, args.run, args.verbosity)
+    if args.format == "json":
+        # json.dumps escapes control characters (ensure_ascii).
+        print(json.dumps([run_facts(run) for run in runs.values()], indent=2))
+    else:
+        for run in runs.values():
+            print(summarize_run(run))
     return _unreadable_status(runs) or EXIT_OK
 
 
 def _diagnose(args) -> int:
-    runs, chatty = _read(args.logdir, args.run)
-    replays = {name: _replays_of(args.logdir, name, args.replay) for name in runs}
+    runs, chatty = _read(args.logdir, args.run, args.verbosity)
+    replays = {name: _replays_of(args.logdir, name, args.replay, args.verbosity)
+               for name in runs}
     results = {}
     for name, run in runs.items():
         if run.readable:
             if chatty:
                 _say([f"mpprof: diagnosing run {name}"], sys.stderr)
-            results[name] = diagnosis.evaluate(run)
+            results[name] = diagnosis.evaluate(run, assume_gpu=args.assume_gpu)
     for name, run in runs.items():
         for warning in run.warnings:
             _warn(f"run {name}: {warning}")
@@ -128,7 +152,7 @@ def _diagnose(args) -> int:
         color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
         print("\n\n".join(_diagnosis_text(run, results.get(name), color, replays[name])
                           for name, run in runs.items()))
-    status = _unreadable_status(runs)
+    status = _unreadable_status(runs, whole=args.fail_on is not None)
     if status is not None:
         return status
     findings = [f for result in results.values() for f in result.findings]
@@ -151,14 +175,15 @@ def _run_json(run: reader.Run, result, replays: list[dict]) -> dict:
     }
 
 
-def _replays_of(logdir: str, run: str, replay_missing: bool) -> list[dict]:
+def _replays_of(logdir: str, run: str, replay_missing: bool, verbosity: int) -> list[dict]:
     """The run's replay results; with `replay_missing`, captures without one
-    are replayed first (imports TensorFlow)."""
+    are replayed first (imports Keras and the framework that trained them)."""
     captures = replay_files.find_captures(logdir, run, on_skipped=_warn)
     if replay_missing:
         for capture in captures:
             if capture.result() is None:
-                _say([f"mpprof: replaying run {run}, step {capture.step}"], sys.stderr)
+                if verbosity >= 0:
+                    _say([_replaying(run, capture)], sys.stderr)
                 _run_replay(logdir, run, capture.step)
     return [result for capture in captures if (result := capture.result()) is not None]
 
@@ -172,8 +197,9 @@ def _replay_field(finding, replays: list[dict]) -> dict:
 def _diagnosis_text(run: reader.Run, result, color: bool, replays: list[dict]) -> str:
     """One run's section of `mpprof diagnose`'s text output."""
     if result is None:
+        why = cut_short_text(run)  # a write that failed before the first record
         lines = [f"== run {run.name} ==", *(f"  ! {w}" for w in run.warnings),
-                 f"  {NOTHING_READABLE}"]
+                 f"  {NOTHING_READABLE}", *([f"  ! {why}"] if why else [])]
         return "\n".join(printable(line) for line in lines)
     # format_text escapes what it prints from the run itself (and adds ANSI
     # colours of its own, so it is not escaped again here).
@@ -194,14 +220,14 @@ def _report(args) -> int:
     from mpprof import report  # plotly is only needed here
 
     def progress(message: str) -> None:
-        if not args.quiet:
+        if args.verbosity >= 0:
             _say([f"mpprof: {message}"], sys.stderr)
 
-    runs, _ = _read(args.logdir, args.run, progress)
+    runs, _ = _read(args.logdir, args.run, args.verbosity, progress)
     path = report.save_report(
         report.render_report(args.logdir, list(runs.values()), progress=progress), args.output)
     size = os.path.getsize(path) / 1e6
-    _say([f"mpprof: wrote {path} ({size:.1f} MB)"], sys.stderr)
+    progress(f"wrote {path} ({size:.1f} MB)")
     return _unreadable_status(runs) or EXIT_OK
 
 
@@ -209,7 +235,7 @@ def _replay(args) -> int:
     names = reader.select_runs(args.logdir, args.run, on_warning=_warn)
     with_captures = [name for name in names
                      if replay_files.find_captures(args.logdir, name, on_skipped=_warn)
-                     or _has_step_folder(args.logdir, name, args.step)]
+                     or replay_files.has_capture_folder(args.logdir, name, args.step)]
     if not with_captures:
         raise replay_files.NoCaptureError(
             f"no replay capture in {args.logdir} (runs: {', '.join(names)}): mpprof "
@@ -221,9 +247,9 @@ def _replay(args) -> int:
         capture = replay_files.select_capture(args.logdir, name, args.step)
         result = None if args.again else capture.result()
         if result is None:
-            if args.format != "json":
-                _say([f"mpprof: replaying run {name}, step {capture.step} (imports "
-                      "TensorFlow)"], sys.stderr)
+            # JSON on stdout is for tools: the line only when asked for (-v).
+            if (args.format != "json" and args.verbosity >= 0) or args.verbosity > 0:
+                _say([_replaying(name, capture)], sys.stderr)
             result = _run_replay(args.logdir, name, capture.step)
         results.append(result)
     if args.format == "json":
@@ -234,16 +260,12 @@ def _replay(args) -> int:
     return EXIT_OK
 
 
-def _has_step_folder(logdir: str, run: str, step: int | None) -> bool:
-    """Whether `run` has a folder for the capture of `step` (readable or not:
-    asking for a damaged one must name its damage, not say it is missing)."""
-    if step is None:
-        return False
-    folder = filesystem.join(replay_files.run_path(logdir, run), replay_files.step_folder(step))
-    try:
-        return filesystem.isdir(folder)
-    except OSError:
-        return False
+def _replaying(run: str, capture: replay_files.Capture) -> str:
+    """The progress line of a replay, naming the framework it imports."""
+    from mpprof.backends import replay_engines
+
+    return (f"mpprof: replaying run {run}, step {capture.step} (imports Keras and "
+            f"{replay_engines.framework(capture.manifest)})")
 
 
 def _bundle(args) -> int:
@@ -253,8 +275,33 @@ def _bundle(args) -> int:
                                   include_batch=args.include_batch, on_skipped=_warn)
     held = "with the batch and weights" if args.include_batch else (
         "statistics and shapes only (no batch, no weights: --include-batch adds them)")
-    _say([f"mpprof: wrote {written['path']} ({written['bytes'] / 1e3:.0f} kB): run "
-          f"{written['run']}, step {written['step']}, {held}"], sys.stderr)
+    if args.verbosity >= 0:
+        _say([f"mpprof: wrote {written['path']} ({written['bytes'] / 1e3:.0f} kB): run "
+              f"{written['run']}, step {written['step']}, {held}"], sys.stderr)
+    return EXIT_OK
+
+
+def _advise(args) -> int:
+    from mpprof import advisor
+    from mpprof.advisor import gpus, text
+
+    try:
+        gpus.gpu(args.gpu) if args.gpu is not None else None
+    except gpus.UnknownGpuError as e:
+        _say([f"mpprof: {e}"], sys.stderr)
+        return EXIT_USAGE
+    names = reader.select_runs(args.logdir, args.run, on_warning=_warn)
+    advice = []
+    for name in names:
+        if args.verify and args.format != "json" and args.verbosity >= 0:
+            _say([f"mpprof: verifying run {name}'s plan on its kept batches (imports the "
+                  "framework that trained it)"], sys.stderr)
+        advice.append(advisor.advise(args.logdir, name, gpu=args.gpu, verify=args.verify))
+    if args.format == "json":
+        # json.dumps escapes control characters (ensure_ascii).
+        print(json.dumps(advice[0] if len(advice) == 1 else advice, indent=2))
+    else:
+        print("\n\n".join("\n".join(text.advice_lines(a)) for a in advice))
     return EXIT_OK
 
 
@@ -266,57 +313,114 @@ def _run_replay(logdir: str, run: str, step: int) -> dict:
     return replay_engines.replay(logdir, run, step)
 
 
+LOGDIR_HELP = (
+    "the log_dir given to MixedPrecisionProfiler, or a folder above it (every run "
+    "below is read): a local path or a URL, s3://bucket/logs (mpprof[s3]; "
+    "AWS_ENDPOINT_URL for S3-compatible stores), gs://bucket/logs (mpprof[gcs]) or "
+    "any fsspec URL")
+
+# Each command's `--help` ends with these, then the exit statuses.
+EXAMPLES = {
+    "summary": """\
+  mpprof summary logs
+  mpprof summary logs --run run1/train --format json
+  mpprof summary s3://bucket/logs""",
+    "diagnose": """\
+  mpprof diagnose logs
+  mpprof diagnose logs --replay                      # first op and a verified fix
+  mpprof diagnose logs --fail-on critical            # a CI gate: exit 1 on a critical finding
+  mpprof diagnose logs --run run1/train --format json""",
+    "report": """\
+  mpprof report logs                                 # writes mpprof-report.html
+  mpprof report logs -o report.html --run run1/train -q""",
+    "replay": """\
+  mpprof replay logs/run1
+  mpprof replay logs --run run1/train --step 12 --format json
+  KERAS_BACKEND=jax mpprof replay logs/jax_run      # a capture trained on JAX""",
+    "bundle": """\
+  mpprof bundle logs/run1 -o repro.zip
+  mpprof bundle logs/run1 --include-batch            # with the batch and weights (private?)""",
+    "advise": """\
+  mpprof advise logs/run1 --gpu H100                 # the plan, its code, the projection
+  mpprof advise logs/run1 --verify                   # replayed on the run's kept batches
+  mpprof advise logs --run run1/train --format json""",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpprof",
         description="Inspect mixed-precision runs recorded by mpprof.",
-        epilog=EXIT_STATUSES,
+        epilog="examples:\n" + "\n".join(
+            line for name in ("summary", "diagnose", "report") for line in
+            EXAMPLES[name].splitlines()[:1]) + "\n\n" + EXIT_STATUSES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"mpprof {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    # Every command: the logdir, and how much it says on stderr.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("logdir", help=LOGDIR_HELP)
+    loudness = common.add_mutually_exclusive_group()
+    loudness.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=-1,
+                          default=0, help="no progress lines on stderr (warnings and "
+                                          "errors still)")
+    loudness.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=1,
+                          help="a progress line for every run read, whatever its size (by "
+                               f"default only over {PROGRESS_BYTES >> 20} MiB of records)")
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
         return commands.add_parser(
-            name, help=help, description=help, epilog=EXIT_STATUSES,
+            name, help=help, description=help, parents=[common],
+            epilog=(f"examples:\n{EXAMPLES[name]}\n\n" if name in EXAMPLES else "")
+            + EXIT_STATUSES,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
 
     summary = command("summary", "say what was recorded in LOGDIR")
-    summary.add_argument("logdir")
+    summary.add_argument("--run", help="only this run (as `mpprof summary` names it)")
+    summary.add_argument(
+        "--format", choices=("text", "json"), default="text",
+        help="json: a list of runs, each with its fit state, policy, optimizer, "
+             "inventory counts, loss scale and warnings (default: %(default)s)")
     summary.set_defaults(handler=_summary)
     diagnose = command("diagnose", "list what is wrong in LOGDIR's runs and what to change")
-    diagnose.add_argument("logdir")
     diagnose.add_argument("--run", help="only this run (as `mpprof summary` names it)")
     diagnose.add_argument(
         "--format", choices=("text", "json", "json-runs"), default="text",
         help="json: a list of findings, most severe first, each with its run and the "
              "run's fit_state; json-runs: every run (unreadable ones too) with its fit "
-             "state, warnings and findings")
+             "state, warnings and findings (default: %(default)s)")
     diagnose.add_argument(
         "--fail-on", choices=("critical", "warning"), default=None,
-        help=f"exit with status {EXIT_FINDINGS} if a finding is at least this severe (for CI)",
+        help=f"exit with status {EXIT_FINDINGS} if a finding is at least this severe "
+             "(for CI; default: never)",
     )
     diagnose.add_argument(
+        "--assume-gpu", action="store_true",
+        help="judge what only matters on a GPU (Tensor Core shapes, MP007) as a projection "
+             "for a run that had none")
+    diagnose.add_argument(
         "--replay", action="store_true",
-        help="replay captured steps that have no replay result yet (imports TensorFlow)",
+        help="replay captured steps that have no replay result yet (imports Keras and the "
+             "framework that trained each run: mpprof[tensorflow] or mpprof[jax])",
     )
     diagnose.set_defaults(handler=_diagnose)
     report = command("report", "write one self-contained HTML report of LOGDIR's runs")
-    report.add_argument("logdir")
-    report.add_argument("-o", "--output", default="mpprof-report.html")
-    report.add_argument("--run", help="only this run")
-    report.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    report.add_argument("-o", "--output", default="mpprof-report.html",
+                        help="the HTML file to write (default: %(default)s)")
+    report.add_argument("--run", help="only this run (default: every run)")
     report.set_defaults(handler=_report)
     replay = command(
         "replay",
         "run a captured step again: the first op that overflowed, float16 vs float32 "
         "per layer, and a verified per-layer float32 fix",
     )
-    replay.add_argument("logdir")
     replay.add_argument("--run", help="only this run (as `mpprof summary` names it)")
     replay.add_argument("--step", type=int, help="the captured step (default: the first)")
-    replay.add_argument("--format", choices=("text", "json"), default="text")
+    replay.add_argument("--format", choices=("text", "json"), default="text",
+                        help="json: the replay's result as saved beside the capture "
+                             "(default: %(default)s)")
     replay.add_argument("--again", action="store_true",
                         help="replay even when a saved result exists")
     replay.set_defaults(handler=_replay)
@@ -325,13 +429,28 @@ def build_parser() -> argparse.ArgumentParser:
         "write a repro zip of a captured step for a bug report (statistics and shapes; "
         "the batch and weights only with --include-batch)",
     )
-    bundle.add_argument("logdir")
-    bundle.add_argument("-o", "--output", default="mpprof-bundle.zip")
-    bundle.add_argument("--run", help="only this run")
+    bundle.add_argument("-o", "--output", default="mpprof-bundle.zip",
+                        help="the zip file to write (default: %(default)s)")
+    bundle.add_argument("--run", help="only this run (default: the first with a capture)")
     bundle.add_argument("--step", type=int, help="the captured step (default: the first)")
     bundle.add_argument("--include-batch", action="store_true",
                         help="also the step's batch and weights (they may be private)")
     bundle.set_defaults(handler=_bundle)
+    advise = command(
+        "advise",
+        "a per-layer precision plan from the run's data: which layers must be float32, "
+        "which can go lower (half precision, float8), the code, and the speed it buys",
+    )
+    advise.add_argument("--run", help="only this run (as `mpprof summary` names it)")
+    advise.add_argument("--format", choices=("text", "json"), default="text",
+                        help="json: one run's advice as an object, several as a list "
+                             "(default: %(default)s)")
+    advise.add_argument("--gpu", help="the GPU to project for (default: the run's own, "
+                        "else H100); an unknown name lists the known ones")
+    advise.add_argument("--verify", action="store_true",
+                        help="replay the plan on the run's advise batches "
+                             "(imports the framework that trained it)")
+    advise.set_defaults(handler=_advise)
     return parser
 
 

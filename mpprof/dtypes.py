@@ -105,6 +105,30 @@ def has_fp16_tensor_cores(compute_capability) -> bool | None:
     return tuple(compute_capability) >= FP16_TENSOR_CORE_CAPABILITY
 
 
+# GPU architectures by compute capability major (7.5 and 8.9 below).
+_ARCHITECTURES_BY_CC = {
+    3: "Kepler",
+    5: "Maxwell",
+    6: "Pascal",
+    7: "Volta",
+    8: "Ampere",
+    9: "Hopper",
+    10: "Blackwell",
+    12: "Blackwell",
+}
+
+
+def architecture_of(compute_capability) -> str | None:
+    """The GPU architecture of a compute capability ([major, minor]), or None."""
+    if not compute_capability:
+        return None
+    if tuple(compute_capability) == (7, 5):
+        return "Turing"
+    if tuple(compute_capability) == (8, 9):
+        return "Ada"
+    return _ARCHITECTURES_BY_CC.get(compute_capability[0])
+
+
 def has_native_bf16(compute_capability) -> bool | None:
     """Whether a GPU of this compute capability computes bfloat16 natively
     (None when the capability is unknown)."""

@@ -85,6 +85,8 @@ def run_summary(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
         "model_policy": context.model_policy,
         "optimizer": context.optimizer,
         "jit_compile": context.jit_compile,
+        # What float32 matmuls run as (TF32 on Ampere+ by default), in words.
+        "float32_matmuls": (context.float32_matmuls or {}).get("setting"),
         "leaf_layers": len(leaves),
         "float32_islands": sum(bool(layer.get("float32_island")) for layer in leaves),
         "casts": len(inventory.get("casts", [])),
@@ -102,9 +104,10 @@ def run_summary(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
         "gpu_mode": getattr(run.gpu, "mode", None),
         "warnings": len(run.warnings),
         "findings": severity_counts(result),
-        # "running" | "ended" | "failed" (None in runs older than the key), and
-        # for a fit that never recorded its end, where its records stop.
-        "fit_state": context.fit_state,
+        # How the fit stands, read as the CLI reads it (`Run.fit_outcome`):
+        # "ended" | "failed" | "cut_short" | "unknown"; and for a run cut
+        # short, where its records stop.
+        "fit_state": run.fit_outcome,
         "cut_short": run.cut_short,
         "readable": run.readable,
     }
@@ -118,7 +121,7 @@ def findings_payload(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
     """The findings of `run`, most severe first, and the rules not checked;
     under those a replay bears on, the run's replay (`mpprof replay`), as
     lines of text."""
-    replays = replay_files.saved_results(run.path, ".")
+    replays = replay_files.saved_results(run.path, "." + run.writer_suffix)
     findings = []
     for finding in result.findings:
         row = finding.to_dict()
@@ -402,3 +405,17 @@ def _row_label(layers: list[str], starts: np.ndarray, i: int) -> str:
 def _null_nonfinite(value):
     """`value` JSON-ready, NaN and infinities as None (a gap in a view)."""
     return json_safe(value, nonfinite_as_null=True)
+
+
+def advice_payload(run: reader.Run) -> dict:
+    """The precision advisor's plan for the run (`mpprof.advisor.advise_run`:
+    per-layer facts, the plan and its code, the projection; no replay), and
+    the saved verification when `mpprof advise --verify` ran."""
+    from mpprof import advisor
+
+    if not run.inventory:
+        return not_available("no precision inventory was recorded (the train step was "
+                             "never traced)")
+    advice = advisor.advise_run(run)
+    advice["verification"] = advisor.saved_verification(run.path)
+    return {"available": True, **json_safe(advice)}

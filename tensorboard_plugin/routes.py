@@ -21,7 +21,7 @@ from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
 from mpprof.records import filesystem
-from tensorboard_plugin_mpprof import metadata, payloads
+from tensorboard_plugin_mpprof import metadata, payloads, run_sources
 from tensorboard_plugin_mpprof.run_cache import CachedRun, RunCache
 
 _STATIC_TYPES = {".js": "text/javascript", ".css": "text/css"}
@@ -45,7 +45,8 @@ class MpprofPlugin(base_plugin.TBPlugin):
     plugin_name = metadata.PLUGIN_NAME
 
     def __init__(self, context: base_plugin.TBContext):
-        self._runs = RunCache(context.logdir or "")
+        # TensorBoard's logdir, or its multiplexer's runs (`--logdir_spec`).
+        self._runs = RunCache(run_sources.run_source(context.logdir, context.multiplexer))
         self._static_dir = pathlib.Path(__file__).resolve().parent / "static"
         self._static_names = frozenset(
             entry.name
@@ -72,6 +73,7 @@ class MpprofPlugin(base_plugin.TBPlugin):
             "/histogram": self._run_route(self._histogram),
             "/gpu": self._run_route(self._gpu),
             "/float8": self._run_route(self._float8),
+            "/advice": self._run_route(lambda args: ("advice", payloads.advice_payload)),
         }
 
     def is_active(self) -> bool:
@@ -185,7 +187,7 @@ class MpprofPlugin(base_plugin.TBPlugin):
         @wrappers.Request.application
         def route(request):
             key, compute = handler(request.args)
-            run = self._runs.get(request.args.get("run"))
+            run = self._runs.get(_run_name(request.args))
             if diagnosed:
                 # Derived on its own first: `derive` does not nest.
                 result = _diagnosis(run)
@@ -262,3 +264,20 @@ def _choice_arg(args, name: str, choices: tuple[str, ...]) -> str:
             f"{name} must be one of {', '.join(choices)}; got {value!r}"
         )
     return value
+
+
+def _run_name(args) -> str | None:
+    """The run a request names: `run`, or `run_json` (its JSON text), which
+    the tab sends for a name that is not valid Unicode (a directory name that
+    is not UTF-8, listed with Python's surrogate escapes): a URL would turn
+    those into U+FFFD, JSON keeps them exactly (static/api.js)."""
+    encoded = args.get("run_json")
+    if encoded is None:
+        return args.get("run")
+    try:
+        name = json.loads(encoded)
+    except ValueError as e:
+        raise errors.InvalidArgumentError(f"run_json is not JSON text: {e}") from e
+    if not isinstance(name, str):
+        raise errors.InvalidArgumentError("run_json is not a JSON string")
+    return name

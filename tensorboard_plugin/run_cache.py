@@ -29,6 +29,8 @@ from tensorboard import errors
 
 from mpprof.records import filesystem, reader
 from mpprof.terminal import printable
+from tensorboard_plugin_mpprof.run_sources import LogdirRuns, MultiplexerRuns
+from tensorboard_plugin_mpprof.summary_store import SummaryStore
 
 logger = logging.getLogger(__name__)
 
@@ -76,21 +78,27 @@ class RunCache:
     """Reads runs of `logdir` on demand.
 
     Args:
-        logdir: the logdir TensorBoard serves (local or a URL).
+        logdir: the logdir TensorBoard serves (local or a URL), or where the
+            runs are when there is none (`run_sources`: `--logdir_spec`).
         budget_bytes: the memory the full reads may take together (the most
             recent run is kept whatever its size); default `MPPROF_CACHE_MB`
             MiB, else 1 GiB.
     """
 
-    def __init__(self, logdir: str, budget_bytes: int | None = None):
-        self.logdir = logdir
+    def __init__(self, logdir: str | LogdirRuns | MultiplexerRuns,
+                 budget_bytes: int | None = None):
+        self._source = LogdirRuns(logdir) if isinstance(logdir, str) else logdir
+        self.logdir = self._source.logdir
         if budget_bytes is None:
             budget_bytes = int(os.environ.get("MPPROF_CACHE_MB", _DEFAULT_BUDGET_MB)) * 2**20
         self._budget = budget_bytes
         self._runs: collections.OrderedDict[str, CachedRun] = collections.OrderedDict()
         self._bytes = 0
-        # Run -> (signature, summary, the summary as JSON text).
-        self._summaries: dict[str, tuple[tuple, dict, str]] = {}
+        # Run -> (signature, summary, the summary as JSON text); those saved by
+        # an earlier TensorBoard on this logdir are trusted while their run's
+        # files are unchanged (`summary_store`).
+        self._store = SummaryStore(self.logdir)
+        self._summaries: dict[str, tuple[tuple, dict, str]] = self._store.load()
         self._run_locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self._lock = threading.Lock()
         self._listing: tuple[float, dict[str, tuple]] = (float("-inf"), {})
@@ -103,11 +111,7 @@ class RunCache:
         old (`fresh`: walked now)."""
         listed_at, runs = self._listing
         if fresh or time.monotonic() - listed_at > _RUN_LIST_TTL_S:
-            try:
-                runs = (reader.run_files(self.logdir, self._warn_once, self._listings)
-                        if self.logdir else {})
-            except reader.LogdirNotFoundError:
-                runs = {}
+            runs = self._source.runs(self._warn_once, self._listings)
             self._listing = (time.monotonic(), runs)
         return runs
 
@@ -153,9 +157,13 @@ class RunCache:
         if progress is not None:
             progress.done()
         with self._lock:
-            for name in set(self._summaries) - set(files):
+            removed = set(self._summaries) - set(files)
+            for name in removed:
                 del self._summaries[name]
-            return [self._summaries[name] for name in files if name in self._summaries]
+            kept = dict(self._summaries)
+        if stale or removed:
+            self._store.save(kept)
+        return [kept[name] for name in files if name in kept]
 
     def get(self, run: str | None, listed: dict[str, tuple] | None = None) -> CachedRun:
         """The run named `run`; NotFoundError unless the logdir lists it.
@@ -177,8 +185,9 @@ class RunCache:
             if cached is None or cached.signature != signature:
                 files = cached.files if cached is not None else reader.FileReads()
                 try:
-                    cached = CachedRun(reader.read_run(self.logdir, run, files), signature,
-                                       files)
+                    read = reader.read_run(*self._source.locate(run), files)
+                    read.name = run  # TensorBoard's name, where it names runs itself
+                    cached = CachedRun(read, signature, files)
                 except reader.NoMpprofDataError as e:
                     raise _unreadable(run, e) from e
                 except OSError as e:
@@ -190,7 +199,7 @@ class RunCache:
         """Path, size and mtime of each of the run's mpprof event files, from
         one listing of its directory (not a request per file)."""
         try:
-            return tuple(reader.run_file_states(self.logdir, run))
+            return tuple(reader.run_file_states(*self._source.locate(run)))
         except (reader.NoMpprofDataError, OSError) as e:
             raise _unreadable(run, e) from e
 

@@ -86,12 +86,14 @@ _SERVING = re.compile(r"TensorBoard \S+ at (http://127\.0\.0\.1:\d+/)")
 
 
 @contextlib.contextmanager
-def serve_tensorboard(logdir) -> Iterator[str]:
-    """`tensorboard --logdir LOGDIR` on 127.0.0.1 and a free port, with the
-    installed plugin; yields its base URL and stops it on exit."""
+def serve_tensorboard(logdir=None, flags: tuple[str, ...] = ()) -> Iterator[str]:
+    """`tensorboard --logdir LOGDIR` (or with `flags` instead, e.g.
+    `("--logdir_spec", "a:DIR1,b:DIR2")`) on 127.0.0.1 and a free port, with
+    the installed plugin; yields its base URL and stops it on exit."""
     tensorboard = pathlib.Path(sys.executable).with_name("tensorboard")
+    where = ["--logdir", str(logdir)] if logdir is not None else list(flags)
     process = subprocess.Popen(
-        [str(tensorboard), "--logdir", str(logdir), "--port", "0", "--host", "127.0.0.1"],
+        [str(tensorboard), *where, "--port", "0", "--host", "127.0.0.1"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

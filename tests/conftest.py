@@ -9,6 +9,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # them. Training runs here only produce records to test, so use the plain
 # Eigen kernels (subprocesses inherit this).
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+# The plugin's run summaries saved between TensorBoard restarts would carry
+# over from one test's plugin to the next on the same logdir (and into
+# ~/.cache): off, except where a test turns it on (test_summary_store.py).
+os.environ.setdefault("MPPROF_SUMMARY_CACHE", "off")
 
 import keras
 import numpy as np

@@ -566,6 +566,16 @@ def raw_loss_step(log_dir):
     _custom_step_run(log_dir, model)
 
 
+def raw_loss_step_sgd(log_dir):
+    """MP018 with SGD: the missing scale divides every update by it."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    outputs = keras.layers.Dense(1, dtype="float32")(keras.layers.Dense(8)(inputs))
+    model = _RawLossStep(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    _custom_step_run(log_dir, model)
+
+
 def scaled_loss_step(log_dir):
     """No MP018: the same custom step, with the loss through scale_loss."""
     keras.mixed_precision.set_dtype_policy("mixed_float16")
@@ -675,6 +685,7 @@ BUILDERS = {
         attention_underflow,
         logits_into_sparse_ce,
         raw_loss_step,
+        raw_loss_step_sgd,
         scaled_loss_step,
         gan_plain_optimizers,
         gan_scaled_optimizers,
@@ -720,14 +731,26 @@ def write_gpu_run(
     run = read(source)
     context = copy.deepcopy(run.context.record)
     context["hardware"] = {"cpu_only": False, "gpus": gpus, "source": "test"}
-    context["gpus_visible_to_tensorflow"] = len(gpus)
+    context["gpus_visible"] = len(gpus)
     context["collectors"]["gpu"] = {
         "state": "ok",
         "mode": gpu_mode,
         "reason": "test",
         "devices": gpus,
     }
-    writer = RecordWriter(tmp_path / name)
+    writer = rewritten(run, tmp_path / name, context)
+    if samples is not None:
+        writer.write_array(schema.GPU_SAMPLES, samples, 0)
+    if kernels is not None:
+        writer.write_json(schema.KERNEL_STATS, kernels, 0)
+    writer.close()
+    return reader.read_run(tmp_path, name)
+
+
+def rewritten(run: reader.Run, run_dir, context: dict) -> RecordWriter:
+    """A writer of `run_dir` holding `run`'s records, its run context
+    replaced by `context` (the caller may write more, then closes it)."""
+    writer = RecordWriter(run_dir)
     for record, found in run.records.items():
         for item in found:
             if record == schema.RUN_CONTEXT:
@@ -736,12 +759,7 @@ def write_gpu_run(
                 writer.write_json(record, item.value, item.step)
             else:
                 writer.write_array(record, item.value, item.step)
-    if samples is not None:
-        writer.write_array(schema.GPU_SAMPLES, samples, 0)
-    if kernels is not None:
-        writer.write_json(schema.KERNEL_STATS, kernels, 0)
-    writer.close()
-    return reader.read_run(tmp_path, name)
+    return writer
 
 
 def gpu_samples(tensor_util: float, gpu_util: float, rows: int = 50) -> np.ndarray:

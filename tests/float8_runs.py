@@ -50,7 +50,7 @@ def float8_data(growth: float = 1.0):
 
 def fit_float8(log_dir, model, x, y, numerics_every=500) -> None:
     """Fits one epoch with the profiler; `numerics_every=1` samples every
-    step but the first (the default samples none of these few steps)."""
+    step but the first (of these few steps the default samples step 1 only)."""
     model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
               callbacks=[mpprof.MixedPrecisionProfiler(

@@ -77,3 +77,80 @@ def writes_per_key(prefix: str) -> dict[str, int]:
         for version in page.get("Versions", []):
             counts[version["Key"]] = counts.get(version["Key"], 0) + 1
     return counts
+
+
+class StallingProxy:
+    """A TCP proxy on 127.0.0.1 in front of `target_port` that can stop
+    answering: after `stall()` it still accepts connections and reads what
+    it is sent, but passes nothing on either way (a hung store); after
+    `refuse()` it closes every connection and refuses new ones (a store
+    that is down). A context manager; `endpoint` is its URL.
+    """
+
+    def __init__(self, target_port: int):
+        import threading
+
+        self._target = target_port
+        self._stalled = threading.Event()
+        self._closed = threading.Event()
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._server.settimeout(0.2)
+        self.endpoint = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def stall(self) -> None:
+        self._stalled.set()
+
+    def refuse(self) -> None:
+        self._closed.set()
+        self._server.close()
+
+    def _accept(self) -> None:
+        import threading
+
+        while not self._closed.is_set():
+            try:
+                client, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            thread = threading.Thread(target=self._serve, args=(client,), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _serve(self, client: socket.socket) -> None:
+        import selectors
+
+        upstream = None
+        if not self._stalled.is_set():
+            upstream = socket.create_connection(("127.0.0.1", self._target))
+        peers = {client: upstream, upstream: client} if upstream else {}
+        with selectors.DefaultSelector() as selector:
+            for sock in (client, upstream):
+                if sock is not None:
+                    selector.register(sock, selectors.EVENT_READ)
+            try:
+                while not self._closed.is_set():
+                    for key, _ in selector.select(0.2):
+                        data = key.fileobj.recv(65536)
+                        if not data:
+                            return
+                        if not self._stalled.is_set() and peers:
+                            peers[key.fileobj].sendall(data)
+            except OSError:
+                return
+            finally:
+                for sock in (client, upstream):
+                    if sock is not None:
+                        sock.close()
+
+    def __enter__(self) -> StallingProxy:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._closed.set()
+        self._server.close()
+        for thread in self._threads:
+            thread.join(timeout=5)

@@ -32,9 +32,10 @@ EXPECTED = {
     "float32_island": {"MP004", "MP011"},
     "gradient_underflow": {"MP005", "MP011"},
     "gradient_scaled": {"MP011"},
-    "float8_saturating": {"MP007", "MP015"},
-    "float8_underflowing": {"MP007", "MP016"},
-    "float8_healthy": {"MP007"},
+    # (MP007 judges Tensor Core shapes on a GPU only: these run on a CPU.)
+    "float8_saturating": {"MP015"},
+    "float8_underflowing": {"MP016"},
+    "float8_healthy": set(),
 }
 
 

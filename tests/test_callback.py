@@ -14,7 +14,7 @@ import tensorflow as tf
 from conftest import mnist_like, overflow_data, overflow_model, seed_model
 
 import mpprof
-from mpprof.backends.tensorflow.layer_calls import is_patched
+from mpprof.backends.layer_call_patch import is_patched
 from mpprof.diagnosis import diagnose
 from mpprof.recording.profiled_fit import ProfiledFit
 from mpprof.records import reader, schema
@@ -189,7 +189,9 @@ def test_run_context(seed_logdir):
     assert context["optimizer"] == "LossScaleOptimizer"
     assert context["collectors"]["loss_scale"]["initial_scale"] == 2.0**15
     assert context["collectors"]["loss_scale"]["mode"] == "graph_counters"
-    assert context["tensorflow_version"] == tf.__version__
+    assert context["framework"] == {"name": "TensorFlow", "version": tf.__version__,
+                                    "libraries": {}}
+    assert context["gpus_visible"] == 0
     assert context["keras_version"] == keras.__version__
     assert context["steps_per_execution"] == 1 and context["jit_compile"] in (True, False)
     assert any(device["type"] == "CPU" for device in context["devices"])

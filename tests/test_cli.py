@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -400,10 +401,84 @@ def test_report_and_dashboard_say_a_run_was_cut_short(tmp_path):
     write_record(run_dir, schema.RUN_CONTEXT, {**good.context, "fit_state": "running"}, 0)
     run = reader.read_run(tmp_path, "train")
     page = report.build_report(tmp_path)
-    assert f"its records stop at step {last_step}" in page and "<b>Cut short:</b>" in page
+    assert f"<b>Cut short:</b> cut short at step {last_step}: the fit never recorded" in page
     summary_row = payloads.run_summary(run, diagnosis.evaluate(run))
     assert summary_row["cut_short"]["step"] == last_step
-    assert summary_row["fit_state"] == "running"
+    assert summary_row["fit_state"] == run.fit_outcome == "cut_short"
     # The healthy original says it ended, and neither shows a warning.
     assert good.cut_short is None and "Cut short" not in report.build_report(
         copy_run("healthy_mixed", tmp_path / "ended").parent)
+
+
+# ---------------------------------------------------------------- summary, options, help
+
+
+def test_summary_json_lists_each_run_as_recorded(two_runs, capsys):
+    code, out, _ = summary(capsys, two_runs, "--format", "json")
+    assert code == 0
+    rows = json.loads(out)
+    assert [row["run"] for row in rows] == ["healthy/train", "storm/train"]
+    storm = reader.read_run(two_runs, "storm/train")
+    row = rows[1]
+    assert row["fit_state"] == "ended" and row["readable"] is True
+    assert row["model_policy"] == storm.context.model_policy == "mixed_float16"
+    assert row["optimizer"] == storm.context.optimizer
+    assert row["loss_scale"]["overflows"] == storm.loss_scale.skipped_steps > 0
+    assert row["loss_scale"]["initial"] == storm.loss_scale.initial_scale
+    assert row["inventory"]["leaf_layers"] == len(
+        [la for la in storm.inventory["layers"] if la.get("is_leaf")])
+    assert row["warnings"] == []
+
+
+def test_summary_run_selects_one_run(two_runs, capsys):
+    code, out, _ = summary(capsys, two_runs, "--run", "storm/train")
+    assert code == 0
+    assert out.startswith("run storm/train:") and "healthy" not in out
+    code, out, err = summary(capsys, two_runs, "--run", "nosuch")
+    assert code == cli.EXIT_USAGE and "nosuch" in err
+
+
+@pytest.mark.parametrize("command", ["summary", "diagnose", "report", "replay", "bundle"])
+def test_every_command_takes_quiet_verbose_examples_and_says_what_logdir_is(command, capsys):
+    parser = cli.build_parser()
+    for flag in ("-q", "--quiet", "-v", "--verbose"):
+        args = parser.parse_args([command, "logs", flag])
+        assert args.verbosity == (-1 if flag.startswith(("-q", "--q")) else 1)
+    assert parser.parse_args([command, "logs"]).verbosity == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, "logs", "-q", "-v"])  # one or the other
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "s3://" in text and "gs://" in text  # a logdir may be a URL
+    assert f"examples: mpprof {command} " in text
+    if command in ("report", "bundle"):
+        default = {"report": "mpprof-report.html", "bundle": "mpprof-bundle.zip"}[command]
+        assert f"(default: {default})" in text
+
+
+def test_verbose_says_what_it_reads_and_quiet_says_nothing(two_runs, capsys, tmp_path):
+    code, _, err = diagnose(capsys, two_runs, "-v")
+    assert code == 0
+    assert "mpprof: reading run storm/train (2/2" in err
+    assert "mpprof: diagnosing run storm/train" in err
+    code, _, err = diagnose(capsys, two_runs)  # small runs: no progress by default
+    assert code == 0 and "reading run" not in err
+    output = tmp_path / "r.html"
+    assert cli.main(["report", str(two_runs), "-o", str(output), "-q"]) == 0
+    assert capsys.readouterr().err == ""
+    assert cli.main(["summary", str(two_runs), "-v"]) == 0
+    assert "reading run healthy/train (1/2" in capsys.readouterr().err
+def test_the_docs_give_the_exit_statuses_of_report_that_it_gives(tmp_path, capsys):
+    """docs/cli.md says what `mpprof report` exits with; a run with nothing
+    readable writes the file and exits 3, as there."""
+    docs = pathlib.Path(__file__).parent.parent / "docs" / "cli.md"
+    text = " ".join(docs.read_text().split())
+    assert ("`mpprof report` writes the report whatever it could read, then exits 0, 2 as "
+            "above, or 3 when a run had nothing readable") in text
+    zeros_run(tmp_path / "train")
+    report = tmp_path / "report.html"
+    assert cli.main(["report", str(tmp_path), "-o", str(report)]) == cli.EXIT_UNREADABLE
+    capsys.readouterr()
+    assert "Nothing readable" in report.read_text()

@@ -67,7 +67,7 @@ def test_finding_to_dict_is_json_with_every_field():
 
 
 def test_catalogue_covers_every_rule_and_severity():
-    assert list(diagnosis.CATALOGUE) == [f"MP{i:03d}" for i in range(1, 20)]
+    assert list(diagnosis.CATALOGUE) == [f"MP{i:03d}" for i in range(1, 21)]
     assert {rule.severity for rule in diagnosis.CATALOGUE.values()} == set(diagnosis.SEVERITIES)
 
 
@@ -175,11 +175,26 @@ def test_mp006_and_mp007_on_a_float16_output_with_odd_shapes():
     mp006 = only(run, "MP006")
     assert mp006.layer == "logits"  # the last layer
     assert 'dtype="float32"' in mp006.fix
-    mp007 = {f.layer: f for f in diagnosis.diagnose(run) if f.code == "MP007"}
-    assert set(mp007) == {"hidden", "logits"}
-    assert mp007["hidden"].evidence["misaligned_dims"] == [20, 100]
-    assert "input size 20 -> 24" in mp007["hidden"].fix
-    assert "output size 100 -> 104" in mp007["hidden"].fix
+    # MP007 only on a GPU: this CPU run is judged as a stated projection.
+    assert "MP007" not in codes(run)
+    (mp007,) = [f for f in diagnosis.diagnose(run, assume_gpu=True) if f.code == "MP007"]
+    assert mp007.evidence["projection"] is True and "projection" in mp007.fix
+    # One finding listing the layers: the 20 input features are the data's,
+    # the logits layer is the task's head (and MP006's fix makes it float32).
+    assert list(mp007.evidence["layers"]) == ["hidden"]
+    assert mp007.evidence["layers"]["hidden"]["misaligned_dims"] == [100]
+    assert mp007.evidence["not_judged"]["hidden"] == "input size set by the data"
+    assert "output size 100 -> 104" in mp007.fix and "input size" not in mp007.fix
+    assert "keras.layers.Dense(units=104, ...)" in mp007.fix
+
+
+def test_mp007_on_a_gpu_run_needs_no_projection(tmp_path):
+    run = write_gpu_run(tmp_path, "half_output_misaligned", [A100])
+    (mp007,) = [f for f in diagnosis.diagnose(run) if f.code == "MP007"]
+    assert mp007.evidence["projection"] is False and "projection" not in mp007.fix
+    assert list(mp007.evidence["layers"]) == ["hidden"]
+    # A healthy look-alike on the same GPU: every size the user sets aligned.
+    assert "MP007" not in codes(write_gpu_run(tmp_path / "ok", "healthy_mixed", [A100]))
 
 
 def test_mp008_float16_without_loss_scaling():
@@ -372,7 +387,7 @@ def test_mp005_quiet_on_the_same_model_with_a_normal_loss():
 def test_mp005_judges_estimated_shares_of_large_tensors_alike():
     """Shares of a tensor larger than the sample are estimated from it: the
     fault is still found, on the same layer, and its healthy twin stays quiet."""
-    from mpprof.backends.tensorflow.tensor_statistics import SAMPLE_VALUES
+    from mpprof.backends.numerics_rows import SAMPLE_VALUES
 
     run = read("flushed_gradients_sampled")
     layout = run.latest(schema.NUMERICS_LAYOUT)
@@ -533,6 +548,18 @@ def test_mp018_apply_without_scale_loss():
     assert finding.evidence["optimizers"][0]["scale_loss_called"] is False
     assert "self.optimizer.scale_loss(loss)" in finding.fix
     assert "MP008" not in codes(run)  # it is a LossScaleOptimizer
+    # Adam normalises a constant factor away: the real loss is underflow.
+    assert finding.evidence["update_effect"] == "adaptive"
+    assert "flush to zero" in finding.fix and "1.7x" in finding.fix
+    assert "too small" not in finding.fix
+
+
+def test_mp018_with_sgd_says_every_update_is_too_small():
+    finding = only(read("raw_loss_step_sgd"), "MP018")
+    assert finding.evidence["update_effect"] == "scaled"
+    assert "every update is" in finding.fix and "times too small" in finding.fix
+    assert "1.7x" not in finding.fix
+    assert "tf.GradientTape" in finding.fix  # a TensorFlow run: TensorFlow code
 
 
 def test_mp018_quiet_when_the_loss_is_scaled():
@@ -654,3 +681,4 @@ def test_mp005_names_a_nested_layer_by_its_full_path():
     finding = only(read("attention_underflow"), "MP005")
     assert finding.layer in ("attention/key", "attention/query", "attention/value")
     assert finding.layer in read("attention_underflow").numerics.layers
+

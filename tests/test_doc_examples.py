@@ -65,3 +65,36 @@ def test_example_runs(file, line, code, tmp_path):
         assert not run.cut_short
         assert run.context["fit_state"] == "ended"
         assert [layer["name"] for layer in run.inventory["layers"]][-2:] == ["dense", "dense_1"]
+
+
+def test_the_readme_starts_with_the_install_then_the_callback_then_make():
+    """A reader who will `pip install` sees how first, then the lines that add
+    the callback (with KERAS_BACKEND said), then the checkout's two commands."""
+    text = (ROOT / "README.md").read_text()
+    first_fence = text.index("```")
+    assert text[first_fence:].startswith("```bash\npip install \".[jax]\"")
+    first_python = FENCE.search(text)
+    code = [line for line in first_python["code"].splitlines() if line.strip()]
+    assert len(code) <= 3 and "MixedPrecisionProfiler(" in code[-1]
+    assert "KERAS_BACKEND" in text[:first_python.start()]
+    # `make demo` and `make test` stay near the top, after the callback.
+    for command in ("make demo", "make test"):
+        assert first_python.end() < text.index(command) < 3000
+
+
+def test_getting_started_says_how_to_install():
+    text = (ROOT / "docs" / "index.md").read_text()
+    install = text.index("## Install")
+    assert install < text.index("## Quick start")
+    assert 'pip install ".[jax]"' in text[install:] and "KERAS_BACKEND" in text[install:]
+
+
+def test_measured_figures_have_one_home():
+    """Ratios measured by a benchmark are quoted in docs/performance.md only;
+    the README and Getting started link there (two copies drift apart)."""
+    ratio = re.compile(r"\b\d\.\d{2,3}(?:-\d\.\d{2,3})?x\b")
+    for path in (ROOT / "README.md", ROOT / "docs" / "index.md"):
+        text = path.read_text()
+        assert not ratio.findall(text), (path.name, ratio.findall(text))
+    assert "(docs/performance.md)" in (ROOT / "README.md").read_text()
+    assert ratio.findall((ROOT / "docs" / "performance.md").read_text())

@@ -395,7 +395,7 @@ def test_hardware_facts_from_nvml_while_tensorflow_sees_no_gpu():
     [device] = facts["gpus"]
     assert device["name"] == library.gpus[0].name and device["fp16_tensor_cores"]
     # Training runs where TensorFlow runs it: on the CPU here.
-    assert facts["cpu_only"] is True and facts["gpus_visible_to_tensorflow"] == 0
+    assert facts["cpu_only"] is True and facts["gpus_visible"] == 0
 
 
 def assert_rows_line_up_with_steps(run, times: BatchTimes, steps: int) -> None:

@@ -6,8 +6,8 @@ import pytest
 from conftest import ScaleProbe, mnist_like, overflow_data, overflow_model, seed_model
 
 import mpprof
+from mpprof.backends import loss_scale_growth, step_origin
 from mpprof.backends.tensorflow import loss_scale_series as loss_scale
-from mpprof.recording import loss_scale_growth, step_origin
 from mpprof.records import reader, run_context, schema
 
 

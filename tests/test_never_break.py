@@ -449,6 +449,42 @@ def test_a_disk_full_at_the_start_stops_recording_not_training(tmp_path):
     assert "FIT COMPLETED" in result.stdout
 
 
+def test_a_disk_full_before_the_first_record_says_why_the_run_is_empty(tmp_path, capsys):
+    """Room for the event file's header and the reserved fit-end file (the
+    process may not grow a file past 1,100 bytes), none for a record: the
+    run has nothing readable, and says why (its fit-end file) wherever it is
+    read, with how the fit ended."""
+    from mpprof import cli
+
+    script = textwrap.dedent(f"""
+        import resource, signal, sys
+        sys.path.insert(0, {TESTS!r})
+        import mpprof
+        from conftest import overflow_model, overflow_data
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        model = overflow_model(growth_steps=4)
+        x, y = overflow_data(64)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1_100, 1_100))
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
+            mpprof.MixedPrecisionProfiler({str(tmp_path)!r}, numerics_every=2)])
+        print("FIT COMPLETED", int(model.optimizer.iterations.numpy()))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300, cwd=TESTS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "FIT COMPLETED" in result.stdout
+    run = reader.read_run(str(tmp_path), "train")
+    assert not run.readable
+    why = "no record could be written: writing them failed (OSError: [Errno 27] File too large)"
+    assert cli.main(["diagnose", str(tmp_path)]) == cli.EXIT_UNREADABLE
+    out, err = capsys.readouterr()
+    assert f"{why}; the fit went on and ended at step 8" in out
+    assert f"nothing readable: no record of this run could be read (see its warnings); {why}" \
+        in err
+    assert cli.main(["summary", str(tmp_path)]) == cli.EXIT_UNREADABLE
+    assert why in capsys.readouterr().out
+
+
 def _raising(message: str):
     def broken(*args, **kwargs):
         raise RuntimeError(message)

@@ -8,7 +8,7 @@ from conftest import BatchTimes, mnist_like, overflow_data, overflow_model, seed
 
 import mpprof
 from mpprof import diagnosis
-from mpprof.backends.tensorflow.tensor_statistics import SAMPLE_VALUES
+from mpprof.backends.numerics_rows import SAMPLE_VALUES
 from mpprof.records import reader, schema
 
 
@@ -299,7 +299,8 @@ def _statistics(values: np.ndarray, dtype: str, *, dynamic: bool, jit: bool = Fa
     XLA-compiled when `jit`."""
     import tensorflow as tf
 
-    from mpprof.backends.tensorflow.tensor_statistics import raw_statistics, statistics_of_rows
+    from mpprof.backends.numerics_rows import statistics_of_rows
+    from mpprof.backends.tensorflow.tensor_statistics import raw_statistics
 
     shape = [None, *values.shape[1:]] if dynamic else list(values.shape)
     function = tf.function(
@@ -523,8 +524,8 @@ def test_optimizers_wrapped_once_each_and_restored():
     never built) and a repeat wrap nothing."""
     import tensorflow as tf
 
+    from mpprof.backends.patching import Patches
     from mpprof.backends.tensorflow.numerics_taps import NumericsTaps
-    from mpprof.recording.patching import Patches
 
     model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2, name="dense")])
     collector = NumericsTaps(model, tf.distribute.get_strategy())

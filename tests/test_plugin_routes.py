@@ -11,10 +11,13 @@ import gzip
 import importlib.metadata
 import json
 import logging
+import os
 import pathlib
 import shutil
 import subprocess
 import sys
+import time
+import urllib.request
 
 import diagnosis_runs
 import keras
@@ -30,6 +33,7 @@ from broken_logdirs import (
     malformed_logdir,
     without_root_privileges,
 )
+from browser import serve_tensorboard
 from conftest import BatchTimes, mnist_like, seed_model
 from dashboard_logdirs import (
     BFLOAT16_RUN,
@@ -164,7 +168,7 @@ def test_context_and_inventory_are_the_reader_and_the_model_trained(client, runs
         assert (context["model_policy"], context["global_policy"]) == (policy, policy)
         assert context["optimizer"] == optimizer
         assert context["keras_version"] == keras.__version__
-        assert context["tensorflow_version"] == tf.__version__
+        assert context["framework"]["version"] == tf.__version__
 
         inventory = get_json(client, "inventory", run=name)
         assert inventory.pop("available") is True
@@ -584,3 +588,57 @@ def test_an_unreadable_directory_does_not_break_the_routes(tmp_path):
     assert status == 404 and "cannot be read (Permission denied)" in body
     status, body = answers["runs_after"]
     assert status == 200 and [r["run"] for r in json.loads(body)["runs"]] == ["storm/train"]
+
+
+def _served_json(url: str):
+    with urllib.request.urlopen(url, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def test_logdir_spec_runs_are_tensorboards_runs_in_the_tab(tmp_path):
+    """`tensorboard --logdir_spec a:DIR1,b:DIR2` (no --logdir): the tab lists
+    the runs Scalars lists, under TensorBoard's names, and serves them."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    shutil.copytree(diagnosis_runs.logdir("forward_overflow"), first)  # run a/train
+    # Records at the spec's directory itself: TensorBoard names the run "b/.".
+    shutil.copytree(diagnosis_runs.logdir("healthy_float32") / "train", second)
+    with serve_tensorboard(flags=("--logdir_spec", f"a:{first},b:{second}")) as url:
+        deadline = time.monotonic() + 60
+        while len(tensorboard_runs := _served_json(url + "data/runs")) < 2:
+            assert time.monotonic() < deadline, tensorboard_runs
+            time.sleep(0.5)
+        assert _served_json(url + "data/plugins_listing")["mpprof"]["enabled"]
+        listed = [r["run"] for r in _served_json(url + "data/plugin/mpprof/runs")["runs"]]
+        assert sorted(listed) == sorted(tensorboard_runs) == ["a/train", "b/."]
+        findings = _served_json(url + "data/plugin/mpprof/findings?run=a/train")
+        assert "MP003" in [f["code"] for f in findings["findings"]]
+        context = _served_json(url + "data/plugin/mpprof/context?run=b/.")
+        assert context["run"] == "b/." and context["context"]["fit_state"] == "ended"
+
+
+def test_a_run_directory_whose_name_is_not_utf8_is_served_by_every_run_route(tmp_path):
+    """`bad\\xff\\xfe` is listed by /runs (Python's surrogate escapes, sent as
+    JSON escapes); a URL cannot carry those code units (they arrive as
+    U+FFFD), so the tab sends such a name as its JSON text, `run_json`, which
+    every per-run route reads back exactly."""
+    name = os.fsdecode(b"bad\xff\xfe")
+    copy_run("healthy_mixed", tmp_path / name)
+    copy_run("healthy_mixed", tmp_path / "good")
+    # TensorBoard's own listing (TensorFlow's gfile) fails on such a name:
+    # the plugin alone, as when it lists the runs itself.
+    from tensorboard_plugin_mpprof.routes import MpprofPlugin
+
+    plugin = MpprofPlugin(base_plugin.TBContext(logdir=str(tmp_path)))
+    client = werkzeug_test.Client(application.TensorBoardWSGI([plugin]))
+    listed = [r["run"] for r in get_json(client, "runs")["runs"]]
+    assert sorted(listed) == sorted([f"{name}/train", "good/train"])
+    routes = {"context": {}, "findings": {}, "inventory": {}, "loss_scale": {}, "gpu": {},
+              "float8": {}, "numerics": {"direction": "forward", "stat": "abs_max"}}
+    for route, params in routes.items():
+        for run in listed:  # the look-alike with a UTF-8 name goes the same way
+            payload = get_json(client, route, run_json=json.dumps(run), **params)
+            assert payload.get("run", run) == run, route
+    mangled = f"{name}/train".encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    assert client.get(ROUTE + "context", query_string={"run": mangled}).status_code == 404
+    response = client.get(ROUTE + "context", query_string={"run_json": "{not json"})
+    assert response.status_code == 400

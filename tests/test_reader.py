@@ -1,5 +1,6 @@
 """The reader on its own: run names, versions, live and broken files."""
 
+import json
 import os
 import shutil
 
@@ -20,7 +21,7 @@ from conftest import ScaleProbe, overflow_data, overflow_model
 from diagnosis_runs import logdir
 
 import mpprof
-from mpprof.records import reader, schema
+from mpprof.records import reader, schema, tfrecord
 from mpprof.records import writer as writer_module
 from mpprof.records.writer import RecordWriter
 
@@ -143,8 +144,11 @@ def test_a_flipped_bit_fails_its_checksum(tmp_path):
     flipped = flip_loss_scale_step_bit(event_file(run_dir))
     assert flipped > 1e20  # what the reader would have believed
     read = reader.read_run(tmp_path, "train")
-    (warning,) = read.warnings
+    warning, lost = read.warnings
     assert "corrupt record at byte" in warning and "checksum" in warning
+    (loss,) = read.losses  # one record's bytes: the rest is read
+    assert f"{loss.unreadable_bytes:,} of {loss.bytes:,} bytes (" in lost
+    assert 0 < loss.unreadable_bytes < 1000 and not loss.stops_early
     # Only the damaged record is lost; no step beyond what really ran.
     assert read.loss_scale.steps_run <= good.steps_run
     assert not (read.loss_scale.events[:, 0] >= good.steps_run).any()
@@ -164,8 +168,8 @@ def test_a_file_of_zeros_is_corrupt_not_empty(tmp_path):
     zeros_run(tmp_path / "train")
     run = reader.read_run(tmp_path, "train")
     assert not run.readable
-    (warning,) = run.warnings
-    assert "corrupt record at byte 0" in warning
+    warning, lost = run.warnings
+    assert "corrupt record at byte 0" in warning and "(100%) unreadable" in lost
 
 
 def test_entries_that_are_not_regular_files_are_skipped(tmp_path):
@@ -334,3 +338,93 @@ def test_a_run_that_never_ended_is_cut_short_at_its_last_record(tmp_path, state)
     newest = max(r.wall_time for records in run.records.values() for r in records)
     assert stopped["wall_time"] == newest
     assert run.loss_scale.steps_run == last_step + 40  # from the latest records
+
+
+def _frame_offsets(path) -> list[int]:
+    with open(path, "rb") as f:
+        return [frame.offset for frame in tfrecord.read_frames(f)]
+
+
+def test_a_flipped_length_says_how_much_was_lost_and_cuts_the_run_short(tmp_path, capsys):
+    """A length that fails its checksum ends the file's reading there: the
+    warning says how many bytes (and what share) of the file were lost, the
+    run is cut short at its last readable record although the fit ended, and
+    the CLI and the tab's /runs say so alike."""
+    from mpprof import cli, diagnosis
+    from tensorboard_plugin_mpprof import payloads
+
+    run_dir = copy_run("storm", tmp_path)
+    path = event_file(run_dir)
+    data = bytearray(path.read_bytes())
+    offsets = _frame_offsets(path)
+    at = offsets[len(offsets) // 3]
+    data[at] ^= 0x01  # the record's length: its checksum fails
+    path.write_bytes(bytes(data))
+    run = reader.read_run(tmp_path, "train")
+    lost = len(data) - at
+    share = round(100 * lost / len(data))
+    assert f"{lost:,} of {len(data):,} bytes ({share}%) unreadable" in "\n".join(run.warnings)
+    assert run.fit_ends[-1]["fit_state"] == "ended"  # the fit itself ended
+    assert run.cut_short is not None and run.cut_short["step"] == run.last_record[0]
+    assert f"{share}%" in run.cut_short["unreadable"]
+    assert run.fit_outcome == "cut_short"
+    code = cli.main(["diagnose", str(tmp_path), "--format", "json-runs"])
+    (listed,) = json.loads(capsys.readouterr().out)["runs"]
+    assert code in (cli.EXIT_OK, cli.EXIT_FINDINGS)
+    row = payloads.run_summary(run, diagnosis.evaluate(run))
+    assert (row["fit_state"], row["cut_short"]) == (listed["fit_state"], listed["cut_short"])
+    assert listed["fit_state"] == "cut_short"
+    cli.main(["summary", str(tmp_path)])
+    assert f"the records after it could not be read ({path}: {lost:,}" in capsys.readouterr().out
+
+
+def test_records_that_fail_their_checksums_never_pass_a_fail_on_gate(tmp_path, capsys):
+    """Half the records' data fails its checksum: each is skipped, the warning
+    says how many bytes that is, and `diagnose --fail-on` exits 3 rather
+    than pass what it could not read whole; without --fail-on the rest is
+    diagnosed."""
+    from mpprof import cli
+
+    run_dir = copy_run("storm", tmp_path)
+    path = event_file(run_dir)
+    data = bytearray(path.read_bytes())
+    offsets = _frame_offsets(path)
+    for offset in offsets[1:len(offsets) // 2]:
+        data[offset + 12] ^= 0xFF  # the first byte of the record's data
+    path.write_bytes(bytes(data))
+    run = reader.read_run(tmp_path, "train")
+    assert run.readable and run.cut_short is None  # later records still read
+    (loss,) = run.losses
+    assert 0 < loss.unreadable_bytes < loss.bytes and not loss.stops_early
+    assert cli.main(["diagnose", str(tmp_path), "--fail-on", "warning"]) == cli.EXIT_UNREADABLE
+    err = capsys.readouterr().err
+    assert "--fail-on does not pass a run it could not read whole" in err
+    assert f"{loss.unreadable_bytes:,} of {loss.bytes:,} bytes" in err
+    assert cli.main(["diagnose", str(tmp_path)]) in (cli.EXIT_OK, cli.EXIT_FINDINGS)
+    capsys.readouterr()
+
+
+def test_a_healthy_run_passes_a_fail_on_gate_as_before(tmp_path, capsys):
+    from mpprof import cli
+
+    copy_run("healthy_bfloat16", tmp_path)
+    assert reader.read_run(tmp_path, "train").losses == []
+    assert cli.main(["diagnose", str(tmp_path), "--fail-on", "critical"]) == cli.EXIT_OK
+    capsys.readouterr()
+
+
+def test_an_empty_event_file_beside_a_good_one_is_nothing(tmp_path, capsys):
+    """A zero-length event file (a writer that never wrote, a copy cut at
+    0 bytes) holds no record: no run of its own, no unreadable run."""
+    from mpprof import cli
+
+    run_dir = copy_run("storm", tmp_path)
+    good = event_file(run_dir)
+    fields = good.name.split(".")
+    fields[3] = str(int(fields[3]) + 1)  # started a second into the good one
+    fields[5] = "99999"  # another process
+    (run_dir / ".".join(fields)).write_bytes(b"")
+    assert reader.list_runs(tmp_path) == ["train"]
+    assert reader.read_run(tmp_path, "train").warnings == []
+    assert cli.main(["diagnose", str(tmp_path)]) in (cli.EXIT_OK, cli.EXIT_FINDINGS)
+    assert "nothing readable" not in capsys.readouterr().err

@@ -224,3 +224,35 @@ def test_truncated_event_file_is_reported_not_fatal(tmp_path):
     page = report.build_report(tmp_path)
     assert "Could not read everything" in page and "incomplete record" in page
     assert "MP002" in page  # what was readable is still diagnosed
+
+
+@pytest.mark.browser
+def test_report_fix_and_evidence_blocks_render_their_lines(report_file):
+    """A fix block reads as the fix's lines, as the tab shows them: no literal
+    `\\n` (the printable filter must not run over the newlines of a block)."""
+    page = load_page(
+        report_file,
+        wait_for="document.querySelector('.finding .fix pre')",
+        evaluate={
+            "fixes": "[...document.querySelectorAll('.finding .fix pre')].map(p => p.innerText)",
+            "evidence": "[...document.querySelectorAll('.finding details pre')]"
+            ".map(p => p.textContent)",
+            "replays": "[...document.querySelectorAll('.replay pre')].map(p => p.innerText)",
+        },
+    )
+    assert page.errors == []
+    fixes = page.values["fixes"]
+    assert fixes, "the report shows no fix block"
+    for block in fixes + page.values["evidence"] + page.values["replays"]:
+        assert "\\n" not in block, block
+    multiline = [fix for fix in fixes if "\n" in fix]
+    assert multiline, "no fix of several lines: the test would check nothing"
+    # The evidence is indented JSON, one key a line, as json.dumps wrote it.
+    assert all(text.startswith("{\n") for text in page.values["evidence"] if text != "{}")
+
+
+def test_report_blocks_keep_newlines_and_escape_other_controls():
+    from mpprof.report import sections
+
+    assert sections.escape_block("a\nb\x1b[2J<i>") == "a\nb\\x1b[2J&lt;i&gt;"
+    assert sections.escape_block("tab\there\r\n") == "tab\\there\\r\n"

@@ -255,7 +255,7 @@ def test_keras_3_mirrored_skip_is_decided_on_the_first_replica(tmp_path):
     assert found["recorded_overflow_steps"] == found["skipped_by_optimizer"]
     assert 0 not in found["skipped_by_optimizer"], (
         "Keras 3 now skips a step that overflowed on another replica only: update "
-        "mpprof.recording.distributed.keras_3_skip_decided_by")
+        "mpprof.backends.loss_scale_records.keras_3_skip_decided_by")
     assert "FIRST replica" in found["skip_decided_by"]
     assert found["nonfinite_weights"] and "MP012" in found["codes"]
 

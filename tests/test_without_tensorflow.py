@@ -10,11 +10,13 @@ the CLI, the HTML report and the TensorBoard tab.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
 
 import diagnosis_runs
+import pytest
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -77,3 +79,46 @@ def test_a_run_is_written_read_and_served_without_any_framework(tmp_path):
     # diagnose exits 0 without --fail-on; every route answers.
     assert found["codes"] == [0, 0, 0]
     assert found["statuses"] == [200, 200, 200, 200]
+
+
+REPLAY_SCRIPT = textwrap.dedent("""
+    import sys
+    for name in sys.argv[2].split(","):
+        sys.modules[name] = None  # not installed: `import name` raises ImportError
+
+    from mpprof import cli
+    sys.exit(cli.main(["replay", sys.argv[1]]))
+""")
+
+
+def _replay_without(logdir, missing: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", REPLAY_SCRIPT, str(logdir), missing],
+                          capture_output=True, text=True, timeout=300)
+
+
+def _capture_trained_on(tmp_path, backend: str):
+    """A copy of a real capture, its manifest saying which backend trained it."""
+    logdir = tmp_path / backend
+    shutil.copytree(diagnosis_runs.logdir("forward_overflow"), logdir)
+    for manifest in (logdir / "train" / "replay").glob("step_*/manifest.json"):
+        fields = json.loads(manifest.read_text())
+        manifest.write_text(json.dumps({**fields, "backend": backend}))
+    return logdir
+
+
+@pytest.mark.parametrize(("backend", "missing", "extra"), [
+    ("jax", "jax,jaxlib", "mpprof[jax]"),
+    ("tensorflow", "tensorflow", "mpprof[tensorflow]"),
+    ("jax", "keras", "mpprof[jax]"),
+])
+def test_replay_without_its_backend_says_which_extra_to_install(tmp_path, backend, missing,
+                                                                 extra):
+    result = _replay_without(_capture_trained_on(tmp_path, backend), missing)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert f'pip install "{extra}"' in result.stderr, result.stderr
+    framework = {"jax": "JAX", "tensorflow": "TensorFlow"}[backend]
+    assert f"trained on {framework}" in result.stderr
+    # The progress line names the framework the replay imports.
+    assert f"(imports Keras and {framework})" in result.stderr
+    assert result.stdout == ""

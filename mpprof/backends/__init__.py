@@ -1,23 +1,90 @@
 """The backends, and the one place that chooses among them.
 
-`backend_for(model)` gives the `Backend` (`mpprof.backends.base`) of the
-Keras a model belongs to: tf-keras models get `tf_keras`, Keras 3 models
-the backend Keras runs on. Callers never branch on the backend or flavour.
+Every backend mpprof can profile is registered here, once, by the name Keras
+gives it (`KERAS_BACKEND`), with where its code is: its `Backend` (what the
+recording core asks, `mpprof.backends.protocol`), its replay engine and the
+framework-free reader of its XProf op names. Nothing else names a backend:
+`backend_for(model)` gives a model's `Backend` (tf-keras models get
+`tf_keras`, Keras 3 models the backend Keras runs on),
+`registration(name)` the rest (`mpprof.backends.replay_engines` picks a
+capture's engine with it). Callers never branch on the backend or flavour.
+
+A new backend is its folder `mpprof/backends/<name>/` and one line in
+`REGISTRY`.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+from dataclasses import dataclass
 
 from mpprof.backends.base import Backend
 from mpprof.backends.flavor import is_tf_keras
 
+
+@dataclass(frozen=True)
+class Registration:
+    """Where one backend's code is (each a "module:attribute" or module path,
+    imported only when needed: the frameworks are optional).
+
+    Attributes:
+        name: the backend, as Keras names it (`KERAS_BACKEND`) and as a
+            replay capture's manifest says which backend wrote it.
+        framework: the framework, as people write it ("TensorFlow").
+        backend: its `Backend` class, made with the model of each fit.
+        replay_engine: the module whose `replay(logdir_or_model, run, step,
+            **kwargs)` re-runs its captures (None: it has none).
+        op_names: the framework-free module whose `layer_of(op_name)` gives
+            the layer of an XProf op name in its naming, or None when the
+            name is not in it (None: no XProf window).
+        extra: the pip extra of mpprof that installs the framework
+            (`pip install "mpprof[<extra>]"`).
+    """
+
+    name: str
+    framework: str
+    backend: str
+    replay_engine: str | None = None
+    op_names: str | None = None
+    extra: str = ""
+
+
+REGISTRY: dict[str, Registration] = {r.name: r for r in (
+    Registration("tensorflow", "TensorFlow",
+                 "mpprof.backends.tensorflow.backend:TensorFlowBackend",
+                 "mpprof.backends.tensorflow.replay_engine",
+                 "mpprof.backends.tensorflow.op_names", "tensorflow"),
+    Registration("jax", "JAX", "mpprof.backends.jax.backend:JaxBackend",
+                 "mpprof.backends.jax.replay_engine", "mpprof.backends.jax.op_names", "jax"),
+    # No replay engine nor XProf window yet (`backends/torch/replay_capture.py`,
+    # `kernels.py` say so in the run context).
+    Registration("torch", "PyTorch", "mpprof.backends.torch.backend:TorchBackend",
+                 None, None, "torch"),
+)}
+
+# tf-keras (Keras 2) is a flavour, not a backend: its models train on
+# TensorFlow whatever `KERAS_BACKEND` says, chosen by the model's class.
+TF_KERAS = Registration("tensorflow", "TensorFlow",
+                        "mpprof.backends.tf_keras.backend:TfKerasBackend",
+                        REGISTRY["tensorflow"].replay_engine, REGISTRY["tensorflow"].op_names,
+                        "tf-keras")
+
+# The backend of replay captures whose manifest does not name one (written
+# before the manifest did, when TensorFlow was the only backend).
+LEGACY_CAPTURE_BACKEND = "tensorflow"
+
 # The Keras 3 backends mpprof can profile.
-SUPPORTED = ("tensorflow", "jax", "torch")
+SUPPORTED = tuple(REGISTRY)
 
 
 class UnsupportedBackendError(RuntimeError):
     """Keras runs on a backend mpprof cannot profile yet."""
+
+
+def registration(name: str) -> Registration | None:
+    """The registration of backend `name` (None: not one mpprof knows)."""
+    return REGISTRY.get(name)
 
 
 def check_backend() -> None:
@@ -29,33 +96,30 @@ def check_backend() -> None:
     import keras
 
     backend = keras.backend.backend()
-    if backend not in SUPPORTED:
+    if backend not in REGISTRY:
+        frameworks = [r.framework for r in REGISTRY.values()]
+        names = " or ".join(filter(None, [", ".join(frameworks[:-1]), frameworks[-1]]))
+        settings = " or ".join(f"KERAS_BACKEND={name}" for name in REGISTRY)
         raise UnsupportedBackendError(
-            "mpprof.MixedPrecisionProfiler profiles Keras on TensorFlow, JAX or PyTorch "
+            f"mpprof.MixedPrecisionProfiler profiles Keras on {names} "
             f"(KERAS_BACKEND is {os.environ.get('KERAS_BACKEND', backend)!r}). "
-            "Set KERAS_BACKEND=tensorflow, jax or torch before importing keras, "
+            f"Set {settings} before importing keras, "
             "or train without the profiler."
         )
 
 
-def backend_for(model) -> Backend:
-    """The `Backend` of the Keras `model` belongs to."""
-    if is_tf_keras(model):
-        from mpprof.backends.tf_keras.backend import TfKerasBackend
+def load(path: str):
+    """The object a registration names ("module:attribute"), or the module."""
+    module, _, attribute = path.partition(":")
+    found = importlib.import_module(module)
+    return getattr(found, attribute) if attribute else found
 
-        return TfKerasBackend()
+
+def backend_for(model) -> Backend:
+    """The `Backend` of the Keras `model` belongs to (one per fit)."""
+    if is_tf_keras(model):
+        return load(TF_KERAS.backend)(model)
     check_backend()
     import keras
 
-    if keras.backend.backend() == "jax":
-        from mpprof.backends.jax.backend import JaxBackend
-
-        return JaxBackend(model)
-    if keras.backend.backend() == "torch":
-        from mpprof.backends.torch.backend import TorchBackend
-
-        return TorchBackend(model)
-    from mpprof.backends.tensorflow.backend import TensorFlowBackend
-
-    return TensorFlowBackend()
-
+    return load(REGISTRY[keras.backend.backend()].backend)(model)

@@ -5,12 +5,24 @@ backend or the Keras flavour. The recording core (`mpprof.recording`) asks
 the fit's `Backend` for everything framework-bound: the collectors whose
 work happens inside the traced step, the train functions it dispatches to,
 the call alarm, the facts of the run context and of the devices, the XProf
-window. A new backend is one folder of `mpprof/backends/` with the same
-module names as `tensorflow/` and a `Backend` subclass, registered in
-`mpprof.backends.backend_for`.
+window. What each factory returns, and what the core calls on it, is
+declared in `mpprof.backends.protocol` (checked by mypy in `make test`).
+A new backend is one folder of `mpprof/backends/` with a `Backend`
+subclass, registered in `mpprof.backends` (`REGISTRY`); it passes
+`tests/test_backend_contract.py`.
 """
 
 from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+
+from mpprof.backends import protocol
+
+# mpprof's own source directory: its frames are hidden from the user's
+# tracebacks where the framework hides its own.
+_MPPROF_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class Backend:
@@ -28,8 +40,6 @@ class Backend:
             logs (`mpprof.recording` reads it from there each call).
         fits_across_workers: whether this flavour's fit runs across worker
             processes.
-        traced_train_function_attribute: where the flavour keeps the traced
-            function behind `model.train_function` (None: nowhere else).
         alarm_logs_key, replay_logs_key: the logs keys of the call alarm
             and of the replay capture's outputs.
     """
@@ -40,16 +50,48 @@ class Backend:
     loss_methods: tuple[str, ...] = ()
     alarm_in_logs = False
     fits_across_workers = False
-    traced_train_function_attribute: str | None = None
     alarm_logs_key = ""
     replay_logs_key = ""
+    # The framework modules that filter their own frames out of a raised
+    # error's traceback by a tuple `_EXCLUDED_PATHS` of path fragments
+    # (Keras' `keras.src.utils.traceback_utils`, tf-keras', TensorFlow's).
+    traceback_filters: tuple[str, ...] = ()
 
-    # The fit's collectors and drivers, built by the core with the arguments
-    # each documents: `LossScales`, `RunHealth`, `Float8State`,
-    # `Float8Shares`, `ReplayCapture` (Collectors), `TrainFunctions`,
-    # `CallAlarm`, `PrecisionTracer`, `LayerCallPatch`, and the per-series
-    # classes `loss_scale_series`, `loss_watch`,
-    # `numerics_taps`.
+    def hide_own_frames(self) -> None:
+        """Adds mpprof's directory to each `traceback_filters` module's
+        excluded paths, so that an error of the user's train step shows the
+        traceback Keras would show without mpprof (mpprof's wrappers of the
+        train function and the layers are hidden as Keras hides its own, and
+        shown again by `keras.config.disable_traceback_filtering()`). Private
+        framework API: where it is missing, nothing is hidden."""
+        for name in self.traceback_filters:
+            try:
+                module = importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - a private module moved: show the frames
+                continue
+            excluded = getattr(module, "_EXCLUDED_PATHS", None)
+            if isinstance(excluded, tuple) and _MPPROF_DIR not in excluded:
+                setattr(module, "_EXCLUDED_PATHS", (*excluded, _MPPROF_DIR))  # noqa: B010
+
+    # The fit's collectors and drivers, built by the core once per fit (what
+    # each returns, and when it is called: `mpprof.backends.protocol`). A
+    # class, or a method where one fit's backend instance holds their shared
+    # state (JAX's step state).
+    LossScales: Callable[..., protocol.LossScales]
+    RunHealth: Callable[..., protocol.RunHealth]
+    Float8State: Callable[..., protocol.Collector]
+    Float8Shares: Callable[..., protocol.SamplingCollector]
+    ReplayCapture: Callable[..., protocol.ReplayCapture]
+    TrainFunctions: Callable[..., protocol.TrainFunctions]
+    CallAlarm: Callable[..., protocol.CallAlarm]
+    PrecisionTracer: Callable[..., protocol.PrecisionTracer]
+    LayerCallPatch: Callable[..., protocol.LayerCallPatch]
+    # `numerics_taps(model, strategy)`: made at the first sample.
+    numerics_taps: Callable[..., protocol.NumericsTaps]
+
+    def __init__(self, model=None):
+        """Made once per fit by `mpprof.backends.backend_for(model)`: a backend
+        whose factories share state within a fit keeps it on the instance."""
 
     def distribute_strategy(self, model):
         """The model's distribution strategy, or the backend's stand-in (the
@@ -74,7 +116,7 @@ class Backend:
         The compiled `model.optimizer` ("optimizer") and every optimizer held
         in an attribute of the model (a GAN's `self.g_opt`, `self.d_opt`):
         which of them a step really uses is only known once it is traced
-        (`mpprof.recording.optimizer_usage.OptimizerUsage`).
+        (`mpprof.backends.optimizer_usage.OptimizerUsage`).
         """
         found: list[tuple[str, object]] = []
         if self.is_optimizer(model.optimizer):
@@ -105,9 +147,10 @@ class Backend:
         raise NotImplementedError
 
     def hardware_facts(self, sampler) -> dict:
-        """The run context's hardware facts (`sampler`: the NVML sampler)."""
+        """The run context's hardware facts (`sampler`: the fit's NVML sampler,
+        started, or probed once when the fit samples no GPU)."""
         raise NotImplementedError
 
-    def profile_window(self, start: int, stop: int, run_dir: str):
+    def profile_window(self, start: int, stop: int, run_dir: str) -> protocol.ProfileWindow:
         """An XProf trace window over train steps `start`..`stop`."""
         raise NotImplementedError

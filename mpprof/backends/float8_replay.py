@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpprof.backends.collector import Collector
+from mpprof.backends.layer_records import nested_layers
 from mpprof.dtypes import FLOAT8_RANGES
-from mpprof.recording.collectors.base import Collector
 from mpprof.records import schema
 
 FORMAT_MAX = {name: r.max for name, r in FLOAT8_RANGES.items()}
@@ -38,7 +39,7 @@ NO_FLOAT8_LAYERS = {"state": "absent", "reason": "no float8 layers (model.quanti
 
 def float8_layers(model) -> list:
     """The model's layers (at any depth) that Keras trains in float8."""
-    layers = model._flatten_layers(include_self=False, recursive=True)
+    layers = nested_layers(model)
     return [
         layer for layer in layers
         if getattr(layer, "quantization_mode", None) == "float8"

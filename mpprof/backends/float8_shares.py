@@ -30,10 +30,10 @@ import threading
 
 import numpy as np
 
+from mpprof.backends.collector import Collector
 from mpprof.backends.float8_replay import NO_FLOAT8_LAYERS, float8_layers
+from mpprof.backends.traced_guard import TracedGuard
 from mpprof.dtypes import FLOAT8_RANGES
-from mpprof.recording.collectors.base import Collector
-from mpprof.recording.guard import TracedGuard
 from mpprof.records import schema
 
 COLUMN = schema.FLOAT8_SHARE_COLUMN

@@ -12,6 +12,7 @@ class Keras3Backend(base.Backend):
     """The `Backend` hooks that Keras 3 answers the same on every backend."""
 
     flavor = KERAS_3
+    traceback_filters: tuple[str, ...] = ("keras.src.utils.traceback_utils",)
 
     def is_optimizer(self, value) -> bool:
         import keras

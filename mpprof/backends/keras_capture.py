@@ -10,10 +10,12 @@ step's values and in how they run the step again.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 
 import keras
 import numpy as np
@@ -29,7 +31,8 @@ from mpprof.replay.files import ReplayError
 def model_config(model) -> tuple[dict | None, str]:
     """The model's Keras serialization, or None with why not."""
     try:
-        config = keras.saving.serialize_keras_object(model)
+        with _tensorflow_left_unimported():
+            config = keras.saving.serialize_keras_object(model)
         files.json_bytes(config)
     except Exception as e:  # noqa: BLE001 - a custom model without get_config
         return None, (f"not serializable ({type(e).__name__}: {str(e)[:200]}); "
@@ -37,10 +40,36 @@ def model_config(model) -> tuple[dict | None, str]:
     return config, "rebuilt by keras.saving.deserialize_keras_object"
 
 
+@contextlib.contextmanager
+def _tensorflow_left_unimported() -> Iterator[None]:
+    """Keras' serializer asks `tf.available` (its lazy TensorFlow module) to
+    test whether a value is a `tf.TensorShape`, which imports TensorFlow when
+    it is installed: seconds and hundreds of MB a JAX fit would pay for
+    nothing. While TensorFlow is not imported no value can be one of its
+    objects, so for the call Keras is told it is unavailable; a Keras without
+    that module is left as it is."""
+    try:
+        from keras.src.utils import module_utils
+    except ImportError:
+        yield
+        return
+    lazy = getattr(module_utils, "tensorflow", None)
+    if "tensorflow" in sys.modules or getattr(lazy, "_available", True) is not None:
+        yield  # imported already, decided already, or not Keras' lazy module
+        return
+    lazy._available = False
+    try:
+        yield
+    finally:
+        if lazy._available is False:
+            lazy._available = None  # undecided again: Keras asks for itself later
+
+
 def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarray],
                   weights: list[np.ndarray], reasons: list[str], loss: float,
                   loss_scale: float, skipped: bool, structure, config: tuple[dict | None, str],
-                  backend: dict[str, str], weights_before: bool = False) -> None:
+                  backend: dict[str, str], weights_before: bool = False,
+                  folder: str = files.REPLAY_FOLDER) -> None:
     """Writes one capture into `fit.writer`'s run, noting it in `captured`.
 
     Args:
@@ -50,11 +79,13 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
         skipped: whether the step was skipped (its weights are then the ones
             it ran with, trainable ones included).
         config: `model_config(model)`.
-        backend: the manifest's "backend" entry (omitted for TensorFlow,
-            the only backend of older captures) and framework versions, e.g.
-            `{"backend": "jax", "jax": "0.10.2"}`.
+        backend: the manifest's "backend" entry (the backend's registered
+            name, `mpprof.backends.REGISTRY`; older TensorFlow captures have
+            none) and framework versions, e.g. `{"backend": "jax", "jax": "0.10.2"}`.
         weights_before: whether `weights` were copied before the step ran
             (then they are the ones it ran with, skipped or not).
+        folder: `files.REPLAY_FOLDER`, or `files.ADVISE_FOLDER` for a batch
+            kept for the precision advisor (`AdviseBatches`).
     """
     model = fit.model
     config_dict, config_note = config
@@ -63,6 +94,9 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
         "capture_version": files.CAPTURE_VERSION,
         **({"backend": framework.pop("backend")} if "backend" in framework else {}),
         "run": schema.TRAIN_RUN,
+        "purpose": "advise" if folder == files.ADVISE_FOLDER else "replay",
+        # The fit that wrote it: its run is its writer's (`files.step_folder`).
+        "writer": fit.writer.writer_id,
         "step": step,
         "reasons": reasons,
         "loss": loss if math.isfinite(loss) else str(loss),
@@ -102,7 +136,7 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
             "python": platform.python_version(), "numpy": np.__version__,
         },
     }
-    folder = files.step_folder(step)
+    folder = files.step_folder(step, fit.writer.writer_id, folder)
     payloads = [
         (files.BATCH, files.npz_bytes({f"leaf_{i}": a for i, a in enumerate(batch)})),
         (files.WEIGHTS, files.npz_bytes({f"weight_{i}": w for i, w in enumerate(weights)})),
@@ -117,6 +151,42 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
         if not fit.writer.write_file(f"{folder}/{name}", data):
             captured[-1]["written"] = False
             return
+
+
+class AdviseBatches:
+    """Which sampled steps keep their batch for the precision advisor
+    (`MixedPrecisionProfiler(advise_batches=N)`): N of the fit's own batches,
+    spread across it. The fit's steps are split into N equal parts and the
+    first sampled (instrumented) step at or after the middle of each part is
+    kept (only a sampled step returns its batch); when the fit does not say
+    how many steps it runs, the first N sampled steps.
+
+    Args:
+        wanted: N (0: off).
+        params: the callback's `params` (Keras: "epochs", "steps").
+        origin: the step the fit starts at.
+    """
+
+    def __init__(self, wanted: int, params: dict | None, origin: int = 0):
+        self.wanted = wanted
+        self.kept: list[dict] = []
+        self._origin = int(origin)
+        params = params or {}
+        steps, epochs = params.get("steps"), params.get("epochs")
+        total = int(steps) * int(epochs or 1) if steps else None
+        self.targets = ([int((i + 0.5) * total / wanted) for i in range(wanted)]
+                        if total and wanted else None)
+
+    def due(self, step: int) -> bool:
+        """Whether the sampled `step` is one to keep."""
+        if len(self.kept) >= self.wanted:
+            return False
+        if self.targets is None:
+            return True
+        return step - self._origin >= self.targets[len(self.kept)]
+
+    def context(self) -> dict:
+        return {"wanted": self.wanted, "kept": self.kept, "targets": self.targets}
 
 
 def load_weights(model, capture: files.Capture) -> None:

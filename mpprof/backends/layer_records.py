@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections.abc
 import math
+from typing import Any
 
 from mpprof.dtypes import HALF_DTYPES, gemm_multiple
 from mpprof.records import schema
@@ -29,17 +30,35 @@ def variable_short_name(variable) -> str:
     return variable_path(variable).split("/")[-1]
 
 
-def walk_layers(model) -> list[tuple[str, object, str | None]]:
+def child_layers(layer) -> list:
+    """The layers `layer` holds directly (Keras' own tracking, in its order).
+
+    The one call of Keras' private `_flatten_layers` (Keras 3 and tf-keras
+    both have it; Keras has no public way to list a layer's sublayers that
+    sees the ones held in attributes of a subclassed layer).
+    """
+    # list(): tf-keras returns a generator, Keras 3 a list.
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def nested_layers(model) -> list:
+    """Every layer nested in `model`, at any depth, each once, in Keras' own
+    order (`_flatten_layers(recursive=True)`: the order a model's variables
+    follow)."""
+    return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+def walk_layers(model) -> list[tuple[str, Any, str | None]]:
     """(qualified name, layer, parent's qualified name) of every nested layer.
 
     Depth first from `model` (not included); a layer reachable from several
     parents is listed once, under the first.
     """
-    found: list[tuple[str, object, str | None]] = []
+    found: list[tuple[str, Any, str | None]] = []
     seen: set[int] = set()
 
     def visit(parent, parent_name: str | None) -> None:
-        for child in parent._flatten_layers(include_self=False, recursive=False):
+        for child in child_layers(parent):
             if id(child) in seen or type(child).__name__ == "InputLayer":
                 continue
             seen.add(id(child))
@@ -65,9 +84,24 @@ class InventoryBuilder:
     `_output_dtypes`, `_casts` ((consumer, producer, from, to) keys of an
     ordered dict), `_inputs_from`, `_inputs_made_outside_layers`, and
     `_model_output_dtypes`, `_outputs` (per model output: producer id,
-    final op, units)."""
+    final op, units), and `_output_shapes` (per layer id: its first output's
+    shape without the batch axis, for the GEMM work of the layer)."""
 
-    _model = None
+    _model: Any = None
+    _call_order: dict[int, int]
+    _output_dtypes: dict[int, set[str]]
+    _casts: dict[tuple, None]  # an ordered set
+    _inputs_from: dict[int, dict]
+    _inputs_made_outside_layers: set[int]
+    _model_output_dtypes: set[str]
+    _outputs: list[dict]
+    _output_shapes: dict[int, list[int] | None]
+
+    def note_loss_input(self, y_pred) -> None:
+        """`model.compute_loss` got `y_pred` (traced values): their dtypes are
+        what the loss receives."""
+        seen = self.__dict__.setdefault("_loss_input_dtypes", set())
+        seen.update(_dtype_names(y_pred))
 
     def inventory(self) -> dict:
         """The inventory as a JSON-ready dict (see README, "What is recorded")."""
@@ -94,8 +128,7 @@ class InventoryBuilder:
                 name,
                 layer,
                 parent,
-                # list(): tf-keras returns a generator, Keras 3 a list.
-                is_leaf=not list(layer._flatten_layers(include_self=False, recursive=False)),
+                is_leaf=not child_layers(layer),
                 mixed=mixed,
                 call_index=self._call_order.get(id(layer)),
                 output_dtypes=sorted(self._output_dtypes.get(id(layer), ())),
@@ -103,6 +136,7 @@ class InventoryBuilder:
                     names[p] for p in self._inputs_from.get(id(layer), {}) if p in names
                 ],
                 inputs_made_outside_layers=id(layer) in self._inputs_made_outside_layers,
+                output_shape=self._output_shapes.get(id(layer)),
             )
             for name, layer, parent in entries
         ]
@@ -113,6 +147,9 @@ class InventoryBuilder:
                 "class": type(self._model).__name__,
                 "policy": model_policy,
                 "output_dtypes": sorted(self._model_output_dtypes),
+                # What model.compute_loss received as y_pred while the step
+                # traced ([]: the step never called it).
+                "loss_input_dtypes": sorted(self.__dict__.get("_loss_input_dtypes", ())),
                 "params": _count_params(self._model),
                 "outputs": self._output_records(names, layers_by_id),
             },
@@ -144,6 +181,17 @@ class InventoryBuilder:
 
 # Ops that pass a tensor through unchanged in value class: the op that made
 
+def _dtype_names(structure) -> set[str]:
+    """The dtype names of the arrays/tensors in a nest of lists, tuples and dicts."""
+    if isinstance(structure, dict):
+        structure = list(structure.values())
+    if isinstance(structure, (list, tuple)):
+        return set().union(*(_dtype_names(item) for item in structure)) if structure else set()
+    dtype = getattr(structure, "dtype", None)
+    name = getattr(dtype, "name", None)
+    return {name} if isinstance(name, str) else set()
+
+
 def compiled_losses(model, outputs: int) -> list[tuple[str | None, bool | None]]:
     """(loss name, from_logits) per model output, from `model.loss`.
 
@@ -151,7 +199,7 @@ def compiled_losses(model, outputs: int) -> list[tuple[str | None, bool | None]]
     or function its name and from_logits=False (Keras' default for the
     crossentropies). (None, None) wherever it cannot be read.
     """
-    unknown = [(None, None)] * outputs
+    unknown: list[tuple[str | None, bool | None]] = [(None, None)] * outputs
     try:
         loss = getattr(model, "loss", None)
         if loss is None:
@@ -171,7 +219,7 @@ def _describe_loss(loss) -> tuple[str | None, bool | None]:
         return None, None
     if isinstance(loss, str):
         return loss, False
-    config = {}
+    config: dict = {}
     if hasattr(loss, "get_config"):
         try:
             config = loss.get_config() or {}
@@ -199,7 +247,8 @@ def _activation_name(layer) -> str | None:
 
 
 def _layer_record(name, layer, parent, *, is_leaf, mixed, call_index,
-                  output_dtypes, inputs_from, inputs_made_outside_layers) -> dict:
+                  output_dtypes, inputs_from, inputs_made_outside_layers,
+                  output_shape=None) -> dict:
     policy = own_policy(layer)
     # What the layer really computes in: under a DTypePolicyMap the layer's
     # own compute_dtype differs from dtype_policy's.
@@ -235,6 +284,13 @@ def _layer_record(name, layer, parent, *, is_leaf, mixed, call_index,
         "gemm_dims": dims,
         "gemm_roles": [d["role"] for d in gemm] if gemm else None,
         "gemm_arguments": [d["argument"] for d in gemm] if gemm else None,
+        "output_shape": output_shape,
+        "gemm_flops": gemm_flops(layer, dims, output_shape) if gemm else None,
+        # The precision advisor sizes each GEMM from this and the element
+        # counts of the numerics samples; `path` keys a DTypePolicyMap.
+        "gemm_macs": (gemm_macs(layer) if own_gemm or type(layer).__name__ in _RNN_GATES
+                      else None),
+        "path": getattr(layer, "path", None),
         "misaligned_dims": misaligned,
         "tensor_core_friendly": (not misaligned) if (dims and multiple) else None,
         "float32_island": bool(
@@ -309,6 +365,84 @@ def gemm_layout(layer) -> list[dict] | None:
         argument = "units" if cls == "Dense" else None
         return [_dim("input size", shape[0], None), _dim("output size", shape[1], argument)]
     return None
+
+
+def gemm_flops(layer, dims: list[int], output_shape: list[int] | None) -> int | None:
+    """The multiply-adds (x2) of `layer`'s GEMM per example, from its traced
+    output shape (batch axis left out) and its kernel: each output value
+    contracts (kernel size / output size) products. For a transposed conv
+    this counts at the output's resolution (an upper bound, by the strides);
+    for MultiHeadAttention its two attention GEMMs (QK^T and the weighted
+    values), assuming keys as long as the queries (self-attention); its
+    projections are its sublayers' own. None where the shape is unknown.
+
+    Args:
+        layer: the layer.
+        dims: its `gemm_layout` sizes.
+        output_shape: its first output's shape without the batch axis.
+    """
+    if not output_shape or any(not isinstance(d, int) for d in output_shape):
+        return None
+    if type(layer).__name__ == "MultiHeadAttention":
+        heads = getattr(layer, "num_heads", None) or getattr(layer, "_num_heads", None)
+        if not heads or len(output_shape) < 2:
+            return None
+        length = math.prod(output_shape[:-1])
+        return int(2 * length * length * heads * sum(dims))
+    kernel = _weight(layer, "pointwise_kernel")
+    kernel = _weight(layer, "kernel") if kernel is None else kernel
+    if kernel is None or not dims or not dims[-1]:
+        return None
+    contracted = math.prod(int(d) for d in kernel.shape) / dims[-1]
+    return int(2 * math.prod(output_shape) * contracted)
+
+
+# Gate matrices per recurrent cell step.
+_RNN_GATES = {"LSTM": 4, "GRU": 3, "SimpleRNN": 1}
+
+
+def gemm_macs(layer) -> dict | None:
+    """How many multiply-adds the layer's GEMMs do per element of a tensor
+    whose size the numerics samples count: `{"per": what, "macs": n}`.
+
+    "output": per element of the layer's output (Dense, EinsumDense,
+    ConvND: the contracted size, kernel window included; SeparableConvND:
+    its pointwise part). "attention_scores": per element of the attention
+    probabilities (MultiHeadAttention's softmax output: the QK^T and AV
+    GEMMs, key_dim + value_dim). "timestep_output": per element of a
+    recurrent layer's output at each timestep (gates x (inputs + units)),
+    exact when the layer returns sequences. None: no GEMM of its own, or
+    one this does not size (a transposed convolution, `Attention`).
+    """
+    cls = type(layer).__name__
+    if cls == "MultiHeadAttention":
+        layout = gemm_layout(layer)
+        return {"per": "attention_scores",
+                "macs": int(sum(d["size"] for d in layout))} if layout else None
+    if cls in _RNN_GATES:
+        cell = getattr(layer, "cell", layer)
+        kernel = _weight(cell, "kernel")
+        units = getattr(cell, "units", None)
+        if kernel is None or not units:
+            return None
+        inputs = int(kernel.shape[0])
+        gates = _RNN_GATES[cls]
+        return {"per": "timestep_output", "macs": gates * (inputs + int(units)),
+                "inputs": inputs, "units": int(units), "gates": gates,
+                "return_sequences": bool(getattr(layer, "return_sequences", False))}
+    if "Depthwise" in cls or cls.endswith("Transpose"):
+        return None
+    kernel = _weight(layer, "pointwise_kernel" if cls.startswith("SeparableConv")
+                     else "kernel")
+    if kernel is None or len(kernel.shape) < 2:
+        return None
+    layout = gemm_layout(layer)
+    if layout is None:
+        return None
+    if getattr(layer, "equation", None):
+        return {"per": "output", "macs": int(layout[0]["size"])}
+    shape = [int(d) for d in kernel.shape]
+    return {"per": "output", "macs": int(math.prod(shape[:-1]))}
 
 
 def gemm_dims(layer) -> list[int] | None:

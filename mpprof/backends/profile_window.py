@@ -17,6 +17,7 @@ the window is skipped and the run context says why; training goes on.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from mpprof.backends.xprof_kernels import KernelStatsError, newest_session, tensor_core_share
 from mpprof.records import filesystem
@@ -45,7 +46,7 @@ class ProfileWindow:
         self.state = "waiting"
         self.reason = f"steps {start}-{stop} not reached yet"
         self.result: dict | None = None
-        self._tensorboard = None
+        self._tensorboard: Any = None
         self._fit_started = 0.0
         self._traced_from = start
         self._last_step: int | None = None

@@ -10,19 +10,21 @@ inside XProf (h884, hmma, s1688, xmma_gemm, ...): it misses some kernels, e.g.
 Two ways in:
 - `tensor_core_share(trace_dir)`: any directory holding a trace (a logdir,
   its `plugins/profile`, or one session), e.g. one written by
-  `keras.callbacks.TensorBoard(profile_batch=...)` or `jax.profiler`.
+  `keras.callbacks.TensorBoard(profile_batch=...)` or a framework's profiler;
+  the layers of its ops are read in each registered backend's naming
+  (`layer_of`).
 - `ProfileWindow`: the callback's opt-in `profile_steps=(start, stop)`
   window, which captures a trace into the run directory and converts it
-  right after the window. Each backend subclasses it with its profiler's
-  start and stop (`backends/tensorflow/kernels.py`, `backends/jax/kernels.py`).
+  right after the window (`mpprof.backends.profile_window`). Each backend
+  subclasses it with its profiler's start and stop (its `kernels.py`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 
+from mpprof.backends import REGISTRY, load
 from mpprof.records import filesystem
 
 # Eligible-but-not-using ops listed in the record, largest first.
@@ -142,52 +144,23 @@ def summarize_kernel_stats(
     }
 
 
-# JAX name-stack frames that are no layer: a transformation wrapping a scope
-# ("transpose(jvp(dense))": the backward pass of "dense"), a jitted function
-# ("jit(step)", "jit(relu)"), control flow ("while/body", "cond/branch_1_fun"),
-# call frames, an einsum's equation ("query/abc,cde->abde/dot_general",
-# "vmap(BTNH,BSNH->BNTS)") and an empty scope ("jvp()").
-_WRAPPED = re.compile(r"^[A-Za-z_]\w*\((.*)\)$")
-_JITTED = re.compile(r"^p?jit\(.*\)$")
-_NOT_LAYERS = {"while", "cond", "closed_call", "core_call", "checkpoint", "remat",
-               "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
-# Frames that only follow a control-flow frame ("while/body", "cond/branch_0_fun").
-_INSIDE = {"while": re.compile(r"^(body|cond)$"), "cond": re.compile(r"^branch_\d+_fun$")}
-
-
 def layer_of(op_name: str) -> str:
-    """The layer of an op, from its name scope.
-
-    TensorFlow: "seq/dense/MatMul" -> "seq/dense". JAX (XLA's op name is the
-    jit's name stack, Keras' layer scopes inside it):
-    "jit(step)/transpose(jvp(mha))/query/abc,cde->abde/dot_general" ->
-    "mha/query", "jit(step)/jvp(dense)/jit(relu)/max" -> "dense". An op in
-    no scope is its own layer.
+    """The layer of an op, from its name: each registered backend's
+    `op_names.layer_of` reads its own framework's naming (TensorFlow's name
+    scopes, JAX's name stacks), the first that knows the name says. An op
+    in no scope is its own layer.
 
     Args:
         op_name: the op's name, as XProf's kernel_stats gives it.
     """
     if "/" not in op_name:
         return op_name
-    scopes = op_name.split("/")[:-1]
-    if not any("(" in scope for scope in scopes):  # TensorFlow: no "(" in a scope
-        return "/".join(scopes)
-    layers: list[str] = []
-    previous = ""
-    for scope in scopes:
-        while (match := _WRAPPED.match(scope)) and not _JITTED.match(scope):
-            scope = match.group(1)  # jvp(dense) -> dense
-        if _is_layer(scope, previous):
-            layers.append(scope)
-        previous = scope
-    return "/".join(layers) or op_name
-
-
-def _is_layer(scope: str, previous: str) -> bool:
-    """Whether a JAX name-stack frame (unwrapped) is a layer's scope."""
-    inside = _INSIDE.get(previous)
-    return not (not scope or _JITTED.match(scope) or scope in _NOT_LAYERS
-                or "->" in scope or (inside is not None and inside.match(scope)))
+    for registered in REGISTRY.values():
+        if registered.op_names is not None:
+            found = load(registered.op_names).layer_of(op_name)
+            if found is not None:
+                return found
+    return op_name
 
 
 def _top_missed_ops(missed: list[dict], top_ops: int) -> list[dict]:
@@ -217,7 +190,8 @@ def _kernel_stats_rows(paths: list[str]) -> list[dict]:
         from xprof.convert import raw_to_tool_data
     except ImportError as e:
         raise KernelStatsError(
-            f"xprof is not installed ({e}): pip install tensorboard-plugin-profile"
+            f'xprof is not installed ({e}): pip install "xprof>=2.20" (it comes with '
+            "the mpprof[jax] and mpprof[tensorflow] extras)"
         ) from e
     try:
         data, _ = raw_to_tool_data.xspace_to_tool_data(paths, "kernel_stats", {})

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 # Importing the rule modules registers their rules.
 from mpprof.diagnosis import (
+    failure,
     float8,
     hardware,
     loss_scale,
@@ -68,7 +69,7 @@ from mpprof.diagnosis.numerics import (
     MIN_UNDERFLOW_SAMPLES,
     UNDERFLOW_SHARE,
 )
-from mpprof.diagnosis.precision import FLOAT8_GEMM_MULTIPLE, TENSOR_CORE_MULTIPLE
+from mpprof.diagnosis.precision import MIN_GEMM_FLOPS_SHARE
 from mpprof.diagnosis.text import exceeds, format_text
 from mpprof.diagnosis.view import (
     RunView,
@@ -79,6 +80,7 @@ from mpprof.diagnosis.view import (
     gradient_underflow_share,
     inventory_missing_reason,
 )
+from mpprof.dtypes import FLOAT8_GEMM_MULTIPLE, TENSOR_CORE_MULTIPLE
 
 # The catalogue, in code order.
 CATALOGUE: dict[str, Rule] = dict(sorted(REGISTRY.items()))
@@ -89,35 +91,38 @@ __all__ = [
     "FLOAT8_GEMM_MULTIPLE", "FLUSH_SHARE",
     "FP16_TENSOR_CORE_CAPABILITY",
     "HEADROOM_FACTOR", "LOW_TENSOR_CORE_SHARE", "LOW_TENSOR_UTIL_PERCENT",
-    "MAX_LAYER_FINDINGS", "MIN_EXCESS_OVERFLOWS", "MIN_FLOAT8_STEPS", "MIN_HEALTHY_LOSS_SCALE",
+    "MAX_LAYER_FINDINGS", "MIN_EXCESS_OVERFLOWS", "MIN_FLOAT8_STEPS", "MIN_GEMM_FLOPS_SHARE",
+    "MIN_HEALTHY_LOSS_SCALE",
     "MIN_UNDERFLOW_SAMPLES", "REPLICA_AMAX_TOLERANCE", "SATURATION_FACTOR", "SATURATION_SHARE",
     "SEVERITIES",
     "TENSOR_CORE_MULTIPLE",
     "UNDERFLOW_SHARE", "VIEWS", "WARMUP_STEPS", "Check", "Diagnosis", "Finding", "Rule", "RunView",
     "backward_overflow_mask", "diagnose", "evaluate", "exceeds",
     "first_backward_offender", "first_forward_offender", "format_text",
-    "float8", "forward_overflow_mask", "gradient_underflow_share", "hardware",
+    "failure", "float8", "forward_overflow_mask", "gradient_underflow_share", "hardware",
     "inventory_missing_reason", "loss_scale",
     "nonfinite", "numerics", "precision", "underflow",
 ]
 
 
-def diagnose(run) -> list[Finding]:
+def diagnose(run, *, assume_gpu: bool = False) -> list[Finding]:
     """The findings of `run` (a `mpprof.records.reader.Run`): most severe first, by step."""
-    return evaluate(run).findings
+    return evaluate(run, assume_gpu=assume_gpu).findings
 
 
-def evaluate(run) -> Diagnosis:
+def evaluate(run, *, assume_gpu: bool = False) -> Diagnosis:
     """The findings of `run` and, for every rule, whether it could check.
 
     Args:
         run: a `mpprof.records.reader.Run`.
+        assume_gpu: judge what matters only on a GPU (MP007's Tensor Core
+            shapes) on a run that had none, as a projection that says so.
 
     Returns:
         A `Diagnosis`: `.findings` most severe first, then by step; `.checks`
         one per rule; `.notes` the rules that could not judge, with why.
     """
-    view = RunView(run)
+    view = RunView(run, assume_gpu=assume_gpu)
     findings: list[Finding] = []
     checks: list[Check] = []
     worker = getattr(run, "worker", None)

@@ -97,19 +97,25 @@ def _busy_tensor_util(gpu) -> tuple[float, int] | None:
 
 
 def _tensor_core_fix(view: RunView) -> str:
-    misaligned = [found.layer for found in quiet("MP007", view) if found.layer]
+    misaligned = [name for found in quiet("MP007", view) for name in found.evidence["layers"]]
     lines = ["Tensor-Core-eligible work is not reaching the Tensor Cores:"]
     if misaligned:
         lines.append(
             f"- round the GEMM dimensions of {', '.join(misaligned[:5])} to the "
             "multiples MP007 names;"
         )
-    lines += [
-        "- use batch sizes and sequence lengths that are multiples of 8;",
-        "- compile with XLA: model.compile(..., jit_compile=True);",
-        "- if the GPU is mostly idle, the input pipeline is the bottleneck: "
-        "dataset.prefetch(tf.data.AUTOTUNE).",
-    ]
+    lines.append("- use batch sizes and sequence lengths that are multiples of 8;")
+    if view.syntax.backend == "jax":
+        # JAX compiles every step with XLA already; its input pipeline is the user's.
+        lines.append("- if the GPU is mostly idle, the input pipeline is the bottleneck: "
+                     "prefetch batches ahead of the step (e.g. a tf.data or grain "
+                     "pipeline with prefetch).")
+    else:
+        lines += [
+            "- compile with XLA: model.compile(..., jit_compile=True);",
+            "- if the GPU is mostly idle, the input pipeline is the bottleneck: "
+            "dataset.prefetch(tf.data.AUTOTUNE).",
+        ]
     return "\n".join(lines)
 
 
@@ -132,7 +138,7 @@ def hardware(view: RunView) -> list:
         }
         fix = (
             "CPUs have no float16 Tensor Cores: mixed_float16 is usually slower than "
-            "float32 there (2x to 50x in mpprof's tests, by TensorFlow's CPU "
+            "float32 there (2x to 50x in mpprof's tests, by the backend's CPU "
             "kernels). Train in float32 on this machine, or in bfloat16 if the "
             "CPU has AVX512_BF16/AMX:\n"
             f"    {view.syntax.set_policy('mixed_bfloat16')}  # or \"float32\""
@@ -210,3 +216,59 @@ def bfloat16_hint(view: RunView) -> list:
     return [finding("MP013", title, step=step, evidence=evidence, fix=fix)]
 
 
+
+
+# TF32 (float32 matmuls on Tensor Cores, 10 mantissa bits) came with Ampere.
+TF32_CAPABILITY = (8, 0)
+
+
+@rule("MP021", "info", "float32 layers run their matmuls in TF32 on this GPU",
+      view="inventory", data="inventory, context (float32 matmuls)")
+def float32_islands_in_tf32(view: RunView) -> list:
+    """A mixed-precision run pins layers to float32 (float32 islands with a
+    GEMM), but on its GPU (Ampere or newer) the framework runs float32
+    matmuls and convolutions in TF32 (TensorFlow's default
+    `tensor_float_32_execution_enabled()`, JAX's default matmul precision):
+    their products round to 10 mantissa bits, as float16's do, keeping only
+    float32's range. An island kept for precision does not get it. The
+    model's float32 output layer is not named: it is float32 for the softmax
+    and loss after its matmul, which stay float32."""
+    view.require_mixed()
+    matmuls = view.context.float32_matmuls
+    if matmuls is None:
+        raise NotMeasured("the run context does not say what float32 matmuls run as "
+                          "(recorded by an older mpprof)")
+    hardware = view.hardware
+    if hardware is None:
+        raise NotMeasured("the GPU is not known")
+    if hardware.get("cpu_only"):
+        raise NotApplicable("no GPU: float32 matmuls run in float32 on a CPU")
+    tf32_gpus = [g for g in hardware.get("gpus") or []
+                 if g.get("compute_capability")
+                 and tuple(g["compute_capability"]) >= TF32_CAPABILITY]
+    if not tf32_gpus:
+        raise NotApplicable("the GPU has no TF32 (before Ampere): float32 is float32")
+    if not matmuls.get("tf32_enabled"):
+        return []
+    inventory = view.require_inventory()
+    # The model's output is float32 for what follows its matmul (the softmax
+    # and the loss, still float32): TF32 does not undo that (MP006's fix).
+    outputs = {o.get("producer") for o in inventory.get("model", {}).get("outputs", [])}
+    islands = [layer["name"] for layer in inventory.get("layers", [])
+               if layer.get("float32_island") and layer.get("gemm_dims")
+               and layer["name"] not in outputs]
+    if not islands:
+        return []
+    shown = ", ".join(islands[:8]) + (f" and {len(islands) - 8} more" if len(islands) > 8 else "")
+    evidence = {"layers": islands, "float32_matmuls": matmuls.get("setting"),
+                "gpu": tf32_gpus[0].get("name"),
+                "compute_capability": tf32_gpus[0].get("compute_capability")}
+    fix = (
+        f"Layers pinned to float32 ({shown}) run their matmuls in TF32 here "
+        f"({matmuls.get('setting')}): float32's range, float16's 10-bit mantissa. If they "
+        "are float32 for range (overflow), that is enough: `mpprof advise LOGDIR` says "
+        "which islands the data need at all. If they are float32 for precision, turn "
+        f"TF32 off before building the model:\n    {matmuls.get('disable')}\n"
+        "(every float32 matmul then runs at float32 speed: up to 8x slower on an A100).")
+    title = f"{len(islands)} float32 layer(s) run their matmuls in TF32 on this GPU"
+    return [finding("MP021", title, layer=islands[0], evidence=evidence, fix=fix)]

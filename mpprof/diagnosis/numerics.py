@@ -219,7 +219,10 @@ def _overflow_wording(view: RunView, offender: _Offender, evidence: dict) -> tup
       data="numerics")
 def headroom(view: RunView) -> list:
     """A half-precision layer's largest activation came within
-    `HEADROOM_FACTOR` of its dtype's maximum without overflowing."""
+    `HEADROOM_FACTOR` of its dtype's maximum without overflowing. Layers
+    downstream of the layer MP003 names only inherit its overflow: they are
+    its evidence, not findings of their own. A layer without weights (pooling,
+    an activation, dropout) is told to fix the layer feeding it."""
     view.require_mixed()
     numerics = view.require_numerics()
     abs_max = np.asarray(numerics.forward["abs_max"], dtype=np.float64)
@@ -229,7 +232,13 @@ def headroom(view: RunView) -> list:
     dtypes = view.numerics_dtypes()
     limit = np.array([DTYPE_MAX[d] for d in dtypes])
     half = np.array([d in HALF_DTYPES for d in dtypes])
-    close = np.flatnonzero(half & (peak > limit / HEADROOM_FACTOR) & ~overflowed.any(axis=0))
+    inherited = np.zeros(len(numerics.layers), dtype=bool)
+    offender = _first_forward_overflow(view, numerics)
+    if offender is not None:
+        below = _downstream(view, numerics.layers, numerics.layers[offender.index])
+        inherited = np.array([name in below for name in numerics.layers], dtype=bool)
+    close = np.flatnonzero(half & (peak > limit / HEADROOM_FACTOR) & ~overflowed.any(axis=0)
+                           & ~inherited)
     if not len(close):
         return []
     close = close[np.argsort(-peak[close] / limit[close])]
@@ -247,20 +256,72 @@ def headroom(view: RunView) -> list:
             numerics.layers[j]: float(peak[j]) for j in close[:MAX_LAYER_FINDINGS]
         },
     }
-    fix = (
-        f"{layer!r} reached {peak[worst]:g}, only {factor:g}x below the largest "
-        f"{dtypes[worst]} ({limit[worst]:g}): a little growth of its weights will "
-        "overflow it. Keep it in float32:\n"
-        f"    {view.syntax.layer(view.layer_class(layer))}\n"
-        "or bound its input (normalisation before it, weight decay), or train in "
-        f"bfloat16: {view.syntax.set_policy('mixed_bfloat16')}"
-    )
+    source = _weighted_source(view, layer)
+    if source == layer:
+        fix = (
+            f"{layer!r} reached {peak[worst]:g}, only {factor:g}x below the largest "
+            f"{dtypes[worst]} ({limit[worst]:g}): a little growth of its weights will "
+            "overflow it. Keep it in float32:\n"
+            f"    {view.syntax.layer(view.layer_class(layer))}\n"
+            "or bound its input (normalisation before it, weight decay), or train in "
+            f"bfloat16: {view.syntax.set_policy('mixed_bfloat16')}"
+        )
+    else:
+        evidence["weightless"] = True
+        evidence["values_from"] = source
+        upstream = (
+            f"they come from {source!r}, whose output is where to act. Keep it in "
+            f"float32:\n    {view.syntax.layer(view.layer_class(source))}\n"
+            if source else
+            "they come from its input (the data or ops outside any layer): bound it "
+            "(normalise the inputs), "
+        )
+        fix = (
+            f"{layer!r} reached {peak[worst]:g}, only {factor:g}x below the largest "
+            f"{dtypes[worst]} ({limit[worst]:g}). It has no weights: its large values "
+            f"are its input's, and {upstream}or bound that input (normalisation, "
+            f"weight decay), or train in bfloat16: "
+            f"{view.syntax.set_policy('mixed_bfloat16')}"
+        )
     title = (
         f"Little headroom: {layer} activations reach {peak[worst]:.4g}, within "
         f"{factor:g}x of the {dtypes[worst]} maximum"
     )
     step = int(numerics.steps[sample])
     return [finding("MP004", title, layer=layer, step=step, evidence=evidence, fix=fix)]
+
+
+def _downstream(view: RunView, layers: list[str], origin: str) -> set[str]:
+    """The layers fed, directly or not, by `origin` (by the inventory's
+    "inputs_from"); without that graph, every layer after it in call order."""
+    consumers: dict[str, list[str]] = {}
+    for record in view.layers_by_name.values():
+        for parent in record.get("inputs_from") or ():
+            consumers.setdefault(parent, []).append(record["name"])
+    if not consumers:
+        return set(layers[layers.index(origin) + 1:]) if origin in layers else set()
+    found, todo = set(), [origin]
+    while todo:
+        for child in consumers.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _weighted_source(view: RunView, layer: str) -> str | None:
+    """`layer` itself when it has weights (or the inventory does not say);
+    else the nearest layer with weights that feeds it through weightless
+    layers (None: its values come from the data or outside any layer)."""
+    seen, name = set(), layer
+    while name is not None and name not in seen:
+        seen.add(name)
+        record = view.layers_by_name.get(name)
+        if record is None or record.get("params") is None or record["params"] > 0:
+            return name
+        parents = record.get("inputs_from") or []
+        name = parents[0] if parents else None
+    return None
 
 
 def _calibrated_from(view: RunView) -> int:

@@ -60,8 +60,12 @@ def format_text(run, result: Diagnosis, *, color: bool = False,
             lines += (notes or {}).get(finding.code, [])
     if not result.findings:
         lines.append("No findings.")
+    # Rules that lack the same data say so once, e.g. the four numerics rules.
+    reasons: dict[str, list[str]] = {}
     for check in result.not_measured:
-        lines.append(paint(f"  not measured: {check.code}: {printable(check.reason)}", _DIM))
+        reasons.setdefault(check.reason, []).append(check.code)
+    for reason, codes in reasons.items():
+        lines.append(paint(f"  not measured: {', '.join(codes)}: {printable(reason)}", _DIM))
     counts = [
         f"{sum(f.severity == s for f in result.findings)} {s}" for s in SEVERITIES
     ]

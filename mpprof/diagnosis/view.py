@@ -41,6 +41,10 @@ def inventory_missing_reason(context: RunContext) -> str:
                 f"failed ({state.get('reason')})")
     if state.get("reason"):
         return f"no precision inventory was recorded: {state['reason']}"
+    error = context.fit_error
+    if error is not None:
+        return (f"no precision inventory was recorded: the fit raised at step "
+                f"{error.get('step')} (MP020) before its first step ended")
     if state.get("traced"):
         return ("no precision inventory was recorded though the step traced "
                 "(the run stopped before the end of its first step?)")
@@ -56,10 +60,13 @@ class RunView:
 
     Args:
         run: a `mpprof.records.reader.Run`.
+        assume_gpu: judge GPU-only matters (Tensor Core shapes) as a
+            projection where the run had no GPU.
     """
 
-    def __init__(self, run):
+    def __init__(self, run, *, assume_gpu: bool = False):
         self.run = run
+        self.assume_gpu = assume_gpu
 
     @functools.cached_property
     def context(self) -> RunContext:
@@ -87,7 +94,7 @@ class RunView:
 
     @functools.cached_property
     def syntax(self) -> FixSyntax:
-        return FixSyntax(self.context.keras_flavor)
+        return FixSyntax(self.context.keras_flavor, self.context.keras_backend)
 
     @functools.cached_property
     def loss_watched(self) -> bool:
@@ -187,11 +194,19 @@ class RunView:
         if self.numerics is not None and len(self.numerics.steps) and len(self.numerics.layers):
             return self.numerics
         state = self.context.collector("numerics")
-        if state.get("state") == "ok":
+        error = self.context.fit_error
+        if error is not None and self.context.fit_state == "failed":
             raise NotMeasured(
-                f"no step was sampled (numerics_every={state.get('every')} is more "
-                "than the steps run, and no overflow triggered a forensic sample): "
-                "lower numerics_every"
+                f"no step was sampled: the fit raised at step {error.get('step')} "
+                "(MP020) before its first sample")
+        if state.get("state") == "ok":
+            every, early = state.get("every"), state.get("early_steps")
+            early = (f"; each fit samples its steps {', '.join(map(str, early))} first"
+                     if early else "")
+            raise NotMeasured(
+                f"no step was sampled: the fit ended before its first sample "
+                f"(numerics_every={every}{early}), and no overflow triggered a "
+                "forensic sample"
             )
         if state.get("state") == "off" and state.get("every") is not None:
             raise NotMeasured(f"no step was sampled: {state.get('reason')}")
@@ -209,7 +224,7 @@ class RunView:
         if isinstance(hardware, dict) and "cpu_only" in hardware:
             return hardware
         if self.context.gpus_visible == 0:
-            return {"cpu_only": True, "gpus": [], "source": "gpus_visible_to_tensorflow"}
+            return {"cpu_only": True, "gpus": [], "source": "gpus_visible"}
         return None
 
     def layer_class(self, name: str | None) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mpprof.backends import protocol
 from mpprof.recording.sampling import SampleSchedule
 
 
@@ -23,7 +24,7 @@ class AcrossFits:
     """
 
     schedule: SampleSchedule
-    profile_window: object | None = None
+    profile_window: protocol.ProfileWindow | None = None
     fit_count: int = 0
     last_step: int | None = None
     loss_scales: dict[int, object] = field(default_factory=dict)

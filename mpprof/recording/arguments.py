@@ -9,9 +9,9 @@ import os
 
 
 def positive_int(name: str, value, *, at_most: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if at_most is not None and value > at_most:
+    if at_most is not None and int(value) > at_most:
         raise ValueError(f"{name} must be at most {at_most:,}, got {value!r}")
     return int(value)
 

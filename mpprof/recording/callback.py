@@ -11,7 +11,7 @@ from mpprof.recording import profiled_fit
 from mpprof.recording.across_fits import AcrossFits
 from mpprof.recording.distributed import warn_if_keras_3_multi_worker
 from mpprof.recording.nvml import sampler
-from mpprof.recording.sampling import SampleSchedule
+from mpprof.recording.sampling import DEFAULT_NUMERICS_EVERY, SampleSchedule
 from mpprof.recording.settings import Settings
 from mpprof.records import run_context
 
@@ -38,7 +38,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
       state;
     - replay captures: when a sampled step overflowed or had a non-finite
       loss, its batch, the weights it ran with, the model's config and every
-      layer's dtype policy go to `log_dir/train/replay/step_<N>/` (up to
+      layer's dtype policy go to `log_dir/train/replay/step_<N>@<writer>/` (up to
       `replay_budget` per fit), for `mpprof replay LOG_DIR` to run that step
       again offline: the first op that overflowed, float16 against float32
       per layer, and a verified per-layer float32 fix.
@@ -73,7 +73,10 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             `s3://bucket/logs` with `mpprof[s3]` installed);
             the same `log_dir` as `keras.callbacks.TensorBoard` is fine.
         numerics_every: sample per-layer numerics every this many train
-            steps; None turns sampling off (forensic samples too).
+            steps; None turns sampling off (forensic samples too). Left at
+            its default (500), each fit also samples its steps 1, 10 and 100,
+            so that a fit shorter than the interval is not blind; an interval
+            you pass is kept as given.
         forensic_budget: how many overflow-triggered samples a fit may take.
         forensic_spacing: least train steps between two forensic samples, so
             that a run overflowing on many early steps is not mostly
@@ -91,6 +94,12 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             Each holds one batch and one copy of the weights (Keras 3, one
             replica; only sampled steps are checked, so `numerics_every=None`
             captures nothing).
+        advise_batches: how many of the run's own batches to keep, with the
+            weights at that step, for the precision advisor to verify its plan
+            on (`mpprof advise LOG_DIR --verify`), spread across the fit: the
+            first numerics-sampled step at or after the middle of each of N
+            equal parts of the fit (`log_dir/train/advise/step_<N>/`, the
+            same files as a replay capture; Keras 3, one replica). 0: none.
         profile_steps: (start, stop) train steps to capture an XProf trace
             of, inclusive; after the window mpprof records the share of GPU
             kernel time spent in Tensor Core kernels. None (default) traces
@@ -99,8 +108,9 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
 
     Raises:
         ValueError: an argument is out of range.
-        mpprof.backends.UnsupportedBackendError: Keras runs on another
-            backend than TensorFlow.
+        mpprof.backends.UnsupportedBackendError: Keras runs on a backend
+            mpprof has no registration for (`mpprof.backends.REGISTRY`:
+            TensorFlow and JAX).
 
     Example:
 
@@ -127,7 +137,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         self,
         log_dir: str | os.PathLike = "logs",
         *,
-        numerics_every: int | None = 500,
+        numerics_every: int | None = DEFAULT_NUMERICS_EVERY,
         forensic_budget: int = 20,
         forensic_spacing: int = 50,
         flush_every_steps: int = 500,
@@ -135,6 +145,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         gpu_interval: float | None = sampler.DEFAULT_INTERVAL_S,
         profile_steps: tuple[int, int] | None = None,
         replay_budget: int = 2,
+        advise_batches: int = 0,
     ):
         super().__init__()
         check_backend()
@@ -143,11 +154,12 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             forensic_spacing=forensic_spacing, flush_every_steps=flush_every_steps,
             flush_every_seconds=flush_every_seconds, gpu_interval=gpu_interval,
             profile_steps=profile_steps, replay_budget=replay_budget,
+            advise_batches=advise_batches,
         )
         self._across_fits = AcrossFits(
             schedule=SampleSchedule(
                 self.settings.numerics_every, self.settings.forensic_budget,
-                self.settings.forensic_spacing,
+                self.settings.forensic_spacing, early=self.settings.numerics_default,
             ),
         )
         # The fit being profiled (or the last one).

@@ -41,13 +41,15 @@ class ContextWriter:
 
     def write(self, routing: RecordRouting, collectors: FitCollectors | None,
               fit: FitState | None, start_step: int, fit_state: str,
-              sigterm_state: str) -> None:
+              sigterm_state: str, fit_error: dict | None = None) -> None:
         """Writes the context now (`fit`: None once the fit is over or
-        before it began); a failure is the guard's, never the fit's."""
+        before it began; `fit_error`: what the fit raised, if it did); a
+        failure is the guard's, never the fit's."""
         self._guard.run("run_context", self._write, routing, collectors, fit, start_step,
-                        fit_state, sigterm_state)
+                        fit_state, sigterm_state, fit_error)
 
-    def _write(self, routing, collectors, fit, start_step, fit_state, sigterm_state) -> None:
+    def _write(self, routing, collectors, fit, start_step, fit_state, sigterm_state,
+               fit_error) -> None:
         step = fit.step if fit is not None else self._across_fits.last_step or 0
         evidence = None
         if fit is not None and routing.worker is not None:
@@ -56,6 +58,8 @@ class ContextWriter:
             evidence = {"steps_run": step,
                         "skipped_steps": collectors.loss_scales.skipped_steps(), **health}
         context = self._context(collectors, fit, start_step, fit_state, sigterm_state)
+        if fit_error is not None:
+            context["fit_error"] = fit_error
         routing.write_context(context, step, evidence)
 
     def _context(self, collectors: FitCollectors | None, fit: FitState | None,

@@ -27,26 +27,6 @@ KERAS_3_MULTI_WORKER_UNSUPPORTED = (
 )
 
 
-def keras_3_skip_decided_by(num_replicas: int) -> str:
-    """What decides a skipped step in Keras 3's LossScaleOptimizer, in words.
-
-    Keras 3 checks the gradients for finiteness BEFORE they are all-reduced
-    (the inner optimizer all-reduces them afterwards); under a strategy with
-    several replicas it takes the first replica's verdict for all. Checked on
-    Keras 3.15 with MirroredStrategy on two logical CPUs: an overflow on the
-    second replica alone is applied, not skipped, and the weights become
-    non-finite (tf-keras all-reduces first and skips such a step).
-    """
-    if num_replicas <= 1:
-        return "Keras 3 LossScaleOptimizer: finiteness of the step's gradients"
-    return (
-        "Keras 3 LossScaleOptimizer: finiteness of the FIRST replica's gradients "
-        "(each replica's own where the strategy runs without merge_call), before the "
-        "all-reduce; an overflow on another replica alone is not skipped and turns "
-        "the weights non-finite (see the health record, MP012)"
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class WorkerRole:
     """This process's place in a (possibly multi-worker) fit.

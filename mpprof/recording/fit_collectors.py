@@ -6,16 +6,15 @@ import functools
 import posixpath
 from dataclasses import dataclass
 
+from mpprof.backends import protocol, step_origin
 from mpprof.backends.base import Backend
-from mpprof.recording import step_origin
+from mpprof.backends.optimizer_usage import OptimizerUsage
 from mpprof.recording.across_fits import AcrossFits
-from mpprof.recording.collectors.base import Collector
 from mpprof.recording.collectors.gpu_host import HostRecorder
 from mpprof.recording.collectors.inventory import Inventory
 from mpprof.recording.collectors.numerics_samples import NumericsSamples
 from mpprof.recording.distributed import WorkerRole
 from mpprof.recording.guard import Guard
-from mpprof.recording.optimizer_usage import OptimizerUsage
 from mpprof.recording.settings import Settings
 
 
@@ -28,21 +27,21 @@ class FitCollectors:
     """
 
     inventory: Inventory
-    loss_scales: Collector
-    health: Collector
+    loss_scales: protocol.LossScales
+    health: protocol.RunHealth
     numerics: NumericsSamples
     host: HostRecorder
-    float8_state: Collector
-    float8_shares: Collector
-    replay: Collector
+    float8_state: protocol.Collector
+    float8_shares: protocol.SamplingCollector
+    replay: protocol.ReplayCapture
 
     @property
-    def all(self) -> list[Collector]:
+    def all(self) -> list[protocol.Collector]:
         return [self.inventory, self.loss_scales, self.health, self.numerics, self.host,
                 self.float8_state, self.float8_shares, self.replay]
 
     @property
-    def sampling(self) -> list[Collector]:
+    def sampling(self) -> list[protocol.SamplingCollector]:
         return [self.numerics, self.float8_shares]
 
 
@@ -67,7 +66,9 @@ def build(backend: Backend, model, settings: Settings, across_fits: AcrossFits, 
                                across_fits.health, instrumenting)
     numerics.append(NumericsSamples(
         backend.numerics_taps, inventory, loss_scales, health,
-        {"every": settings.numerics_every, "forensic_budget": settings.forensic_budget,
+        {"every": settings.numerics_every,
+         "early_steps": list(across_fits.schedule.early_steps),
+         "forensic_budget": settings.forensic_budget,
          "forensic_spacing": settings.forensic_spacing},
     ))
     if across_fits.profile_window is None and settings.profile_steps:
@@ -86,5 +87,6 @@ def build(backend: Backend, model, settings: Settings, across_fits: AcrossFits, 
         float8_state=backend.Float8State(model, loss_scales),
         float8_shares=backend.Float8Shares(model, settings.sampling),
         replay=backend.ReplayCapture(settings.replay_budget, backend, loss_scales, health,
-                                     instrumenting),
+                                     instrumenting, advise_batches=settings.advise_batches,
+                                     fit_params=getattr(profiler, "params", None)),
     )

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mpprof.backends.optimizer_usage import OptimizerUsage
 from mpprof.recording.guard import Guard, GuardedWriter
-from mpprof.recording.optimizer_usage import OptimizerUsage
 from mpprof.recording.sampling import SampleSchedule
 
 

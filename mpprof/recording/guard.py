@@ -14,12 +14,18 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from mpprof.backends.traced_guard import describe_error
+
 
 class Guard:
     """Which collectors failed during this fit, and why."""
 
     def __init__(self):
         self.failures: dict[str, str] = {}
+        # Set while a fit that raised is being finished: a part failing then
+        # is recorded in the run context, but no warning says "training goes
+        # on" beside the user's own error.
+        self.fit_raised = False
 
     def ok(self, collector: str) -> bool:
         return collector not in self.failures
@@ -40,6 +46,8 @@ class Guard:
             return
         reason = error if isinstance(error, str) else describe_error(error)
         self.failures[collector] = reason
+        if self.fit_raised:
+            return
         what = ("stopped writing its records" if collector == GuardedWriter.COLLECTOR
                 else f"stopped recording {collector}")
         warnings.warn(f"mpprof: {what} ({reason}); training goes on.", RuntimeWarning,
@@ -101,6 +109,12 @@ class GuardedWriter:
                 self.COLLECTOR, self._writer.write_array, record, value, step, series=series
             )
 
+    @property
+    def writer_id(self) -> str | None:
+        """The writer's id (`RecordWriter.writer_id`); None for one that
+        writes nothing."""
+        return getattr(self._writer, "writer_id", None)
+
     def write_file(self, relative_path: str, data: bytes) -> bool:
         """Writes a file into the run directory; returns whether it was written
         (False once the recording stopped)."""
@@ -130,32 +144,18 @@ class GuardedWriter:
             pass
 
 
-class TracedGuard:
-    """Runs mpprof's own part of a traced function (a hook inside the user's
-    train step) so that its failure is reported, never raised into the step.
-
-    Args:
-        on_error: called with the exception; by default it is raised (a
-            collector used on its own); the profiler reports it to its
-            `Guard` instead.
-    """
-
-    def __init__(self):
-        self.on_error: Callable[[Exception], None] | None = None
-
-    def __call__(self, record: Callable[[], Any]) -> Any:
-        """`record()`, or None after reporting its failure."""
-        try:
-            return record()
-        except Exception as e:
-            if self.on_error is None:
-                raise
-            self.on_error(e)
-            return None
+# How much of a failed fit's error message the run context keeps.
+MAX_FIT_ERROR_MESSAGE = 4000
 
 
-def describe_error(error: BaseException) -> str:
-    """`TypeName: first line of the message`, at most 300 characters."""
+def describe_fit_error(error: BaseException | None, step: int) -> dict | None:
+    """What `model.fit` raised at `step`, for the run context's "fit_error"."""
+    if error is None:
+        return None
     message = getattr(error, "message", None) or str(error)
-    first_line = message.strip().splitlines()[0] if message.strip() else ""
-    return f"{type(error).__name__}: {first_line}"[:300]
+    return {
+        "type": type(error).__name__,
+        "module": type(error).__module__,
+        "message": message[:MAX_FIT_ERROR_MESSAGE],
+        "step": int(step),
+    }

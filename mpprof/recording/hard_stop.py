@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 class FlushSchedule:
@@ -63,7 +64,7 @@ class SigtermFlush:
 
     def __init__(self, flush: Callable[[], None]):
         self._flush = flush
-        self._previous = None
+        self._previous: Any = None
         self._installed = False
         self.state = "not installed"
 

@@ -12,19 +12,23 @@ needs a framework is asked of the fit's backend (`mpprof.backends`).
 from __future__ import annotations
 
 import atexit
+import sys
 import weakref
+from collections.abc import Callable
+from typing import Any
 
-from mpprof.backends import backend_for
+from mpprof.backends import backend_for, protocol
+from mpprof.backends.base import Backend
+from mpprof.backends.optimizer_usage import OptimizerUsage
+from mpprof.backends.patching import Patches
 from mpprof.recording import fit_collectors
 from mpprof.recording.across_fits import AcrossFits
 from mpprof.recording.context_writer import ContextWriter
 from mpprof.recording.distributed import announce_keras_3_multi_worker, worker_role
 from mpprof.recording.fit_collectors import FitCollectors
 from mpprof.recording.fit_state import FitState
-from mpprof.recording.guard import Guard
+from mpprof.recording.guard import Guard, describe_fit_error
 from mpprof.recording.hard_stop import FlushSchedule, SigtermFlush
-from mpprof.recording.optimizer_usage import OptimizerUsage
-from mpprof.recording.patching import Patches
 from mpprof.recording.quiet_calls import QuietCalls
 from mpprof.recording.routing import RecordRouting
 from mpprof.recording.settings import Settings
@@ -51,6 +55,7 @@ def start(profiler, settings: Settings, across_fits: AcrossFits) -> ProfiledFit:
     """
     model = profiler.model
     backend = backend_for(model)
+    backend.hide_own_frames()
     _take_over(profiler, model, backend)
     fit = ProfiledFit(profiler, model, backend, settings, across_fits)
     _ACTIVE[model] = fit
@@ -87,7 +92,8 @@ class ProfiledFit:
         across_fits: what earlier fits left; updated when this one ends.
     """
 
-    def __init__(self, profiler, model, backend, settings: Settings, across_fits: AcrossFits):
+    def __init__(self, profiler, model, backend: Backend, settings: Settings,
+                 across_fits: AcrossFits):
         self.profiler = profiler
         self.model = model
         self._backend = backend
@@ -103,14 +109,17 @@ class ProfiledFit:
                                       role, note)
         self._patches = Patches()
         self._fit_state = run_context.FIT_RUNNING
+        self._fit_error: dict | None = None  # what fit raised inside a train step
         across_fits.fit_count += 1
         # Set by `begin` once the collectors are installed (None: not yet,
         # or profiling stopped before they were).
         self._fit: FitState | None = None
         self._collectors: FitCollectors | None = None
-        self._functions = None  # the backend's TrainFunctions
-        self._alarm = None  # the backend's CallAlarm
-        self._run_plain = self._logs_of = self._alarm_key = None  # (set by `begin`)
+        self._functions: protocol.TrainFunctions | None = None
+        self._alarm: protocol.CallAlarm | None = None
+        self._run_plain: Callable[..., Any] | None = None  # (set by `begin`)
+        self._logs_of: Callable[[Any], Any] | None = None
+        self._alarm_key: str | None = None
         self._on_abort = self._abort
         self._start_step = 0
         self._batch_pending = False
@@ -375,7 +384,7 @@ class ProfiledFit:
 
     def _write_context(self) -> None:
         self._context.write(self._routing, self._collectors, self._fit, self._start_step,
-                            self._fit_state, self._sigterm.state)
+                            self._fit_state, self._sigterm.state, self._fit_error)
 
     # Ending the fit.
 
@@ -386,7 +395,14 @@ class ProfiledFit:
         self._finish()
 
     def _abort(self) -> None:
-        """`fit` is raising from inside a train step: keep what was recorded."""
+        """`fit` is raising from inside a train step: keep what was recorded,
+        and what it raised (the exception being handled) and at which step."""
+        error = sys.exc_info()[1]
+        self._guard.fit_raised = True
+        if self._fit is not None:
+            self._guard.run("profiler", self._settle_quiet_calls)  # the steps that ran
+        step = self._fit.step if self._fit is not None else self._start_step
+        self._fit_error = describe_fit_error(error, step)
         self.finish(run_context.FIT_FAILED)
 
     def _finish_unended(self) -> None:

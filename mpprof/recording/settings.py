@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from mpprof.recording import arguments
 from mpprof.recording.nvml import sampler
+from mpprof.recording.sampling import DefaultInterval
 from mpprof.records import schema
 
 # The loss-scale ring holds 2x the steps between two reads: more than this
@@ -21,6 +22,8 @@ class Settings:
 
     log_dir: str
     numerics_every: int | None
+    # Whether numerics_every was left at its default (the early samples).
+    numerics_default: bool
     forensic_budget: int
     forensic_spacing: int
     flush_every_steps: int
@@ -28,11 +31,13 @@ class Settings:
     gpu_interval: float | None
     profile_steps: tuple[int, int] | None
     replay_budget: int
+    advise_batches: int = 0
 
     @classmethod
     def checked(
         cls, log_dir: str | os.PathLike, *, numerics_every, forensic_budget, forensic_spacing,
         flush_every_steps, flush_every_seconds, gpu_interval, profile_steps, replay_budget,
+        advise_batches=0,
     ) -> Settings:
         """The settings, each argument checked.
 
@@ -41,6 +46,7 @@ class Settings:
         """
         return cls(
             log_dir=arguments.log_dir(log_dir),
+            numerics_default=isinstance(numerics_every, DefaultInterval),
             numerics_every=(
                 None if numerics_every is None
                 else arguments.positive_int("numerics_every", numerics_every)
@@ -60,6 +66,7 @@ class Settings:
             ),
             profile_steps=arguments.validate_profile_steps(profile_steps),
             replay_budget=arguments.non_negative_int("replay_budget", replay_budget),
+            advise_batches=arguments.non_negative_int("advise_batches", advise_batches),
         )
 
     @property

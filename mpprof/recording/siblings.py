@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 
-def sibling_callbacks(callback, callback_list_class: type) -> list:
+def sibling_callbacks(callback, callback_list_class: Any) -> list:
     """The other callbacks of the fit `callback` runs in, found on the call stack.
 
     A Keras callback does not know its siblings; `fit` holds them in a

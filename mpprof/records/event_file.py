@@ -13,6 +13,7 @@ import dataclasses
 import io
 import json
 import math
+from typing import Any
 
 import numpy as np
 from tensorboard.compat.proto import event_pb2, types_pb2
@@ -24,12 +25,36 @@ from mpprof.records import filesystem, schema, tfrecord, validation
 class Record:
     step: int
     wall_time: float
-    value: object  # dict for JSON records, np.ndarray for arrays
+    value: Any  # dict for JSON records, np.ndarray for arrays
 
 
 def series_key(record: str, series: str | None) -> str:
     """The key of `Run.records` for one series of a record (see `schema.tag_for`)."""
     return record if series is None else record + schema.SERIES_SEPARATOR + series
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """What could not be read of one event file.
+
+    Attributes:
+        file: the file, as warnings show it.
+        unreadable_bytes: bytes of records skipped or never reached.
+        bytes: the file's size.
+        stops_early: whether the loss ends the file's records (a length
+            that fails its checksum, a record cut short): every record after
+            it is lost, so the run's records stop there.
+    """
+
+    file: str
+    unreadable_bytes: int
+    bytes: int
+    stops_early: bool
+
+    def describe(self) -> str:
+        share = 100 * self.unreadable_bytes / self.bytes if self.bytes else 100.0
+        shown = f"{share:.0f}" if share >= 10 else f"{share:.1f}"
+        return f"{self.unreadable_bytes:,} of {self.bytes:,} bytes ({shown}%) unreadable"
 
 
 class ReadWarnings:
@@ -41,6 +66,8 @@ class ReadWarnings:
 
     def __init__(self):
         self._kinds: dict[str, list] = {}  # kind -> [count, first full text]
+        # What could not be read of each damaged file (`Loss`), by path.
+        self.losses: dict[str, Loss] = {}
 
     def add(self, kind: str, text: str) -> None:
         entry = self._kinds.setdefault(kind, [0, text])
@@ -50,6 +77,7 @@ class ReadWarnings:
         """Adds `other`'s problems (those of another file of the run)."""
         for kind, (count, text) in other._kinds.items():
             self._kinds.setdefault(kind, [0, text])[0] += count
+        self.losses.update(other.losses)
 
     def lines(self) -> list[str]:
         return [
@@ -78,12 +106,21 @@ def read_event_file(source: str, records: dict[str, list[Record]], warnings: Rea
             raise fetched
         with (io.BytesIO(fetched) if fetched is not None
               else filesystem.open_file(source)) as stream:
+            size = stream.seek(0, io.SEEK_END)
+            stream.seek(0)
+            unreadable, stops_early = 0, False
             for frame in tfrecord.read_frames(stream):
                 if frame.problem is not None:
                     skipped = "" if frame.fatal else "; skipped"
                     warnings.add(f"{path}\0frame", f"{path}: {frame.problem}{skipped}")
+                    unreadable += size - frame.offset if frame.fatal else frame.size
+                    stops_early = stops_early or frame.fatal
                 else:
                     _parse_event(frame, path, records, warnings, tag_problems)
+            if unreadable:
+                loss = Loss(path, min(unreadable, size), size, stops_early)
+                warnings.losses[path] = loss
+                warnings.add(f"{path}\0lost", f"{path}: {loss.describe()}")
     except OSError as e:
         warnings.add(
             f"{path}\0unreadable",

@@ -16,6 +16,12 @@ object's size and modification time, so a reader re-fetches only what
 changed. Every failure surfaces as an `OSError`, so callers handle one kind
 of error whatever the file system.
 
+Every remote call has a deadline (`remote_deadline_s`, plus time for the
+bytes it sends): a store that accepts connections but never answers raises
+`NoAnswerError` then instead of waiting for ever (fsspec's own calls have no
+deadline). S3 requests also get botocore's connect and read timeouts and a
+bounded number of retries, where the user's fsspec configuration sets none.
+
 TensorFlow's file systems (`tf.io.gfile`) are not used, not even as a
 fallback: the records import no framework, and fsspec serves every scheme
 gfile did (hdfs:// through pyarrow); a scheme no installed fsspec file
@@ -24,8 +30,10 @@ system serves is one line saying so.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import enum
+import errno
 import io
 import os
 import posixpath
@@ -250,17 +258,20 @@ def size_and_mtime(path: str) -> tuple[int, int]:
     return found.st_size, found.st_mtime_ns
 
 
-def open_file(path: str) -> BinaryIO:
+def open_file(path: str, large: bool = False) -> BinaryIO:
     """Opens a regular file for reading; raises OSError for anything else.
 
     A local path is opened without blocking and checked on the open file, so
     a FIFO named like an event file is refused instead of waiting forever for
     a writer. A remote file is fetched whole, in one request (event file
-    parts are small; a file is read to its end anyway).
+    parts are small; a file is read to its end anyway); a `large` one (a
+    replay capture's weights) is asked its size first, so that its deadline
+    allows for its bytes.
     """
     if is_remote(path):
         fs, inner = _remote(path)
-        return io.BytesIO(_call(fs.cat_file, inner))
+        size = int(_call(fs.size, inner) or 0) if large else 0
+        return io.BytesIO(_call(fs.cat_file, inner, sent=size))
     descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     try:
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):
@@ -307,12 +318,23 @@ def makedirs(path: str) -> None:
     """Creates the directory `path` and its parents; raises OSError.
 
     On an object store, where folders are only prefixes, this checks that
-    the bucket can be reached (and creates it where the store allows)."""
-    if is_remote(path):
-        fs, inner = _remote(path)
-        _call(fs.makedirs, inner, True)
-    else:
+    the bucket exists and can be reached; it never creates one: a missing
+    bucket is a typo far more often than a wish (FileNotFoundError)."""
+    if not is_remote(path):
         os.makedirs(path, exist_ok=True)
+        return
+    fs, inner = _remote(path)
+    split = getattr(fs, "split_path", None)  # s3fs, gcsfs, adlfs: bucket/key
+    if split is None:
+        _call(fs.makedirs, inner, True)
+        return
+    bucket = split(inner)[0]
+    try:
+        _call(fs.info, bucket)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(
+            errno.ENOENT, f"the bucket {bucket!r} does not exist (mpprof creates no "
+            "buckets: create it, or check the name)") from e
 
 
 def open_append(path: str) -> BinaryIO:
@@ -329,7 +351,7 @@ def write_bytes(path: str, data: bytes) -> None:
     object store); raises OSError."""
     if is_remote(path):
         fs, inner = _remote(path)
-        _call(fs.pipe_file, inner, bytes(data))
+        _call(fs.pipe_file, inner, bytes(data), sent=len(data))
         return
     with open(path, "wb") as f:
         f.write(data)
@@ -362,7 +384,7 @@ def _remote(url: str):
     except ImportError as e:  # a base dependency; only a broken install lacks it
         raise OSError(f"{scheme}:// paths need fsspec: pip install fsspec ({e})") from e
     try:
-        return fsspec.core.url_to_fs(url)
+        return fsspec.core.url_to_fs(url, **_options(scheme))
     except ImportError as e:
         extra = _EXTRAS.get(scheme.lower())
         hint = f'pip install "{extra}"' if extra else "install the fsspec file system of it"
@@ -412,15 +434,76 @@ def _mtime_ns(info: dict) -> int:
     return 0
 
 
-def _call(function, *args):
+# How long a remote call may go unanswered, in seconds (the environment
+# variable overrides it); a call that sends data gets `_SLOWEST_UPLOAD`'s
+# time for its bytes on top.
+DEADLINE_VARIABLE = "MPPROF_REMOTE_DEADLINE_S"
+DEFAULT_DEADLINE_S = 20.0
+_SLOWEST_UPLOAD = 1 << 20  # bytes per second
+
+# botocore's settings for S3 requests where the user's fsspec configuration
+# has none: botocore's defaults (60 s to read, 4 retries, times s3fs's own 5)
+# let one hung request take many minutes in the background.
+_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 10,
+              "retries": {"total_max_attempts": 3, "mode": "standard"}}
+
+
+class NoAnswerError(TimeoutError):
+    """A remote file system did not answer a call within its deadline."""
+
+
+def remote_deadline_s() -> float:
+    """How long a remote call may go unanswered (`MPPROF_REMOTE_DEADLINE_S`,
+    default 20 s), before the time allowed for the bytes it sends."""
+    try:
+        value = float(os.environ.get(DEADLINE_VARIABLE, DEFAULT_DEADLINE_S))
+    except ValueError:
+        return DEFAULT_DEADLINE_S
+    return value if value > 0 else DEFAULT_DEADLINE_S
+
+
+def _options(scheme: str) -> dict:
+    """The storage options mpprof adds for `scheme`: S3's timeouts, under
+    whatever the user's fsspec configuration sets."""
+    if scheme.lower() not in ("s3", "s3a"):
+        return {}
+    import fsspec.config
+
+    configured = fsspec.config.conf.get(scheme.lower(), {}).get("config_kwargs") or {}
+    # A copy each time: botocore rewrites the retries it is given.
+    return {"config_kwargs": {**copy.deepcopy(_S3_CONFIG), **configured}}
+
+
+def _call(function, *args, sent: int = 0):
     """`function(*args)` on a remote file system, every failure an OSError.
 
-    File systems raise their client's own errors too (botocore's, aiohttp's
-    connection errors); their text names the operation and the bucket, never
-    the credentials."""
-    try:
-        return function(*args)
-    except OSError:
-        raise
-    except Exception as e:  # any client error: "cannot be read/written"
-        raise OSError(f"{type(e).__name__}: {e}") from e
+    The call runs on a daemon thread and is given up after its deadline
+    (`remote_deadline_s()` plus `sent` bytes, sent or fetched, at
+    `_SLOWEST_UPLOAD`): a hung
+    store costs the caller that long, never for ever, and the abandoned call
+    ends with botocore's own timeouts. File systems raise their client's own
+    errors too (botocore's, aiohttp's connection errors); their text names
+    the operation and the bucket, never the credentials."""
+    deadline = remote_deadline_s() + sent / _SLOWEST_UPLOAD
+    outcome: list = []
+
+    def call() -> None:
+        try:
+            outcome.append((True, function(*args)))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            outcome.append((False, e))
+
+    worker = threading.Thread(target=call, name="mpprof-remote-call", daemon=True)
+    worker.start()
+    worker.join(deadline)
+    if not outcome:
+        raise NoAnswerError(errno.ETIMEDOUT,
+                            f"the store did not answer within {deadline:.0f} s")
+    answered, value = outcome[0]
+    if answered:
+        return value
+    if isinstance(value, OSError):
+        raise value
+    if isinstance(value, Exception):  # any client error: "cannot be read/written"
+        raise OSError(f"{type(value).__name__}: {value}") from value
+    raise value

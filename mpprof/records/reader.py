@@ -31,6 +31,7 @@ from mpprof.records.run_files import (
     LogdirNotFoundError,
     NoMpprofDataError,
     OnWarning,
+    directory_runs,
     event_files,
     fit_ends_of,
     list_runs,
@@ -51,6 +52,7 @@ __all__ = [
     "FileReads",
     "Record",
     "Run",
+    "directory_runs",
     "event_files",
     "run_files",
     "list_runs",
@@ -135,9 +137,13 @@ def read_run(logdir: str | os.PathLike, run: str, reuse: FileReads | None = None
             read_event_file(path, records, warnings, fetched.take(path))
     for found in records.values():
         found.sort(key=lambda r: (r.wall_time, r.step))
+    path = filesystem.dirname(files[0])
+    directory = filesystem.relative(path, os.fspath(logdir))
     return Run(
-        name=run, path=filesystem.dirname(files[0]), records=records, warnings=warnings.lines(),
+        name=run, path=path, records=records, warnings=warnings.lines(),
         fit_ends=fit_ends_of(files),
+        writer_suffix=run[len(directory):] if run.startswith(directory) else "",
+        losses=list(warnings.losses.values()),
     )
 
 

@@ -28,6 +28,11 @@ class Run:
     # How each writer's fit ended, from its fit-end file (see
     # `schema.fit_end_name`), newest writer last; empty for older logs.
     fit_ends: list[dict] = dataclasses.field(default_factory=list)
+    # "@<host>-<pid>" where this run is one of several fits that wrote into
+    # `path` at once (`run_files.split_writers`), else "".
+    writer_suffix: str = ""
+    # What could not be read of each damaged event file (`event_file.Loss`).
+    losses: list = dataclasses.field(default_factory=list)
 
     def latest(self, record: str):
         found = self.records.get(record)
@@ -56,16 +61,31 @@ class Run:
         "running" was killed (or is still training); logs older than that key
         say nothing, and give None like a run that ended.
 
+        Records that stop early because a file is damaged (a length that
+        fails its checksum, a file cut short: `losses`) cut the run short
+        too, whatever the fit did: what can be read ends there.
+
         Returns:
             None, or `{"fit_state": "running"|"failed", "step": the largest
-            step of any record, "wall_time": the latest record's time}`.
+            step of any record, "wall_time": the latest record's time}`; for
+            damaged files, "fit_state" is how the fit itself ended, as far as
+            known, and "unreadable" says how much of which file was lost.
         """
         state = self.context.fit_state
+        end = self.fit_ends[-1] if self.fit_ends else {}
+        # A write that failed (a full disk) leaves a record cut short at the
+        # end: the fit-end file says so, and `recording_stopped` says why.
+        lost = [loss for loss in self.losses
+                if loss.stops_early and not end.get("recording_stopped")]
+        if lost and self.last_record is not None:
+            step, wall_time = self.last_record
+            return {"fit_state": end.get("fit_state") or state or "unknown", "step": step,
+                    "wall_time": wall_time,
+                    "unreadable": "; ".join(f"{loss.file}: {loss.describe()}" for loss in lost)}
         if state in (None, run_context.FIT_ENDED) or self.last_record is None:
             return None
         # The records stop early when a full disk stopped them: the fit-end
         # file, reserved at the start, says whether the fit itself ended.
-        end = self.fit_ends[-1] if self.fit_ends else {}
         if end.get("fit_state") == run_context.FIT_ENDED:
             return None
         if end.get("fit_state") == run_context.FIT_FAILED:
@@ -93,7 +113,8 @@ class Run:
     @property
     def fit_outcome(self) -> str:
         """How the run's (latest) fit stands: "ended", "failed", "cut_short"
-        (it never recorded its end: killed, or still training), or "unknown"
+        (it never recorded its end: killed, or still training; or its
+        records stop early at a damaged file), or "unknown"
         (a run recorded before mpprof said, or nothing readable)."""
         stopped = self.cut_short
         if stopped is not None:

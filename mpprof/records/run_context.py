@@ -9,6 +9,7 @@ older mpprof lack newer fields; each property says what it gives then.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 
 # How the fit stands ("fit_state"): "running" from train begin (rewritten at
@@ -19,6 +20,23 @@ FIT_RUNNING = "running"
 FIT_ENDED = "ended"
 FIT_FAILED = "failed"
 FIT_STATES = (FIT_RUNNING, FIT_ENDED, FIT_FAILED)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_KERAS_WRAPPER = "Exception encountered when calling"
+
+
+def error_headline(message) -> str:
+    """A `fit_error` message's first line, ANSI codes dropped; for Keras'
+    "Exception encountered when calling X.call()." wrapper, with the user's
+    own first line after it."""
+    lines = [line.strip() for line in _ANSI.sub("", str(message or "")).splitlines()
+             if line.strip()]
+    if not lines:
+        return ""
+    if lines[0].startswith(_KERAS_WRAPPER) and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
 
 
 class RunContext(Mapping):
@@ -62,6 +80,14 @@ class RunContext(Mapping):
     def fit_state(self) -> str | None:
         """One of `FIT_STATES`; None for runs older than the field."""
         return self._record.get("fit_state")
+
+    @property
+    def fit_error(self) -> dict | None:
+        """What `model.fit` raised, for a fit that failed inside a train step:
+        {"type", "module", "message", "step" (the first step of the call that
+        raised)}; None when it did not raise there (or for older runs)."""
+        error = self._record.get("fit_error")
+        return error if isinstance(error, dict) else None
 
     @property
     def keras_flavor(self) -> str | None:
@@ -120,19 +146,43 @@ class RunContext(Mapping):
     def gpus_visible(self) -> int | None:
         """How many GPUs the framework saw; None when not recorded."""
         record = self._record
-        if "gpus_visible" in record:  # the framework-neutral key (PyTorch writes it)
+        if "gpus_visible" in record:
             return record["gpus_visible"]
-        # (The JAX backend writes what JAX sees under its own key.)
+        # Runs written before the keys were framework-neutral.
         return record.get("gpus_visible_to_tensorflow", record.get("gpus_visible_to_jax"))
+
+    @property
+    def float32_matmuls(self) -> dict | None:
+        """What the framework runs a float32 matmul as: `{"framework",
+        "tf32_enabled" (TensorFlow's TF32 switch, or JAX's default matmul
+        precision other than "highest"), "setting" (in words), "disable" (the
+        code that turns it off), "jax_default_matmul_precision" (JAX)}`;
+        None in runs recorded before mpprof said."""
+        return self._record.get("float32_matmuls")
+
+    @property
+    def framework(self) -> dict:
+        """The framework the model trained on: `{"name", "version",
+        "libraries"}` (its other libraries' versions); from the older
+        per-framework keys for older runs."""
+        record = self._record
+        found = record.get("framework")
+        if isinstance(found, dict):
+            return {"name": found.get("name"), "version": found.get("version"),
+                    "libraries": found.get("libraries") or {}}
+        # Runs written before the keys were framework-neutral.
+        if "jax_version" in record:
+            return {"name": "JAX", "version": record["jax_version"],
+                    "libraries": {"jaxlib": record.get("jaxlib_version")}}
+        return {"name": "TensorFlow", "version": record.get("tensorflow_version"),
+                "libraries": {}}
 
     @property
     def versions(self) -> str:
         """The framework, Keras, mpprof and Python versions, in words."""
-        record = self._record
-        framework = (f"JAX {record['jax_version']}" if "jax_version" in record
-                     else f"PyTorch {record['torch_version']}" if "torch_version" in record
-                     else f"TensorFlow {record.get('tensorflow_version')}")
-        return (f"{framework}, Keras {record.get('keras_version')}, "
+        record, framework = self._record, self.framework
+        return (f"{framework['name']} {framework['version']}, "
+                f"Keras {record.get('keras_version')}, "
                 f"mpprof {record.get('mpprof_version')}, Python {record.get('python_version')}")
 
     @property

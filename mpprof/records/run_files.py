@@ -91,6 +91,21 @@ def run_files(logdir: str | os.PathLike, on_warning: OnWarning | None = None,
     return dict(sorted(runs.items()))
 
 
+def directory_runs(directory: str | os.PathLike) -> dict[str, tuple[FileState, ...]]:
+    """The runs whose event files lie in `directory` itself, not below it,
+    named relative to it as `run_files` names them: "." and, for fits that
+    wrote there at once, ".@<host>-<pid>". One listing, no walk: for a caller
+    that knows each run's directory already (TensorBoard's multiplexer).
+    Raises OSError if `directory` cannot be listed."""
+    directory = os.fspath(directory)
+    entries = filesystem.scan(directory)
+    files, _ = _event_file_entries(entries)
+    if not files:
+        return {}
+    groups = split_writers(_listed_states(directory, entries, files))
+    return {"." + suffix: tuple(group) for suffix, group in sorted(groups.items())}
+
+
 # How far apart (seconds) a writer's start (its file name's whole second)
 # and an earlier writer's last write may be and still be one after the other.
 _START_RESOLUTION_S = 1.0
@@ -172,19 +187,27 @@ def _listed_states(directory: str, entries: list[filesystem.Entry],
                    names: list[str]) -> list[FileState]:
     """(path, size, mtime) of each file `names` of `directory`, sorted: from
     the listing where it says (a local listing's stat, an object store's
-    listing), else from a stat; a file gone since the listing is left out."""
+    listing), else from a stat; a file gone since the listing is left out.
+
+    An empty file holds no record: it is left out (not a run, nor a writer
+    of one), unless its fit-end file says why its records could not be
+    written (a full disk before the first record)."""
     listed = {entry.name: entry for entry in entries}
     states = []
     for name in sorted(names):
         path = filesystem.join(directory, name)
         entry = listed.get(name)
         if entry is not None and entry.size is not None:
-            states.append((path, entry.size, entry.mtime_ns))
+            state = (path, entry.size, entry.mtime_ns)
+        else:
+            try:
+                state = (path, *filesystem.size_and_mtime(path))
+            except OSError:
+                continue
+        if state[1] == 0 and not any(end.get("recording_stopped")
+                                     for end in fit_ends_of([path])):
             continue
-        try:
-            states.append((path, *filesystem.size_and_mtime(path)))
-        except OSError:
-            continue
+        states.append(state)
     return states
 
 
@@ -202,18 +225,43 @@ def run_file_states(logdir: str | os.PathLike, run: str) -> list[FileState]:
     """(path, size, mtime) of each mpprof event file of `run`, sorted, from
     one listing of its directory (no request per file on an object store).
     Raises as `event_files`."""
-    logdir = _existing_logdir(logdir)
+    directory, suffix, groups = _run_groups(_existing_logdir(logdir), run)
+    group = groups.get(suffix)
+    if not group:
+        raise NoMpprofDataError(f"No run {run!r} in {logdir}")
+    return group
+
+
+def writers_of_directory(logdir: str | os.PathLike, run: str) -> tuple[str, dict[str, str]]:
+    """(the directory of `run`, relative to `logdir`, {writer id: the writer
+    suffix of the run its files belong to} for every writer in it): what
+    tells the replay captures of two fits that wrote into one directory at
+    once apart (`writer_id`). Raises as `event_files`."""
+    directory, _, groups = _run_groups(_existing_logdir(logdir), run)
+    return directory, {writer_id(state[0]): suffix
+                       for suffix, group in groups.items() for state in group}
+
+
+def writer_id(path: str) -> str:
+    """The id of the writer of an event file (or part): `<time>.<host>.<pid>.<n>`
+    from its name (`writer.event_file_name`)."""
+    return ".".join(_writer_fields(path))
+
+
+def _run_groups(logdir: str, run: str) -> tuple[str, str, dict[str, list[FileState]]]:
+    """(the run's directory, its writer suffix, the directory's event files by
+    writer suffix) for a run name from `list_runs`."""
     directory, _, writer = run.rpartition("@") if "@" in run.rsplit("/", 1)[-1] else (run, "", "")
     try:
-        return _writer_files(logdir, run, "")
+        return run, "", _writer_groups(logdir, run)
     except NoMpprofDataError:
         if not writer:
             raise
     # `<run>@<host>-<pid>`: one writer's files of a run written by two fits at once.
-    return _writer_files(logdir, directory, "@" + writer)
+    return directory, "@" + writer, _writer_groups(logdir, directory)
 
 
-def _writer_files(logdir: str, run: str, suffix: str) -> list[str]:
+def _writer_groups(logdir: str, run: str) -> dict[str, list[FileState]]:
     parts = run.split("/")
     # A backslash is an ordinary character of a POSIX or object-store name
     # (`list_runs` lists such runs); only where it separates paths (Windows)
@@ -229,10 +277,7 @@ def _writer_files(logdir: str, run: str, suffix: str) -> list[str]:
     files, _ = _event_file_entries(entries)
     if not files:
         raise NoMpprofDataError(f"Run {run!r} in {logdir} holds no mpprof records")
-    group = split_writers(_listed_states(path, entries, files)).get(suffix)
-    if not group:
-        raise NoMpprofDataError(f"No run {run + suffix!r} in {logdir}")
-    return group
+    return split_writers(_listed_states(path, entries, files))
 
 
 def fit_ends_of(paths: list[str]) -> list[dict]:

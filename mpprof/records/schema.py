@@ -230,6 +230,10 @@ class Columns:
     def __len__(self) -> int:
         return len(self.names)
 
+    def __getattr__(self, name: str) -> int:
+        # Reached only for a name that is no column (each column is set above).
+        raise AttributeError(f"no column {name!r} among {self.names}")
+
 
 LOSS_SCALE_EVENT_COLUMN = Columns(LOSS_SCALE_EVENT_COLUMNS)
 LOSS_SCALE_PROGRESS_COLUMN = Columns(LOSS_SCALE_PROGRESS_COLUMNS)

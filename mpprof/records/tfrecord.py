@@ -39,12 +39,15 @@ class Frame:
         payload: the record's bytes; None when `problem` is set.
         problem: why the record was not read, in words; None for a good one.
         fatal: the rest of the file cannot be framed (read nothing after it).
+        size: the bytes the record spans (0 for a fatal one: the rest of
+            the file is lost with it).
     """
 
     offset: int
     payload: bytes | None = None
     problem: str | None = None
     fatal: bool = False
+    size: int = 0
 
 
 def read_frames(stream: BinaryIO) -> Iterator[Frame]:
@@ -84,6 +87,7 @@ def read_frames(stream: BinaryIO) -> Iterator[Frame]:
             yield Frame(
                 offset,
                 problem=f"corrupt record at byte {offset} (its data fails its checksum)",
+                size=_HEADER.size + length + _FOOTER.size,
             )
         else:
             yield Frame(offset, payload=payload)

@@ -173,7 +173,8 @@ _CONTEXT = _typed(
     distribution_strategy=_TEXT,
     num_replicas=_count,
     devices=_OBJECTS,
-    gpus_visible_to_tensorflow=_count,
+    framework=_object(name=_TEXT, version=_TEXT, libraries=_object()),
+    gpus_visible=_count,
     collectors=_dict_of(_COLLECTOR),
     start_step=_count,
     fit_count=_count,
@@ -183,6 +184,7 @@ _CONTEXT = _typed(
     run_role=_TEXT,
     worker_evidence=_object(),
     fit_state=_one_of(*FIT_STATES),
+    fit_error=_object(type=_TEXT, module=_TEXT, message=_TEXT, step=_count),
 )
 
 _LAYER = _required(
@@ -201,13 +203,15 @@ _LAYER = _required(
         quantized_formats=_dict_of(_TEXT),
         params=_count,
         gemm_dims=_INTS,
+        gemm_flops=_is(int),
+        output_shape=_INTS,
         misaligned_dims=_INTS,
         float32_island=_FLAG,
     ),
 )
 
 _INVENTORY = _typed(
-    model=_object(policy=_TEXT, output_dtypes=_TEXTS),
+    model=_object(policy=_TEXT, output_dtypes=_TEXTS, loss_input_dtypes=_TEXTS),
     layers=_list_of(lambda layer: _is(dict, optional=False)(layer) or _LAYER(layer)),
     casts=_OBJECTS,
 )

@@ -24,7 +24,7 @@ import time
 import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 
-from mpprof.records import filesystem, run_context, schema, tfrecord
+from mpprof.records import filesystem, run_context, run_files, schema, tfrecord
 
 # Event files of one process are told apart by this count, as TensorBoard's
 # own writer does (two writers may start in the same second).
@@ -69,7 +69,12 @@ class RecordWriter:
         wall_time = time.time()
         name = event_file_name(wall_time)
         self.path = filesystem.join(self.run_dir, name)
+        # What the files this writer adds beside its records (replay
+        # captures) are named by, so that they stay with its run.
+        self.writer_id = run_files.writer_id(self.path)
         self._fit_end_path = filesystem.join(self.run_dir, schema.fit_end_name(name))
+        self._unanswered: filesystem.NoAnswerError | None = None
+        self._flush_failed: OSError | None = None
         self._file = (_PartWriter(self.path, wall_time) if filesystem.is_remote(self.path)
                       else filesystem.open_append(self.path))
         try:
@@ -95,7 +100,8 @@ class RecordWriter:
         if len(text) > schema.FIT_END_SIZE:  # a very long reason: shortened
             value = {**value, "recording_stopped": str(value["recording_stopped"])[:300]}
             text = json.dumps(value, sort_keys=True).encode()[: schema.FIT_END_SIZE]
-        filesystem.overwrite_bytes(self._fit_end_path, text.ljust(schema.FIT_END_SIZE))
+        self._store(filesystem.overwrite_bytes, self._fit_end_path,
+                    text.ljust(schema.FIT_END_SIZE))
 
     def write_json(self, record: str, value, step: int) -> None:
         text = json.dumps(value, sort_keys=True, default=_json_default)
@@ -119,18 +125,38 @@ class RecordWriter:
         """Writes `data` into the file `relative_path` of the run directory
         (its folders created as needed), replacing any file there."""
         path = filesystem.join(self.run_dir, *relative_path.split("/"))
-        filesystem.makedirs(posixpath.dirname(path) if filesystem.is_remote(path)
-                            else os.path.dirname(path))
-        filesystem.write_bytes(path, data)
+        self._store(filesystem.makedirs, posixpath.dirname(path) if filesystem.is_remote(path)
+                    else os.path.dirname(path))
+        self._store(filesystem.write_bytes, path, data)
 
     def flush(self) -> None:
-        self._file.flush()
+        try:
+            self._store(self._file.flush)
+        except OSError as e:
+            self._flush_failed = e
+            raise
 
     def close(self) -> None:
+        """Closes the event file, after a last flush unless a flush failed
+        (a full disk, a store that is down: not waited on again; only the
+        fit-end file is tried, `mark_fit_end`)."""
         try:
-            self.flush()
+            if self._flush_failed is None:
+                self.flush()
         finally:
             self._file.close()
+
+    def _store(self, write, *args) -> None:
+        """`write(*args)`; once the store left a write unanswered past its
+        deadline (`filesystem.NoAnswerError`), every later one (the close,
+        the fit-end file) raises that at once instead of waiting again."""
+        if self._unanswered is not None:
+            raise self._unanswered
+        try:
+            write(*args)
+        except filesystem.NoAnswerError as e:
+            self._unanswered = e
+            raise
 
     def _write(self, record: str, tensor: tensor_pb2.TensorProto, step: int,
                series: str | None = None) -> None:
@@ -148,12 +174,17 @@ class _PartWriter:
     """A remote event file written as parts: each flush puts one new object
     with what was written since the last one (after the file-version event,
     so each part is a complete event file). A flush that fails keeps its
-    records for the next one."""
+    records for the next one.
+
+    A flush asked for while one waits on the store (a SIGTERM handler's,
+    on the same thread) does nothing: the signal is not held up by a second
+    wait, and the waiting flush keeps every record it did not send."""
 
     def __init__(self, path: str, wall_time: float):
         self._path = path
         self._index = 0
         self._pending = bytearray()
+        self._sending = False
         self._header = tfrecord.frame(event_pb2.Event(
             wall_time=wall_time, file_version="brain.Event:2").SerializeToString())
 
@@ -161,15 +192,20 @@ class _PartWriter:
         self._pending += data
 
     def flush(self) -> None:
-        if not self._pending:
+        if not self._pending or self._sending:
             return
+        sent = len(self._pending)
         if self._index == 0 and self._pending.startswith(self._header):
             data = bytes(self._pending)  # the writer's own first event
         else:
             data = self._header + self._pending
-        filesystem.write_bytes(schema.part_name(self._path, self._index), data)
+        self._sending = True
+        try:
+            filesystem.write_bytes(schema.part_name(self._path, self._index), data)
+        finally:
+            self._sending = False
         self._index += 1
-        self._pending.clear()
+        del self._pending[:sent]  # records written meanwhile wait for the next
 
     def close(self) -> None:
         self._pending.clear()

@@ -83,8 +83,7 @@ def write_bundle(logdir: str | os.PathLike, output: str | os.PathLike, *,
     names = reader.select_runs(logdir, run)
     with_captures = [name for name in names
                      if files.find_captures(logdir, name, on_skipped=on_skipped)
-                     or (step is not None and filesystem.isdir(
-                         filesystem.join(files.run_path(logdir, name), files.step_folder(step))))]
+                     or files.has_capture_folder(logdir, name, step)]
     if not with_captures:
         raise files.NoCaptureError(
             f"no replay capture in {logdir}: nothing to bundle (mpprof captures a step "

@@ -1,6 +1,7 @@
 """The files of a replay capture, and of the replay result beside it.
 
-A capture is one folder per captured step, `RUN/replay/step_<N>/`:
+A capture is one folder per captured step, `RUN/replay/step_<N>@<writer>/`
+(`step_<N>/` before captures were named by their writer):
 
     manifest.json   what was captured: step, run, why, shapes, bytes,
                     versions, the dtype policy of each layer, and whether
@@ -15,6 +16,12 @@ A capture is one folder per captured step, `RUN/replay/step_<N>/`:
 
 The manifest is written last: a folder without one (a disk that filled up
 midway) is not a capture. Reading needs neither TensorFlow nor Keras.
+
+`<writer>` is the id of the writer of the fit's records
+(`run_files.writer_id`): where two fits write into one run directory at
+once, each one's records are a run of their own (`train@<host>-<pid>`), and
+each capture is found under the run of the fit that took it, never mixed
+into the other's or overwritten by it.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mpprof.records import filesystem
+from mpprof.records import filesystem, run_files
 
 # What a damaged .npz raises while it is opened or read: a truncated or
 # overwritten zip (BadZipFile), a member cut short (EOFError, ValueError), a
@@ -39,6 +46,10 @@ _DAMAGED_NPZ = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
 CAPTURE_VERSION = 1
 
 REPLAY_FOLDER = "replay"
+# Batches kept for the precision advisor (`advise_batches=N`): the same files,
+# in their own folder, so that `mpprof replay` never takes one for a step
+# that went wrong.
+ADVISE_FOLDER = "advise"
 STEP_FOLDER_PREFIX = "step_"
 MANIFEST = "manifest.json"
 BATCH = "batch.npz"
@@ -46,7 +57,7 @@ WEIGHTS = "weights.npz"
 MODEL_CONFIG = "model.json"
 RESULT = "replay.json"
 
-_STEP_FOLDER = re.compile(r"^step_(\d+)$")
+_STEP_FOLDER = re.compile(r"^step_(\d+)(?:@(.+))?$")
 
 
 class NoCaptureError(LookupError):
@@ -57,9 +68,13 @@ class ReplayError(ValueError):
     """A capture cannot be replayed (the message says what to do)."""
 
 
-def step_folder(step: int) -> str:
-    """The capture's folder for `step`, relative to its run directory."""
-    return f"{REPLAY_FOLDER}/{STEP_FOLDER_PREFIX}{int(step)}"
+def step_folder(step: int, writer: str | None = None, folder: str = REPLAY_FOLDER) -> str:
+    """The capture's folder for `step`, relative to its run directory, named
+    by the `writer` of the fit that took it (None: a writer that writes
+    nothing, or the folder of captures older than writer names); `folder`:
+    REPLAY_FOLDER, or ADVISE_FOLDER for the advisor's batches."""
+    name = f"{STEP_FOLDER_PREFIX}{int(step)}"
+    return f"{folder}/{name}@{writer}" if writer else f"{folder}/{name}"
 
 
 def encode_structure(structure, leaves: list) -> object:
@@ -204,39 +219,57 @@ class Capture:
             return None
 
 
-def run_path(logdir: str | os.PathLike, run: str) -> str:
-    logdir = os.fspath(logdir)
-    return logdir if run == "." else filesystem.join(logdir, run)
-
-
 def find_captures(logdir: str | os.PathLike, run: str,
-                  on_skipped: Callable[[str], None] | None = None) -> list[Capture]:
+                  on_skipped: Callable[[str], None] | None = None,
+                  folder: str = REPLAY_FOLDER) -> list[Capture]:
     """Every complete capture of `run`, by step.
 
     Args:
         on_skipped: called with one line for each capture folder that is not
             offered (no manifest, or a damaged one), so it is never skipped
             without a word where the caller shows warnings.
+        folder: REPLAY_FOLDER (steps that went wrong) or ADVISE_FOLDER (the
+            batches kept for the advisor).
     """
-    return _scan_captures(logdir, run, on_skipped)[0]
+    return _scan_captures(logdir, run, on_skipped, folder)[0]
 
 
-def _scan_captures(logdir, run, on_skipped=None) -> tuple[list[Capture], dict[int, str]]:
+def has_capture_folder(logdir: str | os.PathLike, run: str, step: int | None) -> bool:
+    """Whether `run` has a folder for the capture of `step`, readable or not
+    (asking for a damaged one must name its damage, not say it is missing)."""
+    if step is None:
+        return False
+    captures, skipped = _scan_captures(logdir, run)
+    return step in skipped or any(capture.step == step for capture in captures)
+
+
+def _scan_captures(logdir, run, on_skipped=None,
+                   kind: str = REPLAY_FOLDER) -> tuple[list[Capture], dict[int, str]]:
     """(the complete captures, {step: why it is not one} for the others)."""
-    folder = filesystem.join(run_path(logdir, run), REPLAY_FOLDER)
+    logdir = os.fspath(logdir)
+    try:
+        directory, writers = run_files.writers_of_directory(logdir, run)
+    except (OSError, LookupError):  # not a run of records: its own folder, if any
+        directory, writers = run, {}
+    suffix = run[len(directory):]
+    folder = filesystem.join(logdir if directory == "." else filesystem.join(logdir, directory),
+                             kind)
     try:
         entries = filesystem.scan(folder)
     except OSError:
         return [], {}
-    steps = sorted(
-        int(match.group(1)) for entry in entries
+    # A capture named by a writer belongs to that writer's run; an older
+    # one, or one whose writer left no records here, to the directory's run.
+    found = sorted(
+        (int(match.group(1)), entry.name) for entry in entries
         if entry.kind is filesystem.Kind.DIRECTORY
         and (match := _STEP_FOLDER.match(entry.name))
+        and writers.get(match.group(2) or "", "") == suffix
     )
     captures, skipped = [], {}
-    for step in steps:
+    for step, name in found:
         try:
-            captures.append(Capture(filesystem.join(folder, f"{STEP_FOLDER_PREFIX}{step}"), run))
+            captures.append(Capture(filesystem.join(folder, name), run))
         except NoCaptureError as e:
             skipped[step] = str(e)
             if on_skipped is not None:
@@ -284,7 +317,7 @@ def write_result(capture: Capture, result: dict) -> None:
 
 
 def _read(path: str) -> bytes:
-    with filesystem.open_file(path) as f:
+    with filesystem.open_file(path, large=True) as f:  # weights may be large
         return f.read()
 
 

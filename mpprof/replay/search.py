@@ -1,6 +1,6 @@
 """The framework-free half of a replay: what a pass saw, float16 against
-float32 per layer, and the greedy float32 fix (`find_fix`), given a way to
-run one pass (each backend's engine brings its own:
+float32 per layer, and the greedy float32 map (`find_fix`, verified by
+`mpprof.replay.verification`), given a way to run one pass (each backend's engine brings its own:
 `mpprof.backends.tensorflow.replay_engine`, `mpprof.backends.jax.replay_engine`).
 
 Layers are whatever the engine's layer tree holds: only their
@@ -63,6 +63,10 @@ class PassResult:
         forward_clean: whether no forward op (loss included) offended.
         loss: the (unscaled) loss.
         gradients_finite: whether every variable's gradient is finite.
+        gradients: variable path (or the optimizer's order, for a custom
+            step) -> its gradient, as computed.
+        gradient_scale: what `gradients` are multiplied by (None: the
+            pass's loss scale; 1.0: already unscaled).
     """
 
     forward: dict
@@ -71,6 +75,8 @@ class PassResult:
     forward_clean: bool
     loss: float
     gradients_finite: bool
+    gradients: dict = dataclasses.field(default_factory=dict)
+    gradient_scale: float | None = None
 
 
 def subtree(tree: dict[str, object], name: str) -> list[str]:
@@ -148,12 +154,15 @@ def _layer_error(run_values: dict, reference_values: dict, name: str) -> float |
 
 def find_fix(run_unscaled: Callable[[list[str] | None], PassResult], scale: float,
              run_policy: PassResult, reference: PassResult, divergence: list[dict],
-             tree: dict, paths: dict[str, str]) -> dict:
-    """The greedy float32 set, verified by a replay with it.
+             tree: dict, paths: dict[str, str], verify: Callable[[list[str]], object]) -> dict:
+    """The greedy float32 set, then verified by `verify`.
 
     `run_unscaled(float32_layers)` replays the step without loss scaling
     with those layers (each with its sublayers) in float32 (None: the run's
-    policies), and raises when the model cannot run so.
+    policies), and raises when the model cannot run so. The search stops at
+    the first set whose replay is finite; `verify(float32_layers)` (a
+    `mpprof.replay.verification.Verification` of that map: tolerances to
+    float32 and a short trial) then says whether it is a fix.
 
     The fix is judged without loss scaling: gradients that overflow only once
     multiplied by the step's loss scale are what the dynamic loss scale
@@ -210,9 +219,9 @@ def find_fix(run_unscaled: Callable[[list[str] | None], PassResult], scale: floa
         if outcome is not None and _healthy(outcome):
             chosen, last = trial, outcome
     error = _max_forward_error(last, reference)
-    return _fix_result(chosen, tree, paths, True, (
-        f"verified: no overflow and max relative error {error:.3g} with this map "
-        "(forward pass, loss and unscaled gradients finite)"), error)
+    verification = verify(chosen)
+    return _fix_result(chosen, tree, paths, verification.verified, verification.detail,
+                       error, verification.to_dict())
 
 
 def _try_pass(run_unscaled, float32_layers: list[str]) -> PassResult | None:
@@ -262,7 +271,7 @@ def _max_forward_error(result: PassResult, reference: PassResult) -> float:
 
 
 def _fix_result(chosen: list[str], tree: dict, paths: dict[str, str], verified: bool,
-                detail: str, error: float | None) -> dict:
+                detail: str, error: float | None, verification: dict | None = None) -> dict:
     """The fix as a DTypePolicyMap (layer path in the trained model -> policy,
     each chosen layer with its sublayers) and as `dtype="float32"` lines."""
     policy_map = {}
@@ -276,4 +285,4 @@ def _fix_result(chosen: list[str], tree: dict, paths: dict[str, str], verified: 
     ]
     return {"float32_layers": chosen, "policy_map": policy_map, "dtype_lines": lines,
             "verified": verified, "verified_detail": detail,
-            "max_rel_error_with_fix": error}
+            "max_rel_error_with_fix": error, "verification": verification}

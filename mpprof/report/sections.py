@@ -11,8 +11,10 @@ import html
 import json
 
 from mpprof import diagnosis
+from mpprof.display.run_summary import cut_short_text
 from mpprof.records import reader
 from mpprof.replay import text as replay_text
+from mpprof.report import advice
 from mpprof.terminal import printable
 
 # Findings per run listed in the summary at the top (the rest: a link).
@@ -29,6 +31,13 @@ def escape(value) -> str:
     return html.escape("" if value is None else printable(value))
 
 
+def escape_block(text: str) -> str:
+    """`text` as the HTML of a `<pre>` block: its line breaks kept, every other
+    control character escaped as `escape` does (`escape` would write each
+    newline as a literal `\\n`)."""
+    return "\n".join(escape(line) for line in str(text).split("\n"))
+
+
 def run_section(index: int, run: reader.Run, result: diagnosis.Diagnosis, data: dict,
                 replays: list[dict] = ()) -> str:
     parts = [f'<section class="run" id="run-{index}"><h2>Run {escape(run.name)}</h2>']
@@ -40,16 +49,14 @@ def run_section(index: int, run: reader.Run, result: diagnosis.Diagnosis, data: 
     if not run.readable:
         parts.append('<div class="warnings"><b>Nothing readable:</b> no record of this '
                      "run could be read (see the warnings above).</div>")
-    stopped = run.cut_short
-    if stopped is not None:
-        parts.append(
-            f'<div class="warnings"><b>Cut short:</b> the fit never recorded its end '
-            f'(fit_state {escape(stopped["fit_state"])}); its records stop at step '
-            f'{int(stopped["step"])}.</div>'
-        )
+    if run.cut_short is not None:
+        # The CLI's words: one reading of how a run stopped in every front end.
+        parts.append(f'<div class="warnings"><b>Cut short:</b> {escape(cut_short_text(run))}.'
+                     "</div>")
     parts.append(_context_html(run))
     parts.append(_findings_html(index, result))
     parts.append(_replays_html(replays))
+    parts.append(advice.advice_html(run))
     parts.append(_inventory_html(run.inventory, run.context))
     parts.append("<h3>Loss scale</h3>")
     if "loss_scale" in data:
@@ -95,6 +102,7 @@ def _context_html(run: reader.Run) -> str:
         ("devices", ", ".join(str(d.get("name")) for d in context.devices)),
         ("GPUs visible to the framework", context.gpus_visible),
         ("hardware", context.hardware),
+        ("float32 matmuls", (context.float32_matmuls or {}).get("setting")),
         ("versions", context.versions),
         ("host", context.host),
     ]
@@ -180,8 +188,8 @@ def _findings_html(index: int, result: diagnosis.Diagnosis) -> str:
             f'<span class="code">{escape(finding.code)}</span> {escape(finding.title)}</div>'
             f'<div class="where">{" · ".join(where)}{_view_link(index, finding)}</div>'
             f"<details><summary>evidence</summary><pre>"
-            f"{escape(json.dumps(item['evidence'], indent=1))}</pre></details>"
-            f'<div class="fix"><b>Fix</b><pre>{escape(finding.fix)}</pre></div></div>'
+            f"{escape_block(json.dumps(item['evidence'], indent=1))}</pre></details>"
+            f'<div class="fix"><b>Fix</b><pre>{escape_block(finding.fix)}</pre></div></div>'
         )
     unchecked = [c for c in result.checks if c.status != "checked"]
     if unchecked:
@@ -205,7 +213,7 @@ def _replays_html(replays: list[dict]) -> str:
         parts.append(
             f'<div class="replay {state.replace(" ", "-")}"><b>'
             f"{escape(replay_text.headline(result))}</b>"
-            f"<pre>{escape(chr(10).join(replay_text.result_lines(result)))}</pre></div>"
+            f"<pre>{escape_block(chr(10).join(replay_text.result_lines(result)))}</pre></div>"
         )
     return "\n".join(parts)
 

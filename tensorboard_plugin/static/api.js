@@ -15,9 +15,23 @@ export function recordedPayloads() {
   return Object.fromEntries(recorded);
 }
 
+// A run name that is not valid Unicode (a directory name that is not UTF-8,
+// read by Python as lone surrogates) would reach the server as U+FFFD in a
+// URL: such a name goes as its JSON text ("run_json"), which keeps every
+// code unit, and the server reads it back exactly.
+const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
+
+function runParameter([key, value]) {
+  return key === "run" && typeof value === "string" && LONE_SURROGATE.test(value)
+    ? ["run_json", JSON.stringify(value)]
+    : [key, value];
+}
+
 export async function getJson(route, params = {}) {
   const query = new URLSearchParams(
-    Object.entries(params).filter(([, value]) => value !== undefined && value !== null),
+    Object.entries(params)
+      .filter(([, value]) => value !== undefined && value !== null)
+      .map(runParameter),
   );
   const response = await fetch(`${route}?${query}`, { headers: { Accept: "application/json" } });
   if (!response.ok) {

@@ -13,6 +13,7 @@ import {
 } from "./static/api.js";
 import { compareSeverity, countsText } from "./static/charts.js";
 import { el, replace, severityBadges } from "./static/dom.js";
+import * as advice from "./static/advice.js";
 import * as float8 from "./static/float8.js";
 import * as gpu from "./static/gpu.js";
 import * as histograms from "./static/histograms.js";
@@ -31,6 +32,7 @@ const VIEWS = {
   histograms: { title: "Histograms", module: histograms, charts: true },
   gpu: { title: "GPU", module: gpu, charts: true },
   float8: { title: "Float8", module: float8, charts: true },
+  advice: { title: "Precision advice", module: advice, charts: false },
 };
 const AUTO_RELOAD_MS = 30000;
 const COMPARED_BY_DEFAULT = 4;

@@ -60,9 +60,10 @@ function comparisonTable(runs, navigate) {
   const rows = [
     ["fit", (r) => (r.readable === false ? "nothing readable"
       : r.cut_short ? `cut short at step ${r.cut_short.step} (${r.cut_short.fit_state})`
-      : r.fit_state ?? "not recorded")],
+      : ({ unknown: "not recorded" })[r.fit_state] ?? r.fit_state ?? "not recorded")],
     ["policy", (r) => r.model_policy],
     ["optimizer", (r) => r.optimizer],
+    ["float32 matmuls", (r) => r.float32_matmuls ?? "not recorded"],
     ["leaf layers", (r) => r.leaf_layers],
     ["float32 islands", (r) => r.float32_islands],
     ["casts", (r) => r.casts],

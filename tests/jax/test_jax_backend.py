@@ -364,7 +364,7 @@ WITHOUT_TENSORFLOW = textwrap.dedent("""
                 for route, query in (("/runs", {}), ("/findings", {"run": "train"}),
                                      ("/loss_scale", {"run": "train"}))]
     print(json.dumps({"context": {k: run.context.get(k) for k in (
-        "keras_backend", "jax_version", "jaxlib_version", "tensorflow_version")},
+        "keras_backend", "framework", "tensorflow_version")},
         "skipped": run.loss_scale.skipped_steps, "codes": codes, "statuses": statuses,
         "tensorflow_loaded": sys.modules.get("tensorflow") is not None}))
 """)
@@ -380,11 +380,57 @@ def test_fit_write_read_diagnose_report_and_tab_without_tensorflow(tmp_path):
     found = json.loads(result.stdout.splitlines()[-1])
     context = found["context"]
     assert context["keras_backend"] == "jax" and context["tensorflow_version"] is None
-    assert context["jax_version"] and context["jaxlib_version"]
+    assert context["framework"]["name"] == "JAX" and context["framework"]["version"]
+    assert context["framework"]["libraries"]["jaxlib"]
     assert found["skipped"] == 8  # every step of the descent from 2**30
     assert found["codes"] == [0, 0] and found["statuses"] == [200, 200, 200]
     assert not found["tensorflow_loaded"]
     assert (tmp_path / "report.html").stat().st_size > 1000
+
+
+# --- With TensorFlow installed (Colab, most machines): a JAX fit never imports it.
+
+TENSORFLOW_INSTALLED = textwrap.dedent("""
+    import importlib.util, json, os, sys
+    os.environ["KERAS_BACKEND"] = "jax"
+    assert importlib.util.find_spec("tensorflow") is not None  # installed, importable
+    import keras, numpy as np
+    import mpprof
+    from mpprof import reader
+
+    logdir = sys.argv[1]
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    # (No keras.utils.set_random_seed: Keras' own seeds TensorFlow's generator
+    # too, importing it.) Kernels of 300: the second layer's output overflows float16 on the
+    # first sampled step, so a replay capture (with the model's config) is written.
+    big = keras.initializers.Constant(300.0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, kernel_initializer=big),
+                              keras.layers.Dense(16, kernel_initializer=big),
+                              keras.layers.Dense(1, dtype="float32", kernel_initializer="ones")])
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.0)),
+                  loss="mse")
+    model.fit(np.ones((32, 8), "float32"), np.zeros((32, 1), "float32"), batch_size=8,
+              verbose=0, callbacks=[mpprof.MixedPrecisionProfiler(
+                  logdir, gpu_interval=None, numerics_every=1)])
+    run = reader.read_run(logdir, "train")
+    print(json.dumps({
+        "captures": [c["step"] for c in run.context["collectors"]["replay_capture"]["captures"]],
+        "model_config": run.context["collectors"]["replay_capture"].get("state"),
+        "tensorflow_loaded": sorted(m for m in sys.modules
+                                    if m == "tensorflow" or m.startswith("tensorflow."))[:3]}))
+""")
+
+
+def test_a_jax_fit_never_imports_tensorflow_when_it_is_installed(tmp_path):
+    result = subprocess.run([sys.executable, "-c", TENSORFLOW_INSTALLED, str(tmp_path / "logs")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    found = json.loads(result.stdout.splitlines()[-1])
+    assert found["captures"], found  # the capture, and the config it holds, were written
+    assert found["tensorflow_loaded"] == []
+    manifest = json.loads(next((tmp_path / "logs" / "train" / "replay").glob(
+        "step_*/manifest.json")).read_text())
+    assert manifest["model_config"]["saved"] is True
 
 
 # --- keras.distribution.DataParallel over two CPU devices.

@@ -10,7 +10,6 @@ import json
 import os
 import sys
 
-import jax
 import jax_runs
 import keras
 import pytest
@@ -43,21 +42,6 @@ def traced(tmp_path_factory):
 
 def sessions(run_dir):
     return sorted(glob.glob(os.path.join(run_dir, "plugins", "profile", "*")))
-
-
-def test_the_window_records_no_gpu_kernels_on_cpu_not_zero(traced):
-    log_dir, run = traced
-    record = run.records[schema.KERNEL_STATS][-1]
-    assert record.step == 4  # written right after step 3, the window's last
-    assert record.value["no_gpu_kernels"] is True
-    assert record.value["tensor_core_share"] is None
-    assert "no GPU kernels" in record.value["reason"]
-    entry = run.context["collectors"]["kernels"]
-    assert entry == {"state": "ok", "window": [2, 3], "phase": "done",
-                     "reason": "traced steps 2-3", "source": record.value["source"]}
-    [session] = sessions(log_dir / "train")
-    assert record.value["source"] == session
-    assert run.gpu.kernels == record.value
 
 
 def test_the_trace_holds_the_window_steps_whole(traced):
@@ -232,18 +216,3 @@ def test_tensorboard_as_keras_makes_it_here_leaves_the_window_alone(tmp_path):
                          "reason": "traced steps 2-3",
                          "source": sessions(tmp_path / "run" / "train")[0]}
         assert sessions(tmp_path / "tb" / "train") == []
-
-
-def test_a_running_profiler_makes_the_window_step_aside(tmp_path):
-    jax.profiler.start_trace(str(tmp_path / "someone_else"))
-    try:
-        run = window_fit(tmp_path / "run", (1, 2))
-    finally:
-        jax.profiler.stop_trace()  # still theirs: mpprof did not stop it
-    assert run.fit_outcome == run_context.FIT_ENDED
-    entry = run.context["collectors"]["kernels"]
-    assert entry["state"] == "unavailable" and entry["phase"] == "refused"
-    assert entry["reason"].startswith("another profiler was running at step 1 "
-                                      "(Profile has already been started")
-    assert schema.KERNEL_STATS not in run.records
-    assert len(sessions(tmp_path / "someone_else")) == 1

@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from mpprof.backends import numerics_rows
 from mpprof.backends.jax import tensor_statistics as ts
 from mpprof.records import schema
 
@@ -31,10 +32,10 @@ def _sample(flat: np.ndarray) -> tuple[np.ndarray, float]:
     """The documented sample: all of a small array; else one value per
     equal stratum at the fixed jitter."""
     size = flat.size
-    if size <= ts.SAMPLE_VALUES:
+    if size <= numerics_rows.SAMPLE_VALUES:
         return flat, 1.0
-    strata = size / ts.SAMPLE_VALUES
-    index = np.minimum((ts._STRATUM_POSITIONS * strata).astype(np.int64), size - 1)
+    strata = size / numerics_rows.SAMPLE_VALUES
+    index = np.minimum((numerics_rows.STRATUM_POSITIONS * strata).astype(np.int64), size - 1)
     return flat[index], strata
 
 
@@ -62,7 +63,7 @@ def _expected(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("size", [1000, 50_000])
 def test_raw_statistics_match_numpy(dtype, size):
     values = _values(size, dtype, np.random.default_rng(size))
-    stats, histogram = ts.statistics_of_rows(np.asarray(ts.raw_statistics(values)))
+    stats, histogram = numerics_rows.statistics_of_rows(np.asarray(ts.raw_statistics(values)))
     expected_stats, expected_histogram = _expected(values)
     np.testing.assert_allclose(stats, expected_stats, rtol=1e-6)
     np.testing.assert_allclose(histogram, expected_histogram, rtol=1e-6)
@@ -70,7 +71,7 @@ def test_raw_statistics_match_numpy(dtype, size):
 
 def test_a_finite_array_has_no_nonfinite_and_its_exact_peak():
     values = np.linspace(-3.0, 2.5, 200_000, dtype=np.float32)
-    stats, _ = ts.statistics_of_rows(np.asarray(ts.raw_statistics(values)))
+    stats, _ = numerics_rows.statistics_of_rows(np.asarray(ts.raw_statistics(values)))
     assert stats[STAT["nonfinite"]] == 0
     assert stats[STAT["abs_max"]] == 3.0
 
@@ -81,7 +82,7 @@ def test_nan_anywhere_in_a_large_array_is_counted(size):
     for position in (0, size // 3, size - 1):
         values = np.ones(size, np.float32)
         values[position] = np.nan
-        stats, _ = ts.statistics_of_rows(np.asarray(ts.raw_statistics(values)))
+        stats, _ = numerics_rows.statistics_of_rows(np.asarray(ts.raw_statistics(values)))
         assert stats[STAT["nonfinite"]] == 1, position
         assert stats[STAT["abs_max"]] == 1.0
 

@@ -25,7 +25,7 @@ import numpy as np
 import tf_keras
 
 import mpprof
-from mpprof.backends.tf_keras.support import variable_path
+from mpprof.backends.layer_records import variable_path
 
 layers = tf_keras.layers
 

@@ -1,6 +1,7 @@
-"""Keras 3 on JAX: the `Backend` the recording core asks.
+"""Keras 3 on JAX: the `Backend` the recording core asks
+(`mpprof.backends.protocol` says what each factory's object must do).
 
-What differs from TensorFlow (`mpprof.backends.tensorflow.backend`):
+How JAX answers it:
 
 - the train function is `train_function(state, iterator) -> (logs, state)`
   with the state donated; the profiled one is mpprof's own jit of Keras'
@@ -78,7 +79,6 @@ class JaxBackend(Keras3Backend):
     # The alarm is in the logs, but read one call late (`call_alarm`).
     alarm_in_logs = False
     fits_across_workers = False
-    traced_train_function_attribute: str | None = None
 
     def __init__(self, model):
         self.step_state: StepState | None = None

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from mpprof.backends.jax.step_state import ALARM_KEY
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 
 LOGS_KEY = ALARM_KEY
 

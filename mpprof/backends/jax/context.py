@@ -3,52 +3,38 @@ optimizer, devices, and the `keras.distribution` the fit runs under."""
 
 from __future__ import annotations
 
-import platform
-import time
-
 import jax
 import jaxlib
 import keras
 
-from mpprof._version import __version__
+from mpprof.backends.context_facts import common_facts, framework_facts
 
 
 def run_context(
     model, *, collectors: dict, step: int, fit_count: int, hardware: dict | None = None
 ) -> dict:
-    """As `mpprof.backends.tensorflow.context.run_context`, for Keras on JAX."""
-    optimizer = model.optimizer
+    """A JSON-ready description of the run `model` is about to train on JAX
+    (`Backend.run_context`; the arguments: `context_facts.common_facts`)."""
     distribution = keras.distribution.distribution()
     devices = jax.devices()
-    context = {
-        "mpprof_version": __version__,
-        "jax_version": jax.__version__,
-        "jaxlib_version": jaxlib.__version__,
+    return {
+        **common_facts(model, collectors=collectors, step=step, fit_count=fit_count,
+                       hardware=hardware),
+        **framework_facts("JAX", jax.__version__,
+                          sum(d.platform == "gpu" for d in devices),
+                          jaxlib=jaxlib.__version__),
         "keras_version": keras.__version__,
         "keras_flavor": "keras",
         "keras_backend": "jax",
-        "python_version": platform.python_version(),
-        "host": platform.node(),
         "global_policy": keras.mixed_precision.global_policy().name,
-        "model_policy": model.dtype_policy.name,
-        "optimizer": type(optimizer).__name__ if optimizer is not None else None,
-        "jit_compile": bool(getattr(model, "jit_compile", False)),
-        "run_eagerly": bool(model.run_eagerly),
         "steps_per_execution": int(getattr(model, "steps_per_execution", 1) or 1),
         "distribution_strategy": (type(distribution).__name__ if distribution is not None
                                   else "none"),
         "num_replicas": _model_replicas(distribution),
         "distribution": distribution_facts(model, distribution),
         "devices": [{"name": str(d), "type": d.platform.upper()} for d in devices],
-        "gpus_visible_to_jax": sum(d.platform == "gpu" for d in devices),
-        "collectors": collectors,
-        "start_step": int(step),
-        "fit_count": int(fit_count),
-        "wall_time": time.time(),
+        "float32_matmuls": float32_matmuls(),
     }
-    if hardware is not None:
-        context["hardware"] = hardware
-    return context
 
 
 # What mpprof cannot say under a keras.distribution: it reads each global
@@ -97,4 +83,24 @@ def distribution_facts(model, distribution) -> dict | None:
         "batch_dim_name": getattr(distribution, "batch_dim_name", None),
         "sharded_variables": sharded,
         "not_measured": NOT_MEASURED_PER_DEVICE,
+    }
+
+
+# jax_default_matmul_precision values whose float32 dots keep full float32
+# (on GPU: no TF32, no bfloat16 passes).
+_FULL_FLOAT32 = ("highest", "float32")
+
+
+def float32_matmuls() -> dict:
+    """What a float32 matmul runs as (`RunContext.float32_matmuls`): JAX's
+    default matmul precision uses TF32 on A100/H100 and bfloat16 passes on
+    TPU (jax#18934) unless `jax_default_matmul_precision` is "highest"."""
+    precision = jax.config.jax_default_matmul_precision
+    shown = "None (the default)" if precision is None else repr(str(precision))
+    return {
+        "framework": "jax",
+        "jax_default_matmul_precision": None if precision is None else str(precision),
+        "tf32_enabled": str(precision).lower() not in _FULL_FLOAT32,
+        "setting": f"jax.config.jax_default_matmul_precision = {shown}",
+        "disable": 'jax.config.update("jax_default_matmul_precision", "highest")',
     }

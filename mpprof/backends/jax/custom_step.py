@@ -14,7 +14,7 @@ context says so).
 
 from __future__ import annotations
 
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 
 
 def overrides_train_step(model) -> bool:

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from mpprof.backends.float8_replay import DelayedScalingState
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 
 
 class Float8State(DelayedScalingState):

@@ -30,7 +30,7 @@ import numpy as np
 from mpprof.backends.float8_shares import Float8SharesCollector, merge_rows, quantization_limits
 from mpprof.backends.jax.custom_step import overrides_train_step
 from mpprof.backends.jax.numerics_taps import MAX_CALLS, StepTrace
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 from mpprof.records import schema
 
 _COLUMNS = len(schema.FLOAT8_SHARE_COLUMNS)
@@ -90,7 +90,7 @@ class _Trace(StepTrace):
     """What one trace of the instrumented step gathers: the forward rows by
     (layer row, call)."""
 
-    forward: dict[tuple[int, int], jax.Array]
+    forward: dict[tuple[int, int], jax.Array]  # type: ignore[assignment]  # keyed by call too
 
 
 class Float8Shares(Float8SharesCollector):
@@ -110,7 +110,7 @@ class Float8Shares(Float8SharesCollector):
         self._backend = backend
         self._custom_step = overrides_train_step(model)
         self._trace: _Trace | None = None
-        self._outputs = None
+        self._outputs: dict | None = None
         self._first_calls_only: set[int] = set()
         self._tap = _gradient_counter(self.traced)
 

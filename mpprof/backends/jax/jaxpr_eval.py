@@ -23,7 +23,12 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import DropVar, Literal
+from jax.extend.core import Literal
+
+try:
+    from jax.extend.core import DropVar
+except ImportError:  # older JAX (0.4.36) has it in jax.core only
+    from jax.core import DropVar
 
 from mpprof.backends.jax.numerics_taps import float_output
 from mpprof.replay import search

@@ -1,21 +1,14 @@
-"""Instance-level wrapping of the method each layer's `__call__` runs, on JAX.
-
-As on TensorFlow (`mpprof.backends.tensorflow.layer_calls`), an instance
-attribute shadows the class's `call` (or `quantized_call`) for one layer, and
-the fit's `Patches` undo it. The hooks run after the original method while
-the step is traced by `jax.jit` (once per traced function), so they cost
-nothing per step; JAX has no graph to remember, so nothing else is kept.
+"""The wrapping of every layer's call on JAX: the shared wrapper
+(`mpprof.backends.layer_call_patch`; its hooks run while `jax.jit` traces the
+step, once per traced function, so they cost nothing per step), and the casts
+each layer's dtype policy makes, remembered so that the precision tracer
+finds the layer a cast input came from (`cast_source`).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
-
-from mpprof.backends.layer_records import called_method, walk_layers
-from mpprof.recording.patching import Patches
-
-_PATCH_MARKER = "_mpprof_wrapped"
+from mpprof.backends import layer_call_patch
+from mpprof.backends.patching import Patches
 
 # The casts `Layer.__call__` made while a step was traced: by id of the cast
 # value, (the value before the cast, the value after). Keras casts a layer's
@@ -36,36 +29,16 @@ def clear_casts() -> None:
     _CASTS.clear()
 
 
-class LayerCallPatch:
-    """Wraps the called method of `model` and every nested layer so that
-    `hooks` (objects with `on_call(layer, args, kwargs, outputs)`, returning
-    the outputs) see every call. Children a parent creates in its `build`
-    are wrapped just before the parent's call runs."""
-
-    def __init__(self, model, hooks: Sequence):
-        self._model = model
-        self._hooks = list(hooks)
-        self._patches: Patches | None = None
-        self._wrapped: set[int] = set()
-
-    def add_hook(self, hook) -> None:
-        self._hooks.append(hook)
+class LayerCallPatch(layer_call_patch.LayerCallPatch):
+    """The shared wrapper (`mpprof.backends.layer_call_patch`), remembering
+    the casts each layer's dtype policy makes (`cast_source`)."""
 
     def install(self, patches: Patches) -> None:
-        self._patches = patches
-        self._wrapped.clear()
         self._policies: set[int] = set()
         clear_casts()
-        self._patch(self._model)
-        for _, layer, _ in walk_layers(self._model):
-            self._patch(layer)
+        super().install(patches)
 
-    def _patch(self, layer) -> None:
-        method = called_method(layer)
-        if is_patched(layer):
-            delattr(layer, method)
-        self._patches.set(layer, method, self._wrap(layer, getattr(layer, method)))
-        self._wrapped.add(id(layer))
+    def _patched(self, layer) -> None:
         self._watch_casts(getattr(layer, "dtype_policy", None))
 
     def _watch_casts(self, policy) -> None:
@@ -82,28 +55,5 @@ class LayerCallPatch:
                 _CASTS[id(y)] = (x, y)
             return y
 
+        assert self._patches is not None  # (set by install)
         self._patches.set(policy, "convert_input", convert_input)
-
-    def _patch_new_children(self, parent) -> None:
-        for child in parent._flatten_layers(include_self=False, recursive=False):
-            if id(child) not in self._wrapped and type(child).__name__ != "InputLayer":
-                self._patch(child)
-
-    def _wrap(self, layer, call: Callable) -> Callable:
-        hooks = self._hooks
-
-        @functools.wraps(call)
-        def wrapped_call(*args, **kwargs):
-            self._patch_new_children(layer)
-            outputs = call(*args, **kwargs)
-            for hook in hooks:
-                outputs = hook.on_call(layer, args, kwargs, outputs)
-            return outputs
-
-        setattr(wrapped_call, _PATCH_MARKER, True)
-        return wrapped_call
-
-
-def is_patched(layer) -> bool:
-    """Whether the method `layer.__call__` runs is an mpprof wrapper."""
-    return getattr(layer.__dict__.get(called_method(layer)), _PATCH_MARKER, False)

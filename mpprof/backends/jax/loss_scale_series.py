@@ -11,10 +11,12 @@ TensorFlow.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from mpprof.recording.optimizer_usage import applied_steps
-from mpprof.recording.step_origin import Origin
+from mpprof.backends.optimizer_usage import applied_steps
+from mpprof.backends.step_origin import Origin
 
 MODE_STEP_STATE = "step_state"
 
@@ -43,7 +45,7 @@ class LossScaleSeries:
         self.origin: Origin | None = None
         self._skipped = 0  # host copy, kept across fits
         self._events_read = 0
-        self._state = None
+        self._state: Any = None  # the fit's StepState
         self.attach(step_state)
 
     def attach(self, step_state) -> None:

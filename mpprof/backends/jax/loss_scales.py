@@ -17,33 +17,44 @@ count of steps run.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from mpprof.recording import step_origin
-from mpprof.recording.collectors.base import Collector
-from mpprof.recording.loss_scale_records import series_context, write_series
-from mpprof.recording.optimizer_usage import OptimizerUsage, applied_steps
-from mpprof.recording.patching import Patches
-from mpprof.recording.step_origin import EarlierRecords
+from mpprof.backends import step_origin
+from mpprof.backends.collector import Collector
+from mpprof.backends.loss_scale_records import series_context, write_series
+from mpprof.backends.optimizer_usage import OptimizerUsage, applied_steps
+from mpprof.backends.patching import Patches
+from mpprof.backends.step_origin import EarlierRecords
 
 
 class LossScales(Collector):
-    """One loss-scale collector per followed LossScaleOptimizer.
+    """One loss-scale collector per followed LossScaleOptimizer
+    (`mpprof.backends.protocol.LossScales`).
 
-    Args: as `mpprof.backends.tensorflow.loss_scales.LossScales` (`strategy`
-        is the JAX backend's stand-in: one replica per process).
+    Args:
+        keras_api: the fit's `JaxBackend` (it makes the fit's step state,
+            which counts each optimizer's overflows inside the jitted step).
+        usage: the model's `OptimizerUsage`.
+        strategy: the backend's stand-in strategy (one replica per process).
+        capacity: events each optimizer's ring holds between two reads.
+        reuse: series of an earlier fit, by optimizer id: they keep counting
+            skipped steps across fits.
+        earlier: reads the run's records of earlier fits
+            (`step_origin.read_earlier`), called at most once, and only when
+            a new series' optimizer has run before.
     """
 
     name = "loss_scale"
 
     def __init__(self, keras_api, usage: OptimizerUsage, strategy, capacity: int,
-                 reuse: dict[int, object], earlier: Callable[[], EarlierRecords | str]):
+                 reuse: dict[int, Any], earlier: Callable[[], EarlierRecords | str]):
         self._usage = usage
         self._replicas = int(strategy.num_replicas_in_sync)
         self._overflows_seen = 0
-        self._start: dict[str, object] = {}
-        self.by_name = {}
+        self._start: dict[str, Any] = {}
+        self.by_name: dict[str, Any] = {}
         step_state = self._step_state = keras_api.make_step_state(capacity, usage)
         for use in usage.uses:
             if not use.loss_scale or not step_state.follows(use.optimizer):
@@ -51,10 +62,7 @@ class LossScales(Collector):
             collector = reuse.get(id(use.optimizer))
             if collector is None:
                 collector = keras_api.loss_scale_series(use.optimizer, step_state, capacity)
-                collector.start_from(
-                    step_origin.FIRST_STEP if collector.nothing_ran()
-                    else step_origin.origin(collector, use.name, earlier())
-                )
+                step_origin.start_new_series(collector, use.name, earlier)
             else:
                 collector.attach(step_state)
             self.by_name[use.name] = collector
@@ -82,7 +90,7 @@ class LossScales(Collector):
     def flush(self, fit) -> None:
         write_series(fit, self.active(), self.primary(), self._start)
 
-    def active(self) -> dict[str, object]:
+    def active(self) -> dict[str, Any]:
         """The series of the optimizers the step applied (all of them until
         it was traced), unless an update was applied out of sight."""
         unfollowed = self._step_state.unfollowed

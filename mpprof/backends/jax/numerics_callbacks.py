@@ -38,14 +38,12 @@ import numpy as np
 
 from mpprof.backends.jax.numerics_taps import SAMPLE_KEY, NumericsTaps, float_output
 from mpprof.backends.jax.tensor_statistics import (
-    RAW_COLUMNS,
     SUMMARY_COLUMNS,
     gradient_statistics,
     raw_statistics,
 )
-from mpprof.recording.patching import Patches
-
-_ABS_MAX = 2  # the raw row's exact largest finite magnitude
+from mpprof.backends.numerics_rows import ABS_MAX, RAW_COLUMNS
+from mpprof.backends.patching import Patches
 
 
 def _add(rows: dict, key, row: np.ndarray) -> None:
@@ -55,9 +53,9 @@ def _add(rows: dict, key, row: np.ndarray) -> None:
     if found is None:
         rows[key] = row.copy()
         return
-    peak = max(found[_ABS_MAX], row[_ABS_MAX])
+    peak = max(found[ABS_MAX], row[ABS_MAX])
     found += row
-    found[_ABS_MAX] = peak
+    found[ABS_MAX] = peak
 
 
 class CallbackTaps(NumericsTaps):
@@ -184,9 +182,9 @@ class CallbackTaps(NumericsTaps):
         table = np.zeros((size, columns))
         for key, row in found.items():
             index = key[0] if isinstance(key, tuple) else key
-            peak = max(table[index, _ABS_MAX], row[_ABS_MAX])
+            peak = max(table[index, ABS_MAX], row[ABS_MAX])
             table[index] += row
-            table[index, _ABS_MAX] = peak
+            table[index, ABS_MAX] = peak
         return table
 
     def layout(self, policy_max: float) -> dict:

@@ -33,31 +33,31 @@ instrumented step would not be its step.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mpprof.backends.jax.tensor_statistics import (
-    ESTIMATED_COLUMNS,
-    RAW_COLUMNS,
-    SAMPLE_VALUES,
     gradient_statistics,
     merge_rows,
     raw_statistics,
-    statistics_of_rows,
     statistics_of_summaries,
 )
-from mpprof.backends.layer_records import variable_path, walk_layers
-from mpprof.recording.optimizer_usage import applied_steps
+from mpprof.backends.layer_records import child_layers, variable_path, walk_layers
+from mpprof.backends.numerics_rows import (
+    ESTIMATED_COLUMNS,
+    RAW_COLUMNS,
+    SAMPLE_VALUES,
+    statistics_of_rows,
+)
+from mpprof.backends.optimizer_usage import applied_steps
 from mpprof.records import schema
 
 # Calls of one layer in one step that are measured (a shared layer).
 MAX_CALLS = 4
 SAMPLE_KEY = "_mpprof_sample"
-
-
-def _sublayers(layer) -> list:
-    return list(layer._flatten_layers(include_self=False, recursive=False))
 
 
 def _is_recurrent(layer) -> bool:
@@ -148,7 +148,7 @@ class NumericsTaps:
                 self._skipped[row] = (f"runs inside the recurrent layer "
                                       f"{entries[recurrent][0]!r} (its lax.scan)")
                 self._measured_at[row] = recurrent
-            elif _is_recurrent(layer) or not _sublayers(layer):
+            elif _is_recurrent(layer) or not child_layers(layer):
                 self._measured_rows.add(row)
         self._variables = [v for v in model.trainable_variables
                            if not getattr(v, "overwrite_with_gradient", False)]
@@ -302,7 +302,7 @@ class NumericsTaps:
         order = self.call_order
         forward, forward_hist = statistics_of_rows(np.asarray(sample["forward"]))
         backward, backward_hist = statistics_of_rows(merged)
-        return {
+        found: dict[str, Any] = {
             schema.NUMERICS_FORWARD: forward[order],
             schema.NUMERICS_BACKWARD: backward[order],
             schema.NUMERICS_FORWARD_HIST: forward_hist[order],
@@ -312,6 +312,7 @@ class NumericsTaps:
                 sample["unscaled_gradients"]),
             "loss": float(sample["loss"]),
         }
+        return found
 
     def layout(self, policy_max: float) -> dict:
         return {

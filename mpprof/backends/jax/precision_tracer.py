@@ -38,6 +38,7 @@ class PrecisionTracer(InventoryBuilder):
         self._model = model
         self._call_order: dict[int, int] = {}
         self._output_dtypes: dict[int, set[str]] = {}
+        self._output_shapes: dict[int, list[int] | None] = {}
         # By id of a traced value: (the layer that output it, the value).
         self._producers: dict[int, tuple] = {}
         self._casts: dict[tuple, None] = {}
@@ -70,6 +71,10 @@ class PrecisionTracer(InventoryBuilder):
         else:
             self._call_order.setdefault(key, len(self._call_order))
             self._output_dtypes.setdefault(key, set()).update(dtypes)
+            if flat_outputs and key not in self._output_shapes:
+                # Without the batch axis.
+                shape = flat_outputs[0].shape
+                self._output_shapes[key] = [int(d) for d in shape[1:]] if len(shape) else None
         producers = self._inputs_from.setdefault(key, {})
         for value in _traced(_arrays((args, kwargs))):
             source = cast_source(value)

@@ -28,15 +28,16 @@ first: captures are off.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mpprof.backends import keras_capture
+from mpprof.backends.collector import Collector
 from mpprof.backends.jax.custom_step import overrides_train_step
 from mpprof.backends.jax.step_state import LAST_LOSS, LOSS_ROW
-from mpprof.recording.collectors.base import Collector
 from mpprof.replay import files
 
 
@@ -50,17 +51,24 @@ class ReplayCapture(Collector):
         loss_scales: the `LossScales`.
         health: the `RunHealth` (the sampled step's loss).
         instrumenting: (unused on JAX: the instrumented step is its own function).
+        advise_batches: how many of the fit's own sampled batches to keep for
+            the precision advisor (`keras_capture.AdviseBatches`; 0: none).
+        fit_params: the callback's `params` (how many steps the fit runs).
     """
 
     name = "replay_capture"
 
-    def __init__(self, budget: int, keras_api, loss_scales, health, instrumenting):
+    def __init__(self, budget: int, keras_api, loss_scales, health, instrumenting,
+                 advise_batches: int = 0, fit_params: dict | None = None):
         self.budget = budget
+        self.advise_batches = advise_batches
+        self._fit_params = fit_params
+        self._advise: keras_capture.AdviseBatches | None = None
         self._api = keras_api
         self._health = health
         self._unavailable: str | None = None
-        self._before = None
-        self._after = None
+        self._before: Any = None
+        self._after: Any = None
         self._config: tuple = (None, "")
         self._custom_step = False
         self.captured: list[dict] = []
@@ -72,13 +80,16 @@ class ReplayCapture(Collector):
         self._unavailable = self._why_unavailable(fit.model, fit.schedule.every)
         self._custom_step = overrides_train_step(fit.model)
         if self._unavailable is None:
+            if self.advise_batches:
+                self._advise = keras_capture.AdviseBatches(
+                    self.advise_batches, self._fit_params, fit.step)
             self._api.replay = self
             # Now: during an epoch Keras' JAX fit keeps the state outside the
             # variables, and serializing reads some of them.
             self._config = keras_capture.model_config(fit.model)
 
     def _why_unavailable(self, model, sample_every: int | None) -> str | None:
-        if self.budget == 0:
+        if self.budget == 0 and not self.advise_batches:
             return "replay_budget=0"
         if sample_every is None:
             return "numerics_every=None: only sampled (instrumented) steps are captured"
@@ -95,7 +106,9 @@ class ReplayCapture(Collector):
         on an earlier, overflowed step's batch (a forensic sample; the state
         is then the current one); None: the step the table says."""
         self._after = None
-        if len(self.captured) >= self.budget or self._api.step_state is None:
+        advising = self._advise is not None and len(self._advise.kept) < self._advise.wanted
+        if ((len(self.captured) >= self.budget and not advising)
+                or self._api.step_state is None):
             self._before = None
             return
         # Device copies, made before the step donates what they copy. A
@@ -118,7 +131,7 @@ class ReplayCapture(Collector):
     def after_sample(self, fit) -> None:
         """Writes a capture when the sampled step just run went wrong."""
         before, after, self._before, self._after = self._before, self._after, None, None
-        if before is None or after is None or len(self.captured) >= self.budget:
+        if before is None or after is None:
             return
         table_before, non_trainable_before, data, trainable_before, step = before
         after, table_after = after
@@ -131,11 +144,19 @@ class ReplayCapture(Collector):
             else False
         loss = float(table_after[LOSS_ROW, LAST_LOSS]) if watched else math.nan
         loss_finite = math.isfinite(loss) if watched else None
-        if skipped == 0 and loss_finite is not False:
-            return
         applied_before, skipped_before, scale = state.primary_in(table_before)
         if step is None:
             step = applied_before + skipped_before
+        if skipped == 0 and loss_finite is not False:
+            if self._advise is not None and self._advise.due(step):
+                after = (trainable_before, *after[1:]) if trainable_before is not None else after
+                self._write(fit, step, data, after, non_trainable_before,
+                            ["advise: one of the run's own batches"], False, loss, scale,
+                            trainable_before is not None, folder=files.ADVISE_FOLDER,
+                            captured=self._advise.kept)
+            return
+        if len(self.captured) >= self.budget:
+            return
         if loss_finite and skipped and applied_before == 0:
             self.initial_descent_skipped += 1
             return
@@ -150,7 +171,8 @@ class ReplayCapture(Collector):
                     loss, scale, trainable_before is not None)
 
     def _write(self, fit, step: int, data, state, non_trainable_before, reasons: list[str],
-               skipped: bool, loss: float, scale: float, weights_before: bool) -> None:
+               skipped: bool, loss: float, scale: float, weights_before: bool,
+               folder: str = files.REPLAY_FOLDER, captured: list | None = None) -> None:
         model = fit.model
         leaves: list = []
         structure = files.encode_structure(data, leaves)
@@ -161,10 +183,11 @@ class ReplayCapture(Collector):
         weights = [np.asarray(a) for a in jax.device_get(
             [values[id(v)] if id(v) in values else v.value for v in model.weights])]
         keras_capture.write_capture(
-            fit, self.captured, step=step, batch=batch, weights=weights, reasons=reasons,
+            fit, self.captured if captured is None else captured, step=step, batch=batch,
+            weights=weights, reasons=reasons,
             loss=loss, loss_scale=scale, skipped=skipped, structure=structure,
             config=self._config, backend={"backend": "jax", "jax": jax.__version__},
-            weights_before=weights_before,
+            weights_before=weights_before, folder=folder,
         )
 
     def end(self, fit) -> None:
@@ -178,6 +201,8 @@ class ReplayCapture(Collector):
             return {"state": "off" if off else "unavailable", "reason": self._unavailable,
                     "budget": self.budget}
         entry = {"state": "ok", "budget": self.budget, "captures": self.captured}
+        if self._advise is not None:
+            entry["advise_batches"] = self._advise.context()
         if self.initial_descent_skipped:
             entry["initial_descent_not_captured"] = self.initial_descent_skipped
         return entry

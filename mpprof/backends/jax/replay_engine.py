@@ -18,7 +18,10 @@ The same three steps and result as on TensorFlow
    (`transpose(...)`) equation is part of the backward pass.
 2. Per layer, its output and the gradient flowing into it (the gradient of
    a zero "probe" added to the output) against the float32 replay's.
-3. The greedy float32 set, as on TensorFlow.
+3. The greedy float32 set (or bounded inputs, where an input is past
+   float16's range), as on TensorFlow, each fix verified
+   (`mpprof.replay.verification`) through `Engine`: passes as in 1, and
+   trials of the model's own jitted `train_step`.
 """
 
 from __future__ import annotations
@@ -30,13 +33,14 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from mpprof.backends import keras_capture
+from mpprof.backends import keras_capture, replay_candidates
 from mpprof.backends.jax import replay_step
 from mpprof.backends.jax.custom_step import overrides_train_step
 from mpprof.backends.jax.jaxpr_eval import MODEL_SCOPE, Evaluator, scoped_layer_call
-from mpprof.backends.layer_records import called_method, walk_layers
-from mpprof.recording.patching import Patches
-from mpprof.replay import files, search
+from mpprof.backends.layer_records import called_method, variable_path, walk_layers
+from mpprof.backends.patching import Patches
+from mpprof.backends.replay_candidates import layer_tree, policies_applied
+from mpprof.replay import files, fixes, search, verification
 from mpprof.replay.files import ReplayError
 from mpprof.replay.search import PassResult, subtree
 
@@ -59,8 +63,7 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
     keras_capture.load_weights(model, capture)
     _captured_policies(model, capture)
     captured_scale = float(capture.manifest.get("loss_scale") or 1.0)
-    step = (_CustomStep if overrides_train_step(model) else _KerasStep)(
-        model, capture, captured_scale)
+    step = _step_for(model, capture.batch(), captured_scale)
     try:
         run_policy = step.run(None, None)
     except Exception as e:
@@ -70,9 +73,14 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
     reference = step.run(None, None, all_float32=True)
     tree = layer_tree(model)
     divergence = search.divergence(run_policy, reference, tree)
-    fix = search.find_fix(
-        lambda float32_layers: step.run(1.0, float32_layers), step.scale,
-        run_policy, reference, divergence, tree, capture.manifest.get("layer_paths", {}))
+    data = capture.batch()
+    fix = fixes.find_fixes(
+        verifier=verification.Verifier(Engine(model, step, [data], step.scale)),
+        run_unscaled=lambda float32_layers: step.run(1.0, float32_layers),
+        scale=step.scale, run_policy=run_policy, reference=reference,
+        divergence=divergence, tree=tree, paths=capture.manifest.get("layer_paths", {}),
+        inputs=keras.tree.flatten(keras.utils.unpack_x_y_sample_weight(data)[0]),
+        backend="jax")
     offender = run_policy.offender
     return {
         "run": capture.run,
@@ -93,6 +101,19 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
     }
 
 
+def _step_for(model, data, scale: float):
+    return (_CustomStep if overrides_train_step(model) else _KerasStep)(model, data, scale)
+
+
+def engine_for(model, batches: list, loss_scale: float = 1.0) -> Engine:
+    """A verification engine (`mpprof.replay.verification.Engine`) of `model`
+    as it is now (its weights are the ones every pass and trial start from)
+    on `batches` (each as `train_step` receives it: (x, y) or (x, y,
+    sample_weight), or a custom step's own structure)."""
+    step = _step_for(model, batches[0], loss_scale)
+    return Engine(model, step, list(batches), step.scale)
+
+
 class _KerasStep:
     """Keras' own step, replayed as `stateless_call` and
     `stateless_compute_loss`: `run(loss_scale, float32_layers, all_float32=)`
@@ -100,15 +121,19 @@ class _KerasStep:
 
     what = "model.stateless_call and model.stateless_compute_loss"
 
-    def __init__(self, model, capture: files.Capture, scale: float):
+    def __init__(self, model, data, scale: float):
         self._model = model
-        self._batch = keras.utils.unpack_x_y_sample_weight(capture.batch())
+        self._data = data
         self.scale = scale
 
-    def run(self, loss_scale, float32_layers, *, all_float32=False) -> PassResult:
-        return run_pass(self._model, self._batch,
+    def run(self, loss_scale, float32_layers, *, all_float32=False, data=None,
+            **policies) -> PassResult:
+        """`data`: a batch other than the captured one (inputs scaled);
+        `policies`: `run_pass`'s `policies` and `model_policy`."""
+        batch = keras.utils.unpack_x_y_sample_weight(self._data if data is None else data)
+        return run_pass(self._model, batch,
                         self.scale if loss_scale is None else loss_scale,
-                        float32_layers, all_float32=all_float32)
+                        float32_layers, all_float32=all_float32, **policies)
 
     def notes(self) -> list[str]:
         return []
@@ -120,9 +145,9 @@ class _CustomStep:
 
     what = "the model's own train_step"
 
-    def __init__(self, model, capture: files.Capture, optimizer_scale: float):
+    def __init__(self, model, data, optimizer_scale: float):
         self._model = model
-        self._data = capture.batch()
+        self._data = data
         self._optimizer_scale = optimizer_scale
         self._skip = _inside_recurrent(layer_tree(model))
         self._last: replay_step.StepPass | None = None
@@ -132,9 +157,10 @@ class _CustomStep:
         self._last = replay_step.StepPass(model, tree, self._skip, self._optimizer_scale)
         return self._last
 
-    def run(self, loss_scale, float32_layers, *, all_float32=False) -> PassResult:
-        return run_pass(self._model, self._data, loss_scale, float32_layers,
-                        all_float32=all_float32, step=self._make)
+    def run(self, loss_scale, float32_layers, *, all_float32=False, data=None,
+            **policies) -> PassResult:
+        return run_pass(self._model, self._data if data is None else data, loss_scale,
+                        float32_layers, all_float32=all_float32, step=self._make, **policies)
 
     def notes(self) -> list[str]:
         notes = []
@@ -150,6 +176,69 @@ class _CustomStep:
         return notes
 
 
+class Engine(replay_candidates.CandidateEngine):
+    """`mpprof.replay.verification.Engine` on JAX: passes evaluated equation
+    by equation (`step.run`, Keras' own step or the model's) and trials of
+    the model's own `train_step(state, data)`, jitted, the state threaded
+    from step to step as Keras' JAX `fit` does.
+
+    Args:
+        model: the model, its captured weights loaded.
+        step: the replayed step (`_KerasStep` or `_CustomStep`).
+        batches: the captured batches, as the step receives them.
+        loss_scale: the run's loss scale at the capture (1.0: none).
+    """
+
+    def __init__(self, model, step, batches: list, loss_scale: float):
+        super().__init__(model, batches, loss_scale)
+        self._step = step
+        self.uses_own_optimizers = isinstance(step, _CustomStep)
+
+    def run_pass(self, candidate: verification.Candidate, batch: int,
+                 loss_scale: float) -> PassResult:
+        with replay_candidates.random_draws_in_float32(self.tree):
+            return self._step.run(
+                loss_scale, None,
+                data=replay_candidates.scale_inputs(self.batches[batch],
+                                                    candidate.input_scale),
+                policies=self.policies(candidate), model_policy=candidate.default_policy)
+
+    def train(self, candidate: verification.Candidate, steps: int,
+              loss_scale: float | None = None) -> list[float]:
+        model = self.model
+        optimizer = self.trial_optimizer(candidate, loss_scale)
+        batches = [replay_candidates.scale_inputs(b, candidate.input_scale)
+                   for b in self.batches]
+        losses = []
+        with self.swapped_optimizer(optimizer), replay_candidates.policies_applied(
+                model, self.tree, self.policies(candidate), candidate.default_policy), \
+                replay_candidates.random_draws_in_float32(self.tree):
+            if optimizer is not None:
+                optimizer.build(model.trainable_variables)
+            # A new function: traced with these policies and this optimizer.
+            train_step = jax.jit(model.train_step)
+            fresh_metrics = [jnp.zeros_like(v.value) for v in model.metrics_variables]
+            state = ([v.value for v in model.trainable_variables],
+                     [v.value for v in model.non_trainable_variables],
+                     [v.value for v in optimizer.variables] if optimizer is not None else [],
+                     fresh_metrics)
+            calls = 0
+            while len(losses) < steps and calls < steps + verification.TRIAL_MAX_SKIPS:
+                before = state[0]
+                logs, state = train_step(state, batches[calls % len(batches)])
+                calls += 1
+                # A skipped step leaves the trainable weights as they were
+                # (a custom step's own optimizers too, which `iterations` of
+                # model.optimizer would not show).
+                if any(not bool(jnp.array_equal(old, new))
+                       for old, new in zip(before, state[0], strict=True)):
+                    losses.append(replay_candidates.trial_loss(logs))
+                # Metrics reset: the next logs hold that step's loss alone.
+                state = (*state[:3], fresh_metrics)
+        self.skipped_steps = calls - len(losses)
+        return losses
+
+
 def _captured_policies(model, capture: files.Capture) -> None:
     """Gives each layer the policy it trained with: a subclassed model
     rebuilt from its config makes its layers in `__init__` under this
@@ -161,56 +250,21 @@ def _captured_policies(model, capture: files.Capture) -> None:
             layer.dtype_policy = policy
 
 
-def layer_tree(model) -> dict[str, object]:
-    """Qualified name -> layer, for every nested layer."""
-    return {name: layer for name, layer, _ in walk_layers(model)}
-
-
-def _policy_of(layer) -> tuple:
-    """What setting `layer.dtype_policy` changes (a `DTypePolicyMap` keeps
-    the map: its entry for the layer's path is what is put back)."""
-    policy = layer.dtype_policy
-    path = getattr(layer, "path", None)
-    if isinstance(policy, keras.dtype_policies.DTypePolicyMap) and path:
-        return policy, path in policy, policy[path] if path in policy else None
-    return policy, None, None
-
-
-def _restore_policy(layer, saved: tuple) -> None:
-    policy, had_entry, entry = saved
-    path = getattr(layer, "path", None)
-    if isinstance(policy, keras.dtype_policies.DTypePolicyMap) and path:
-        if path in policy:
-            del policy[path]
-        if had_entry:
-            policy[path] = entry
-        return
-    layer.dtype_policy = policy
-
-
 def run_pass(model, batch, loss_scale: float | None, float32_layers, *,
-             all_float32: bool = False, step=None) -> PassResult:
+             all_float32: bool = False, policies=None, model_policy: str | None = None,
+             step=None) -> PassResult:
     """Traces the step with these policies and evaluates it equation by
     equation (the arguments are `mpprof.backends.tensorflow.replay_passes.run_pass`'s;
     `step(model, tree)` makes the pass, Keras' own step's by default).
     Nothing of the model changes: the pass is stateless, and the policies
     it sets are put back."""
     tree = layer_tree(model)
-    chosen = set(tree) if all_float32 else {
-        n for name in (float32_layers or ()) for n in subtree(tree, name)
-    }
-    policies = {name: _policy_of(tree[name]) for name in chosen}
-    model_policy = _policy_of(model)
-    try:
-        for name in chosen:
-            tree[name].dtype_policy = "float32"
-        if all_float32:
-            model.dtype_policy = "float32"
+    wanted = {n: "float32" for name in (float32_layers or ()) for n in subtree(tree, name)}
+    wanted.update(policies or {})
+    if all_float32:
+        wanted, model_policy = dict.fromkeys(tree, "float32"), "float32"
+    with policies_applied(model, tree, wanted, model_policy):
         return (step or _Pass)(model, tree).run(batch, loss_scale)
-    finally:
-        for name, policy in policies.items():
-            _restore_policy(tree[name], policy)
-        _restore_policy(model, model_policy)
 
 
 class _Pass:
@@ -279,12 +333,15 @@ class _Pass:
                                                                              strict=True)}
         backward = {key: np.asarray(g).astype(np.float64)
                     for key, g in zip(keys, probe_gradients, strict=True)}
-        finite = all(bool(np.all(np.isfinite(np.asarray(g)))) for g in gradients)
+        by_path = {variable_path(v): np.asarray(g)
+                   for v, g in zip(model.trainable_variables, gradients, strict=True)}
+        finite = all(bool(np.all(np.isfinite(g))) for g in by_path.values())
         return PassResult(
             forward=forward, backward=backward,
             offender=offenders.get("forward") or offenders.get("backward"),
             forward_clean="forward" not in offenders,
-            loss=float(np.sum(np.asarray(loss, np.float64))), gradients_finite=finite)
+            loss=float(np.sum(np.asarray(loss, np.float64))), gradients_finite=finite,
+            gradients=by_path)
 
     def _tree_layers(self) -> list:
         return [layer for _, layer, _ in walk_layers(self._model)]

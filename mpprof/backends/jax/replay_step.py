@@ -13,7 +13,7 @@ backward, the optimizers' `stateless_apply`, the metrics) with:
   callback as it reaches its equation);
 - each optimizer's `stateless_apply` in the `mpprof_optimizer` scope (its
   handling of non-finite gradients is never the culprit), sending the
-  gradients it is handed and the loss scale it holds;
+  gradients it is handed, unscaled by the loss scale it holds;
 - each loss metric (`"loss"`, `"..._loss"`, as the numerics find a custom
   step's loss) sending the values it is given: the step's loss.
 
@@ -42,7 +42,7 @@ from mpprof.backends.jax.jaxpr_eval import (
     scoped_layer_call,
 )
 from mpprof.backends.layer_records import called_method
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 from mpprof.replay.search import PassResult
 
 
@@ -141,7 +141,10 @@ class StepPass:
             forward=seen["forward"], backward=seen["backward"],
             offender=offenders.get("forward") or offenders.get("backward"),
             forward_clean="forward" not in offenders, loss=loss,
-            gradients_finite=all(bool(np.all(np.isfinite(g))) for g in seen["gradients"]))
+            gradients_finite=all(bool(np.all(np.isfinite(g))) for g in seen["gradients"]),
+            # In the order the step hands them to its optimizers, unscaled.
+            gradients={f"gradient {i}": g for i, g in enumerate(seen["gradients"])},
+            gradient_scale=1.0)
 
     def _patch(self, patches: Patches) -> None:
         model = self._model
@@ -154,7 +157,7 @@ class StepPass:
         for optimizer in {id(o): o for _, o in JaxBackend(model).candidate_optimizers(
                 model)}.values():
             patches.set(optimizer, "stateless_apply",
-                        self._optimizer_apply(optimizer.stateless_apply))
+                        self._optimizer_apply(optimizer, optimizer.stateless_apply))
         for metric in loss_metrics(model):
             patches.set(metric, "update_state", self._loss_update(metric.update_state))
 
@@ -178,13 +181,23 @@ class StepPass:
 
         return scoped_layer_call(row, call, tap)
 
-    def _optimizer_apply(self, apply):
+    def _optimizer_apply(self, optimizer, apply):
+        scale_slot = None
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            scale_slot = [id(v) for v in optimizer.variables].index(
+                id(optimizer.dynamic_scale))
+
         def stateless_apply(optimizer_variables, grads, trainable_variables):
-            for gradient in grads:
-                if gradient is not None:
-                    jax.debug.callback(functools.partial(self._append, "gradients"),
-                                       gradient)
             with jax.named_scope(OPTIMIZER_SCOPE):
+                # Unscaled, as a LossScaleOptimizer hands them on (its scale
+                # is in its variables); a plain optimizer's as the step made
+                # them. In the optimizer's scope: never judged.
+                scale = (1.0 if scale_slot is None
+                         else jnp.asarray(optimizer_variables[scale_slot], jnp.float32))
+                for gradient in grads:
+                    if gradient is not None:
+                        jax.debug.callback(functools.partial(self._append, "gradients"),
+                                           jnp.asarray(gradient, jnp.float32) / scale)
                 return apply(optimizer_variables, grads, trainable_variables)
 
         return stateless_apply

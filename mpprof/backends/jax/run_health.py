@@ -23,10 +23,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from mpprof.backends.collector import Collector
+from mpprof.backends.health_record import health_record
 from mpprof.backends.layer_records import variable_path
-from mpprof.recording.collectors.base import Collector
-from mpprof.recording.optimizer_usage import OptimizerUsage
-from mpprof.recording.patching import Patches
+from mpprof.backends.optimizer_usage import OptimizerUsage
+from mpprof.backends.patching import Patches
 from mpprof.records import schema
 
 
@@ -66,9 +67,20 @@ class LossWatch:
 
 
 class RunHealth(Collector):
-    """The loss watch of the step, and the weight check.
+    """The loss watch of the step, and the weight check
+    (`mpprof.backends.protocol.RunHealth`).
 
-    Args: as `mpprof.backends.tensorflow.run_health.RunHealth`.
+    Args:
+        keras_api: the fit's `JaxBackend` (its step state counts the
+            non-finite losses inside the jitted step).
+        usage: the model's `OptimizerUsage`.
+        strategy: the backend's stand-in strategy (unused: one process).
+        step_of: for an optimizer's name, its step inside the step (unused:
+            the step state dates the first non-finite loss).
+        reuse: watchers of an earlier fit, by optimizer id (they keep the
+            first non-finite step across fits).
+        instrumenting: returns whether the step being traced is the
+            instrumented one.
     """
 
     name = "loss_health"
@@ -157,17 +169,9 @@ class RunHealth(Collector):
 
     def record(self, step: int) -> dict:
         watcher = self.watched()
-        if watcher is not None:
-            loss = {"loss_watched": True, **watcher.read(), "loss_guarded_by": self._guards()}
-        else:
-            loss = {
-                "loss_watched": False,
-                "first_nonfinite_loss_step": None,
-                "first_nonfinite_loss_step_last": None,
-                "first_nonfinite_loss_count": None,
-                "nonfinite_loss_steps": None,
-            }
-        return {**loss, "nonfinite_weights": self.nonfinite_weights, "checked_step": step}
+        loss = (None if watcher is None
+                else {**watcher.read(), "loss_guarded_by": self._guards()})
+        return health_record(loss, self.nonfinite_weights, step)
 
     def by_optimizer(self) -> dict[int, object]:
         return {id(w.optimizer): w for w in self.watchers.values()}

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpprof.recording.optimizer_usage import OptimizerUsage, applied_steps
-from mpprof.recording.patching import Patches
+from mpprof.backends.optimizer_usage import OptimizerUsage, applied_steps
+from mpprof.backends.patching import Patches
 from mpprof.records import schema
 
 # mpprof's state is ONE float32 array [rows, 4] (each array a jitted
@@ -67,7 +68,7 @@ def _index_of(variables: list, variable) -> int | None:
 class _Block:
     """Where one followed optimizer's counters live, and its variables' places."""
 
-    optimizer: object
+    optimizer: Any
     row: int  # its first counter row
     ring: int | None  # its ring's first row (a LossScaleOptimizer's only)
     applied: int  # positions in `optimizer.variables`
@@ -130,9 +131,9 @@ class StepState:
         self.start_first_nonfinite = -1
         # The device table the last call returned (the one given to it is
         # donated; a call may set it directly), and the host copy of one.
-        self.arrays: tuple | None = None
+        self.arrays: Any = None  # (a tuple of device arrays, or one array)
         self._host: np.ndarray | None = None
-        self._host_of = None  # the `arrays` `_host` copies
+        self._host_of: Any = None  # the `arrays` `_host` copies
         # Keras' state [trainable, non-trainable, optimizer, metrics
         # variables] the last call returned beside `arrays` (None before the
         # first call): what flushes read the model's variables from during

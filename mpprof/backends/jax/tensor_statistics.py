@@ -1,12 +1,7 @@
-"""Statistics of one traced array, as rows the host adds up: the JAX port
-of `mpprof.backends.tensorflow.tensor_statistics` (same raw row, same
-sample, same bins, so the NUMERICS records read the same on both backends).
-
-A raw row: the value count, how many values are non-finite and the largest
-finite magnitude, exact; then, from a sample of at most `SAMPLE_VALUES`
-values (one per equal stratum, at a fixed jitter; a smaller array whole),
-the log2-magnitude histogram, zeros and non-finite values, scaled to the
-whole array. JAX shapes are static, so the sample's positions are constants
+"""Statistics of one traced array, as rows the host adds up: the raw row of
+`mpprof.backends.numerics_rows` (its layout, sample, bins and host reading
+are shared by every backend, so the NUMERICS records read the same), computed
+with jax.numpy. JAX shapes are static, so the sample's positions are constants
 of the traced step. Summary rows (`gradient_statistics`) have the same
 exact columns and, in place of the histogram, the three counts the records
 keep of a variable's gradient.
@@ -20,33 +15,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpprof.backends.numerics_rows import (
+    ABS_MAX,
+    BINS,
+    COUNT,
+    FIRST_BIN,
+    NONFINITE,
+    RAW_COLUMNS,
+    SAMPLE_VALUES,
+    STRATUM_POSITIONS,
+    ZERO_BIN,
+    bins_of_exponents,
+)
 from mpprof.records import schema
 
-SAMPLE_VALUES = 2**12
-ESTIMATED_COLUMNS = ("zero", "below_normal", "below_subnormal")
-_BINS = len(schema.NUMERICS_HIST_EDGES) + 1
-_ZERO_BIN, _NONFINITE_BIN = _BINS, _BINS + 1
-_BELOW_NORMAL_BINS = schema.NUMERICS_HIST_EDGES.index(
-    int(np.log2(schema.FLOAT16_SMALLEST_NORMAL))) + 1
-_BELOW_SUBNORMAL_BINS = schema.NUMERICS_HIST_EDGES.index(
-    int(np.log2(schema.FLOAT16_SMALLEST_SUBNORMAL))) + 1
-_COUNT, _NONFINITE, _ABS_MAX, _FIRST_BIN = 0, 1, 2, 3
-RAW_COLUMNS = _FIRST_BIN + _BINS + 2
 # A row without the histogram (`gradient_statistics`): count, non-finite,
 # abs-max, then zero, below_normal, below_subnormal (estimated).
-SUMMARY_COLUMNS = _FIRST_BIN + 3
-# The same strata and jitter as TensorFlow's (seed 0).
-_STRATUM_POSITIONS = np.arange(SAMPLE_VALUES) + np.random.default_rng(0).random(SAMPLE_VALUES)
+SUMMARY_COLUMNS = FIRST_BIN + 3
 
-
-def _bins_of_exponents(exponent_bits: int, bias: int) -> np.ndarray:
-    exponent = np.arange(2**exponent_bits) - bias
-    bins = np.clip((exponent - schema.NUMERICS_HIST_EDGES[0]) // 2 + 1, 0, _BINS - 1)
-    bins[-1] = _NONFINITE_BIN
-    return bins.astype(np.int32)
-
-
-_BIN_OF_FLOAT32_EXPONENT = _bins_of_exponents(8, 127)
+_BIN_OF_FLOAT32_EXPONENT = bins_of_exponents(8, 127)
 
 
 def _flat(array) -> jax.Array:
@@ -94,7 +81,7 @@ def _sample(values: jax.Array) -> tuple[jax.Array, float]:
     if size <= SAMPLE_VALUES:
         sample = values
     else:
-        index = np.minimum((_STRATUM_POSITIONS * strata).astype(np.int64), size - 1)
+        index = np.minimum((STRATUM_POSITIONS * strata).astype(np.int64), size - 1)
         sample = values[index]
     # Exact: float32 holds every float16 and bfloat16 value.
     bits = jax.lax.bitcast_convert_type(sample.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
@@ -110,9 +97,9 @@ def raw_statistics(array) -> jax.Array:
     nonfinite, abs_max = _exact(values)
     bits, strata = _sample(values)
     bins = jnp.asarray(_BIN_OF_FLOAT32_EXPONENT)[bits >> 23]
-    bins = jnp.where(bits == 0, _ZERO_BIN, bins)
+    bins = jnp.where(bits == 0, ZERO_BIN, bins)
     counts = jax.ops.segment_sum(jnp.ones_like(bins, jnp.float32), bins,
-                                 num_segments=_BINS + 2)
+                                 num_segments=BINS + 2)
     return jnp.concatenate([jnp.stack([jnp.float32(size), nonfinite, abs_max]),
                             counts * jnp.float32(strata)])
 
@@ -188,13 +175,13 @@ def gradient_statistics(gradients: Sequence, scale,
     nonfinite, abs_max, unscaled_nonfinite, unscaled_abs_max = jax.lax.cond(
         jnp.logical_and(all_finite, scale >= 1), quick, counted)
     # The samples, padded with -1 (no count takes a negative), in one array.
-    samples, strata = [], []
+    samples, per_stratum = [], []
     for values in flats:
         bits, stratum = _sample(values) if values.shape[0] else (jnp.zeros((0,), jnp.int32), 1.0)
         samples.append(jnp.pad(bits, (0, SAMPLE_VALUES - bits.shape[0]), constant_values=-1))
-        strata.append(stratum)
+        per_stratum.append(stratum)
     bits = jnp.stack(samples)
-    strata = jnp.asarray(strata, jnp.float32)[:, None]
+    strata = jnp.asarray(per_stratum, jnp.float32)[:, None]
     unscaled_bits = jnp.where(bits < 0, -1, jax.lax.bitcast_convert_type(
         jax.lax.bitcast_convert_type(bits, jnp.float32) / scale, jnp.int32))
     count = jnp.asarray([v.shape[0] for v in flats], jnp.float32)
@@ -210,39 +197,21 @@ def merge_rows(rows) -> jax.Array:
     """Rows of one tensor's several calls as one: sums, abs-max the maximum."""
     rows = jnp.stack(rows)
     total = jnp.sum(rows, axis=0)
-    return total.at[_ABS_MAX].set(jnp.max(rows[:, _ABS_MAX]))
-
-
-def statistics_of_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[..., RAW_COLUMNS] rows as ([..., NUMERICS_STAT_COLUMNS], [..., bins])
-    (on the host; as TensorFlow's)."""
-    rows = np.asarray(rows, dtype=np.float64)
-    bins = rows[..., _FIRST_BIN:]
-    histogram = bins[..., :_BINS]
-    finite = rows[..., _COUNT] - rows[..., _NONFINITE]
-    columns = {
-        "count": rows[..., _COUNT],
-        "nonfinite": rows[..., _NONFINITE],
-        "zero": np.minimum(bins[..., _ZERO_BIN], finite),
-        "below_normal": np.minimum(histogram[..., :_BELOW_NORMAL_BINS].sum(-1), finite),
-        "below_subnormal": np.minimum(histogram[..., :_BELOW_SUBNORMAL_BINS].sum(-1), finite),
-        "abs_max": rows[..., _ABS_MAX],
-    }
-    return np.stack([columns[c] for c in schema.NUMERICS_STAT_COLUMNS], axis=-1), histogram
+    return total.at[ABS_MAX].set(jnp.max(rows[:, ABS_MAX]))
 
 
 def statistics_of_summaries(rows: np.ndarray) -> np.ndarray:
     """[..., SUMMARY_COLUMNS] rows as [..., NUMERICS_STAT_COLUMNS] (host)."""
     rows = np.asarray(rows, dtype=np.float64)
-    finite = rows[..., _COUNT] - rows[..., _NONFINITE]
+    finite = rows[..., COUNT] - rows[..., NONFINITE]
     zero, below_normal, below_subnormal = (
-        np.minimum(rows[..., _FIRST_BIN + i], finite) for i in range(3))
+        np.minimum(rows[..., FIRST_BIN + i], finite) for i in range(3))
     columns = {
-        "count": rows[..., _COUNT],
-        "nonfinite": rows[..., _NONFINITE],
+        "count": rows[..., COUNT],
+        "nonfinite": rows[..., NONFINITE],
         "zero": zero,
         "below_normal": below_normal,
         "below_subnormal": below_subnormal,
-        "abs_max": rows[..., _ABS_MAX],
+        "abs_max": rows[..., ABS_MAX],
     }
     return np.stack([columns[c] for c in schema.NUMERICS_STAT_COLUMNS], axis=-1)

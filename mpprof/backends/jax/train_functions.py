@@ -31,13 +31,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 
 from mpprof.backends.jax.custom_step import overrides_train_step, watch_loss_metrics
 from mpprof.backends.jax.numerics_taps import SAMPLE_KEY
-from mpprof.recording.guard import describe_error
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
+from mpprof.backends.traced_guard import describe_error
 
 # Batches kept for a forensic sample: past the host's usual lag behind the
 # device (a few calls; the alarm is read at most every few ms).
@@ -81,12 +82,12 @@ class TrainFunctions:
     def __init__(self, model, keras_api, instrumented: bool):
         self._model = model
         self._api = keras_api
-        self.plain = None
+        self.plain: Callable[..., Any] | None = None
         # Built at the first sampled call, once the numerics collector exists.
-        self.instrumented = _Lazy() if instrumented else None
+        self.instrumented: Any = _Lazy() if instrumented else None
         self.instrumented_off: str | None = None
         self._instrumented_ran = False
-        self._state = None
+        self._state: Any = None  # the fit's StepState
         # Steps per call, fixed when Keras made its function before the fit.
         self._steps = 1
         # The last batches, as (index among the fit's batches, batch).
@@ -96,7 +97,7 @@ class TrainFunctions:
         # sample does not evaluate them again (their values are recorded).
         self._sampled_indices: deque = deque(maxlen=KEPT_BATCHES)
         # The instrumented step without donation (built at its first need).
-        self._detached = None
+        self._detached: Callable[..., Any] | None = None
         self._sampled_through = -1  # the newest overflowed step sampled
         # The last sampled call's sample, when it was of an earlier step.
         self.replayed: ReplayedSample | None = None
@@ -225,8 +226,11 @@ class TrainFunctions:
             if self._instrumented_ran:
                 raise  # (on_abort ran)
             self.instrumented = None
+            # Said only once the plain step ran: when it raises too, the error
+            # is the user's and the fit fails (no "training goes on").
+            result = self._run(self.plain, state, iterator, data, on_abort)
             on_failure(f"the instrumented train step failed: {describe_error(error)}")
-            return self._run(self.plain, state, iterator, data, on_abort)
+            return result
         self._instrumented_ran = True
         numerics.receive(logs.pop(SAMPLE_KEY))
         if replay is not None:
@@ -275,8 +279,9 @@ class TrainFunctions:
         except Exception as error:  # noqa: BLE001 - mpprof's failure must not stop fit
             # Nothing was donated: the plain step runs the call either way.
             self.instrumented = self._detached = None
+            result = self._run(self.plain, state, iterator, None, on_abort)
             on_failure(f"the instrumented train step failed: {describe_error(error)}")
-            return self._run(self.plain, state, iterator, None, on_abort)
+            return result
         numerics.receive(logs[SAMPLE_KEY])
         if replay is not None:
             replay.after_sampled(after, after_table)

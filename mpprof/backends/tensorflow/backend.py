@@ -9,7 +9,14 @@ tf-keras backend builds on this one.
 from __future__ import annotations
 
 from mpprof.backends.keras3 import Keras3Backend
-from mpprof.backends.tensorflow import call_alarm, context, hardware, kernels, replay_capture
+from mpprof.backends.tensorflow import (
+    call_alarm,
+    context,
+    hardware,
+    keras_flavors,
+    kernels,
+    replay_capture,
+)
 from mpprof.backends.tensorflow.float8 import Float8State
 from mpprof.backends.tensorflow.float8_shares import Float8Shares
 from mpprof.backends.tensorflow.layer_calls import LayerCallPatch
@@ -20,13 +27,14 @@ from mpprof.backends.tensorflow.numerics_taps import NumericsTaps
 from mpprof.backends.tensorflow.precision_tracer import PrecisionTracer
 from mpprof.backends.tensorflow.run_health import RunHealth
 from mpprof.backends.tensorflow.train_functions import TrainFunctions
-from mpprof.backends.tf_keras import support as tf_keras_support
 
 
 class TensorFlowBackend(Keras3Backend):
     """What mpprof needs from Keras 3 on TensorFlow."""
 
     name = "tensorflow"
+    traceback_filters = ("keras.src.utils.traceback_utils",
+                         "tensorflow.python.util.traceback_utils")
     loss_scale_series = LossScaleSeries
     loss_watch = LossWatch
     numerics_taps = NumericsTaps
@@ -53,16 +61,18 @@ class TensorFlowBackend(Keras3Backend):
     alarm_in_logs = True
     # Keras 3's fit fails across workers (`mpprof.recording.distributed`).
     fits_across_workers = False
+    # Where the flavour keeps the traced function behind
+    # `model.train_function` (None: nowhere else; tf-keras: its own).
     traced_train_function_attribute: str | None = None
 
     def is_loss_scale_optimizer(self, optimizer) -> bool:
         return is_loss_scale_optimizer(optimizer)
 
     def steps_per_execution(self, model) -> int:
-        return tf_keras_support.steps_per_execution(model)
+        return keras_flavors.steps_per_execution(model)
 
     def fixed_steps_per_execution(self, model) -> int | None:
-        return tf_keras_support.fixed_steps_per_execution(model)
+        return keras_flavors.fixed_steps_per_execution(model)
 
     def run_context(self, model, **facts) -> dict:
         return context.run_context(model, **facts)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 
 # The key of the alarm in the step's logs (taken out before Keras sees them).
 LOGS_KEY = "_mpprof_alarm"

@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from mpprof.backends.float8_replay import DelayedScalingState
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 from mpprof.records import schema
 
 

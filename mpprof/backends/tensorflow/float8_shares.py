@@ -23,7 +23,7 @@ from mpprof.backends.float8_shares import (
     Float8SharesCollector,
     quantization_limits,
 )
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 from mpprof.records import schema
 
 
@@ -85,7 +85,7 @@ class Float8Shares(Float8SharesCollector):
         super().__init__(model, sampling)
         self._strategy = model.distribute_strategy
         self.instrumenting = False
-        self._table = None
+        self._table: tf.Variable | None = None
 
     def install(self, fit, patches: Patches) -> None:
         if not self._layers or not self._sampling:

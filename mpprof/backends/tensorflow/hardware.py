@@ -1,68 +1,23 @@
-"""Hardware facts for the run context: which GPUs, and can they do fp16/bf16 fast.
-
-NVML (through the GPU sampler) knows most; when it cannot be used but
-TensorFlow sees GPUs, TensorFlow's device details fill in name and compute
-capability. On a CPU-only machine the facts say so: mixed_float16 is slower
-than float32 there (no fp16 Tensor Cores), which the diagnosis warns about.
-"""
+"""Hardware facts for the run context on TensorFlow: which GPUs, and can they
+do fp16/bf16 fast (`context_facts.hardware_facts`; where NVML cannot be used,
+TensorFlow's device details give the name and compute capability)."""
 
 from __future__ import annotations
 
 import tensorflow as tf
 
 from mpprof import dtypes
-from mpprof.recording.nvml import devices as gpu_devices
-from mpprof.recording.nvml import sampler as gpu
+from mpprof.backends import context_facts
 
 
-def hardware_facts(sampler: gpu.GpuSampler | None = None) -> dict:
-    """The run context's "hardware" entry.
+def hardware_facts(sampler) -> dict:
+    """The run context's "hardware" entry (`context_facts.hardware_facts`).
 
     Args:
-        sampler: a started GpuSampler whose NVML facts to use; None probes
-            NVML once (the sampler is disabled).
-
-    Returns:
-        `{"cpu_only", "reason", "gpus": [...], "driver_version",
-        "cuda_driver_version", "source": "nvml"|"tensorflow"|"none",
-        "nvml": {"mode", "reason"}}`; each GPU has "index", "name", "uuid",
-        "architecture", "compute_capability" [major, minor],
-        "fp16_tensor_cores", "bf16", "memory_total_bytes".
+        sampler: the fit's started (or probed) NVML sampler
+            (`mpprof.recording.nvml.sampler.GpuSampler`), whose facts to use.
     """
-    if sampler is None:
-        sampler = gpu.GpuSampler()
-        sampler.probe()
-    nvml = sampler.hardware()
-    tensorflow_gpus = _tensorflow_gpus()
-    if nvml["gpus"]:
-        facts = {"source": "nvml", **nvml}
-    elif tensorflow_gpus:
-        facts = {
-            "source": "tensorflow",
-            "gpus": tensorflow_gpus,
-            "driver_version": None,
-            "cuda_driver_version": None,
-        }
-    else:
-        facts = {
-            "source": "none",
-            "gpus": [],
-            "driver_version": None,
-            "cuda_driver_version": None,
-        }
-    facts["nvml"] = {"mode": sampler.mode, "reason": sampler.reason}
-    facts["gpus_visible_to_tensorflow"] = len(tensorflow_gpus)
-    # What matters for mixed precision is where TensorFlow runs the model.
-    facts["cpu_only"] = not tensorflow_gpus
-    if facts["cpu_only"]:
-        facts["reason"] = (
-            "TensorFlow sees no GPU, so training runs on the CPU (NVML: "
-            f"{sampler.reason}). CPUs have no fp16 Tensor Cores: mixed_float16 is "
-            "usually slower than float32 there."
-        )
-    else:
-        facts["reason"] = f"TensorFlow sees {len(tensorflow_gpus)} GPU(s)"
-    return facts
+    return context_facts.hardware_facts(sampler, "TensorFlow", _tensorflow_gpus())
 
 
 def _tensorflow_gpus() -> list[dict]:
@@ -79,7 +34,7 @@ def _tensorflow_gpus() -> list[dict]:
                 "index": index,
                 "name": details.get("device_name", device.name),
                 "uuid": None,
-                "architecture": gpu_devices.architecture_name(None, capability),
+                "architecture": dtypes.architecture_of(capability),
                 "compute_capability": capability,
                 "fp16_tensor_cores": dtypes.has_fp16_tensor_cores(capability),
                 "bf16": dtypes.has_native_bf16(capability),

@@ -20,11 +20,11 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from mpprof.recording.guard import TracedGuard
-from mpprof.recording.loss_scale_growth import ScaleState, growth_events
-from mpprof.recording.optimizer_usage import applied_steps
-from mpprof.recording.patching import Patches
-from mpprof.recording.step_origin import Origin
+from mpprof.backends.loss_scale_growth import ScaleState, growth_events
+from mpprof.backends.optimizer_usage import applied_steps
+from mpprof.backends.patching import Patches
+from mpprof.backends.step_origin import Origin
+from mpprof.backends.traced_guard import TracedGuard
 from mpprof.records import schema
 
 _FINITE = "_stateful_handle_finite_grads"

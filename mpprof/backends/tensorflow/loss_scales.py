@@ -12,23 +12,24 @@ named after its attribute (`schema.tag_for(record, series)`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 
+from mpprof.backends import step_origin
+from mpprof.backends.collector import Collector
+from mpprof.backends.loss_scale_records import series_context, write_series
+from mpprof.backends.optimizer_usage import OptimizerUsage, applied_steps
+from mpprof.backends.patching import Patches
+from mpprof.backends.step_origin import EarlierRecords
 from mpprof.backends.tensorflow.loss_scale_series import MODE_HOST
-from mpprof.recording import step_origin
-from mpprof.recording.collectors.base import Collector
-from mpprof.recording.loss_scale_records import series_context, write_series
-from mpprof.recording.optimizer_usage import OptimizerUsage, applied_steps
-from mpprof.recording.patching import Patches
-from mpprof.recording.step_origin import EarlierRecords
 
 
 class LossScales(Collector):
     """One loss-scale collector per LossScaleOptimizer the step may use.
 
     Args:
-        keras_api: the model's `mpprof.backends.tensorflow.backend.KerasApi`.
+        keras_api: the fit's `Backend` (`mpprof.backends.base`).
         usage: the model's `OptimizerUsage`.
         strategy: the model's distribution strategy.
         capacity: events each ring buffer holds between two reads.
@@ -42,23 +43,20 @@ class LossScales(Collector):
     name = "loss_scale"
 
     def __init__(self, keras_api, usage: OptimizerUsage, strategy, capacity: int,
-                 reuse: dict[int, object], earlier: Callable[[], EarlierRecords | str]):
+                 reuse: dict[int, Any], earlier: Callable[[], EarlierRecords | str]):
         self._usage = usage
         self._replicas = int(strategy.num_replicas_in_sync)
         self._overflows_seen: int | None = None
-        self._start: dict[str, object] = {}
+        self._start: dict[str, Any] = {}
         self._active: dict[str, object] | None = None
-        self.by_name = {}
+        self.by_name: dict[str, Any] = {}
         for use in usage.uses:
             if not use.loss_scale:
                 continue
             collector = reuse.get(id(use.optimizer))
             if collector is None:
                 collector = keras_api.loss_scale_series(use.optimizer, strategy, capacity)
-                collector.start_from(
-                    step_origin.FIRST_STEP if collector.nothing_ran()
-                    else step_origin.origin(collector, use.name, earlier())
-                )
+                step_origin.start_new_series(collector, use.name, earlier)
             self.by_name[use.name] = collector
 
     def __bool__(self) -> bool:
@@ -98,7 +96,7 @@ class LossScales(Collector):
         if self:
             write_series(fit, self.active(), self.primary(), self._start)
 
-    def active(self) -> dict[str, object]:
+    def active(self) -> dict[str, Any]:
         """The series of optimizers the step uses (all of them until traced;
         asked after every call, so kept once the step was traced)."""
         if self._active is not None:

@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from mpprof.recording.guard import TracedGuard
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
+from mpprof.backends.traced_guard import TracedGuard
 
 
 class LossWatch:

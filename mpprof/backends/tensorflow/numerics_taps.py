@@ -28,17 +28,16 @@ training.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import tensorflow as tf
 
-from mpprof.backends.tensorflow.layer_calls import control_flow_inside_caller, walk_layers
-from mpprof.backends.tensorflow.tensor_statistics import (
-    ESTIMATED_COLUMNS,
-    SAMPLE_VALUES,
-    StatisticsTable,
-)
-from mpprof.backends.tf_keras.support import variable_path
-from mpprof.recording.patching import Patches
+from mpprof.backends.layer_records import child_layers, variable_path, walk_layers
+from mpprof.backends.numerics_rows import ESTIMATED_COLUMNS, SAMPLE_VALUES
+from mpprof.backends.patching import Patches
+from mpprof.backends.tensorflow.layer_calls import control_flow_inside_caller
+from mpprof.backends.tensorflow.tensor_statistics import StatisticsTable
 from mpprof.records import schema
 
 
@@ -82,7 +81,7 @@ class NumericsTaps:
                     "loop or fused kernel)"
                 )
                 self._measured_at[row] = recurrent
-            elif _is_recurrent(layer) or not _sublayers(layer):
+            elif _is_recurrent(layer) or not child_layers(layer):
                 self._measured_rows.add(row)
         # Skipped rows of the trace under way that no enclosing layer
         # measures yet: the next enclosing layer called outside control flow
@@ -263,7 +262,7 @@ class NumericsTaps:
         order = self.call_order
         forward, forward_hist = tables[self.forward]
         backward, backward_hist = tables[self.backward]
-        return {
+        sample: dict[str, Any] = {
             schema.NUMERICS_FORWARD: forward[order],
             schema.NUMERICS_BACKWARD: backward[order],
             schema.NUMERICS_FORWARD_HIST: forward_hist[order],
@@ -272,6 +271,7 @@ class NumericsTaps:
             schema.NUMERICS_UNSCALED_GRADIENTS: tables[self.unscaled_gradients][0],
             "loss": float(values[-1]),
         }
+        return sample
 
     def layout(self, policy_max: float) -> dict:
         """The JSON record naming the rows of every sample.
@@ -313,11 +313,6 @@ class NumericsTaps:
                 for row, reason in self._skipped.items()
             ],
         }
-
-
-def _sublayers(layer) -> list:
-    # list(): tf-keras returns a generator, Keras 3 a list.
-    return list(layer._flatten_layers(include_self=False, recursive=False))
 
 
 def _is_recurrent(layer) -> bool:

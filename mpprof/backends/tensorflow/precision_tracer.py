@@ -34,6 +34,7 @@ class PrecisionTracer(InventoryBuilder):
         self._model = model
         self._call_order: dict[int, int] = {}
         self._output_dtypes: dict[int, set[str]] = {}
+        self._output_shapes: dict[int, list[int] | None] = {}
         self._producers: dict = {}
         self._casts: dict[tuple, None] = {}  # an ordered set
         self._model_output_dtypes: set[str] = set()
@@ -58,6 +59,8 @@ class PrecisionTracer(InventoryBuilder):
         else:
             self._call_order.setdefault(key, len(self._call_order))
             self._output_dtypes.setdefault(key, set()).update(dtypes)
+            if flat_outputs and key not in self._output_shapes:
+                self._output_shapes[key] = _example_shape(flat_outputs[0].shape)
         if not tf.executing_eagerly():
             inputs = _graph_tensors(_tensors((args, kwargs)))
             self._record_casts(layer, inputs)
@@ -115,6 +118,14 @@ def _computed_by_ops(tensor) -> bool:
 def _uncast(tensor):
     return tensor.op.inputs[0] if tensor.op.type == "Cast" and tensor.op.inputs else tensor
 
+
+
+def _example_shape(shape) -> list[int] | None:
+    """A layer output's shape without its batch axis (None: not all known)."""
+    if shape.rank is None or shape.rank < 1:
+        return None
+    dims = shape.as_list()[1:]
+    return dims if all(isinstance(d, int) for d in dims) else None
 
 
 def _tensors(structure) -> list:

@@ -2,7 +2,7 @@
 
 When a numerics-sampled (instrumented) step overflowed (its loss-scale skip
 counter moved) or had a non-finite loss, everything needed to run that step
-again offline is saved under `RUN/replay/step_<N>/` (see
+again offline is saved under `RUN/replay/step_<N>@<writer>/` (see
 `mpprof.replay.files`): its batch, the weights it ran with, the model's
 config and every layer's dtype policy. `mpprof replay` runs it again.
 
@@ -38,9 +38,9 @@ import numpy as np
 import tensorflow as tf
 
 from mpprof.backends import keras_capture
-from mpprof.backends.tf_keras import support as tf_keras_support
-from mpprof.recording.collectors.base import Collector
-from mpprof.recording.patching import Patches
+from mpprof.backends.collector import Collector
+from mpprof.backends.flavor import KERAS_3
+from mpprof.backends.patching import Patches
 from mpprof.replay import files
 
 # The logs key the instrumented step returns the capture's tensors under
@@ -53,17 +53,24 @@ class ReplayCapture(Collector):
 
     Args:
         budget: captures this fit may write (0: off).
-        keras_api: the model's `mpprof.backends.tensorflow.backend.KerasApi`.
+        keras_api: the fit's `Backend` (`mpprof.backends.base`).
         loss_scales: the `LossScales` (the in-graph skip counter and step).
         health: the `RunHealth` (the sampled step's loss).
         instrumenting: tells, while a train function is traced, whether it is
             the instrumented one.
+        advise_batches: how many of the fit's own sampled batches to keep for
+            the precision advisor (`keras_capture.AdviseBatches`; 0: none).
+        fit_params: the callback's `params` (how many steps the fit runs).
     """
 
     name = "replay_capture"
 
-    def __init__(self, budget: int, keras_api, loss_scales, health, instrumenting):
+    def __init__(self, budget: int, keras_api, loss_scales, health, instrumenting,
+                 advise_batches: int = 0, fit_params: dict | None = None):
         self.budget = budget
+        self.advise_batches = advise_batches
+        self._fit_params = fit_params
+        self._advise: keras_capture.AdviseBatches | None = None
         self._api = keras_api
         self._loss_scales = loss_scales
         self._health = health
@@ -81,6 +88,9 @@ class ReplayCapture(Collector):
         self._unavailable = self._why_unavailable(model, fit.schedule.every)
         if self._unavailable is not None:
             return
+        if self.advise_batches:
+            self._advise = keras_capture.AdviseBatches(
+                self.advise_batches, self._fit_params, fit.step)
         train_step = model.train_step
 
         def train_step_returning_batch(data):
@@ -118,11 +128,11 @@ class ReplayCapture(Collector):
         patches.set(model, "train_step", train_step_returning_batch)
 
     def _why_unavailable(self, model, sample_every: int | None) -> str | None:
-        if self.budget == 0:
+        if self.budget == 0 and not self.advise_batches:
             return "replay_budget=0"
         if sample_every is None:
             return "numerics_every=None: only sampled (instrumented) steps are captured"
-        if self._api.flavor != tf_keras_support.KERAS_3:
+        if self._api.flavor != KERAS_3:
             return "replay captures need Keras 3 (this model is tf-keras)"
         replicas = int(model.distribute_strategy.num_replicas_in_sync)
         if replicas > 1:
@@ -140,13 +150,16 @@ class ReplayCapture(Collector):
     def after_sample(self, fit) -> None:
         """Writes a capture when the sampled step just run went wrong."""
         outputs, fit.replay_outputs = fit.replay_outputs, None
-        if outputs is None or len(self.captured) >= self.budget:
+        if outputs is None:
             return
         skipped = int(outputs["skipped"].numpy()) if "skipped" in outputs else 0
         watched = self._health.watched() is not None if fit.guard.ok(self._health.name) else False
         loss = self._health.last_loss() if watched else math.nan
         loss_finite = math.isfinite(loss) if watched else None
         if skipped == 0 and loss_finite is not False:
+            self._keep_for_advice(fit, outputs, loss)
+            return
+        if len(self.captured) >= self.budget:
             return
         step = int(outputs["step"].numpy()) if "step" in outputs else fit.sample_step
         if loss_finite and _in_initial_descent(outputs, step):
@@ -161,8 +174,19 @@ class ReplayCapture(Collector):
         state = [outputs[f"state_{i}"] for i in range(len(outputs)) if f"state_{i}" in outputs]
         self._write(fit, step, leaves, state, reasons, skipped > 0, loss)
 
+    def _keep_for_advice(self, fit, outputs: dict, loss: float) -> None:
+        """Keeps a healthy sampled step's batch for the advisor when due."""
+        step = int(outputs["step"].numpy()) if "step" in outputs else fit.sample_step
+        if self._advise is None or step is None or not self._advise.due(step):
+            return
+        leaves = [outputs[f"leaf_{i}"] for i in range(len(outputs)) if f"leaf_{i}" in outputs]
+        state = [outputs[f"state_{i}"] for i in range(len(outputs)) if f"state_{i}" in outputs]
+        self._write(fit, step, leaves, state, ["advise: one of the run's own batches"],
+                    False, loss, folder=files.ADVISE_FOLDER, captured=self._advise.kept)
+
     def _write(self, fit, step: int, leaves, state, reasons: list[str], skipped: bool,
-               loss: float) -> None:
+               loss: float, folder: str = files.REPLAY_FOLDER,
+               captured: list | None = None) -> None:
         """Writes the capture: the batch, the trainable weights now, and the
         non-trainable ones as the step found them (`state`, in the order of
         `model.non_trainable_weights`)."""
@@ -171,10 +195,11 @@ class ReplayCapture(Collector):
         found = {id(v): s for v, s in zip(model.non_trainable_weights, state, strict=False)}
         weights = [np.asarray(found.get(id(v), v).numpy()) for v in model.weights]
         keras_capture.write_capture(
-            fit, self.captured, step=step, batch=batch, weights=weights, reasons=reasons,
+            fit, self.captured if captured is None else captured, step=step, batch=batch,
+            weights=weights, reasons=reasons,
             loss=loss, loss_scale=self._loss_scale_of_step(skipped), skipped=skipped,
             structure=self._structure, config=keras_capture.model_config(model),
-            backend={"tensorflow": tf.__version__},
+            backend={"backend": "tensorflow", "tensorflow": tf.__version__}, folder=folder,
         )
 
     def _loss_scale_of_step(self, skipped: bool) -> float:
@@ -188,6 +213,8 @@ class ReplayCapture(Collector):
             state = "off" if off else "unavailable"
             return {"state": state, "reason": self._unavailable, "budget": self.budget}
         entry = {"state": "ok", "budget": self.budget, "captures": self.captured}
+        if self._advise is not None:
+            entry["advise_batches"] = self._advise.context()
         if self.initial_descent_skipped:
             entry["initial_descent_not_captured"] = self.initial_descent_skipped
         return entry

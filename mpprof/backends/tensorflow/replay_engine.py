@@ -10,7 +10,11 @@ per layer, and the smallest per-layer float32 fix, verified.
 3. Layers go to float32 greedily (the first offender's layer first, then by
    that ranking) until a replay with them in float32 has no offending forward
    op, a finite loss and finite gradients; layers the fix does not need are
-   then dropped again. The last replay is the verification.
+   then dropped again. Where a model input holds values past float16's max,
+   bounding the inputs is the lead fix instead (`mpprof.replay.fixes`).
+4. Each fix is verified (`mpprof.replay.verification`): within stated
+   tolerances of float32 on the step, and a short trial of optimizer steps
+   that must train like float32 (`Engine` runs both here).
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from __future__ import annotations
 import os
 
 import keras
+import tensorflow as tf
 
-from mpprof.backends import keras_capture
+from mpprof.backends import keras_capture, replay_candidates
 from mpprof.backends.tensorflow.layer_calls import called_method, walk_layers
 from mpprof.backends.tensorflow.replay_passes import layer_tree, run_pass
-from mpprof.replay import files, search
+from mpprof.replay import files, fixes, search, verification
 from mpprof.replay.files import ReplayError
 
 
@@ -81,9 +86,13 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
     reference = run_pass(model, batch, scale, None, all_float32=True)
     tree = layer_tree(model)
     divergence = search.divergence(run_policy, reference, tree)
-    fix = search.find_fix(
-        lambda float32_layers: run_pass(model, batch, 1.0, float32_layers), scale,
-        run_policy, reference, divergence, tree, capture.manifest.get("layer_paths", {}))
+    engine = Engine(model, [batch], scale)
+    fix = fixes.find_fixes(
+        verifier=verification.Verifier(engine),
+        run_unscaled=lambda float32_layers: run_pass(model, batch, 1.0, float32_layers),
+        scale=scale, run_policy=run_policy, reference=reference, divergence=divergence,
+        tree=tree, paths=capture.manifest.get("layer_paths", {}),
+        inputs=keras.tree.flatten(x), backend="tensorflow")
     offender = run_policy.offender
     return {
         "run": capture.run,
@@ -99,6 +108,62 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
         "replayed_eagerly": True,
         "versions": capture.manifest.get("versions", {}),
     }
+
+
+def engine_for(model, batches: list, loss_scale: float = 1.0) -> Engine:
+    """A verification engine (`mpprof.replay.verification.Engine`) of `model`
+    as it is now (its weights are the ones every pass and trial start from)
+    on `batches` (each as `train_step` receives it: (x, y) or (x, y,
+    sample_weight))."""
+    return Engine(model, [keras.utils.unpack_x_y_sample_weight(b) for b in batches],
+                  loss_scale)
+
+
+class Engine(replay_candidates.CandidateEngine):
+    """`mpprof.replay.verification.Engine` on TensorFlow: passes watched op by
+    op (`replay_passes.run_pass`) and trials of the model's own `train_step`
+    in a `tf.function`.
+
+    Args:
+        model: the model, its captured weights loaded.
+        batches: the captured batches, each (x, y, sample_weight).
+        loss_scale: the run's loss scale at the capture (1.0: none).
+    """
+
+    def run_pass(self, candidate: verification.Candidate, batch: int,
+                 loss_scale: float) -> search.PassResult:
+        with replay_candidates.random_draws_in_float32(self.tree):
+            return run_pass(self.model,
+                            replay_candidates.scale_inputs(self.batches[batch],
+                                                           candidate.input_scale),
+                            loss_scale, None, policies=self.policies(candidate),
+                            model_policy=candidate.default_policy)
+
+    def train(self, candidate: verification.Candidate, steps: int,
+              loss_scale: float | None = None) -> list[float]:
+        model = self.model
+        optimizer = self.trial_optimizer(candidate, loss_scale)
+        batches = [replay_candidates.scale_inputs(b, candidate.input_scale)
+                   for b in self.batches]
+        losses = []
+        with self.swapped_optimizer(optimizer), replay_candidates.policies_applied(
+                model, self.tree, self.policies(candidate), candidate.default_policy), \
+                replay_candidates.random_draws_in_float32(self.tree):
+            optimizer.build(model.trainable_variables)
+            # A new function: traced with these policies and this optimizer.
+            train_step = tf.function(model.train_step)
+            calls = 0
+            while len(losses) < steps and calls < steps + verification.TRIAL_MAX_SKIPS:
+                for metric in model.metrics:
+                    metric.reset_state()
+                before = int(optimizer.iterations.numpy())
+                logs = train_step(batches[calls % len(batches)])
+                calls += 1
+                # A skipped step leaves `iterations` as it was.
+                if int(optimizer.iterations.numpy()) != before:
+                    losses.append(replay_candidates.trial_loss(logs))
+        self.skipped_steps = calls - len(losses)
+        return losses
 
 
 def policy_map_object(result: dict, default_policy: str):

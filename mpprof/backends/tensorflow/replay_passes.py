@@ -1,7 +1,7 @@
 """One eager pass of a captured step: forward, loss, scaled backward, watched.
 
 Every layer's `call` is wrapped at instance level for the length of the pass
-(`Operation.__call__` looks `self.call` up; `mpprof.recording.patching.Patches` puts
+(`Operation.__call__` looks `self.call` up; `mpprof.backends.patching.Patches` puts
 back what was there), so that each TensorFlow op TensorFlow's eager op
 callbacks see is attributed to the innermost layer running it, and each
 layer's output and the gradient flowing into it are kept. The pass runs
@@ -15,16 +15,17 @@ changed are restored.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import op_callbacks
 
-from mpprof.backends.tensorflow.layer_calls import walk_layers
+from mpprof.backends.layer_records import variable_path
+from mpprof.backends.patching import Patches
+from mpprof.backends.replay_candidates import layer_tree, policies_applied
 from mpprof.dtypes import DTYPE_MAX
-from mpprof.recording.patching import Patches
 
 # A layer's input cast runs in its `__call__`, just before its `call`: an
 # offending Cast right before a layer's call is that layer's.
@@ -41,39 +42,9 @@ _OWN_OPS = {"Identity", "IdentityN"}
 _OWN_OPS_BYTES = {op.encode() for op in _OWN_OPS}
 
 
-def layer_tree(model) -> dict[str, object]:
-    """Qualified name -> layer, for every nested layer (see `walk_layers`)."""
-    return {name: layer for name, layer, _ in walk_layers(model)}
-
-
-def _policy_of(layer) -> tuple:
-    """What setting `layer.dtype_policy` changes, to put back after a pass.
-
-    A layer built with a `DTypePolicyMap` keeps the map: setting its policy
-    adds an entry for its path to the (shared) map, and setting the map back
-    would make the map an entry of itself. So for such a layer the entry is
-    what is kept: (map, whether it had one, the entry)."""
-    policy = layer.dtype_policy
-    path = getattr(layer, "path", None)
-    if isinstance(policy, keras.dtype_policies.DTypePolicyMap) and path:
-        return policy, path in policy, policy[path] if path in policy else None
-    return policy, None, None
-
-
-def _restore_policy(layer, saved: tuple) -> None:
-    policy, had_entry, entry = saved
-    path = getattr(layer, "path", None)
-    if isinstance(policy, keras.dtype_policies.DTypePolicyMap) and path:
-        if path in policy:
-            del policy[path]
-        if had_entry:
-            policy[path] = entry
-        return
-    layer.dtype_policy = policy
-
-
 def run_pass(model, batch, loss_scale: float, float32_layers: Iterable[str] | None,
-             *, all_float32: bool = False) -> PassResult:
+             *, all_float32: bool = False, policies: Mapping[str, str] | None = None,
+             model_policy: str | None = None) -> PassResult:
     """Runs the step once, eagerly, and watches it.
 
     Args:
@@ -83,30 +54,26 @@ def run_pass(model, batch, loss_scale: float, float32_layers: Iterable[str] | No
         float32_layers: qualified names of layers (each with its sublayers)
             to compute in float32 for this pass.
         all_float32: every layer and the model itself in float32.
+        policies: qualified layer name -> the policy it computes with for
+            this pass (a verification candidate's; after `float32_layers`).
+        model_policy: the model's own policy for this pass.
     """
     tree = layer_tree(model)
-    chosen = set(tree) if all_float32 else {
-        n for name in (float32_layers or ()) for n in subtree(tree, name)
-    }
-    policies = {name: _policy_of(tree[name]) for name in chosen}
-    model_policy = _policy_of(model)
+    wanted = {n: "float32" for name in (float32_layers or ()) for n in subtree(tree, name)}
+    wanted.update(policies or {})
+    if all_float32:
+        wanted, model_policy = dict.fromkeys(tree, "float32"), "float32"
     # What a pass changes besides the weights is put back after it: moving
     # statistics, and the loss trackers `compute_loss` updates (a NaN left
     # there would be read by every later pass; the first pass creates them).
     state = [(v, np.array(v.numpy())) for v in model.non_trainable_variables]
     watch = _Watch(tree)
     try:
-        for name in chosen:
-            tree[name].dtype_policy = "float32"
-        if all_float32:
-            model.dtype_policy = "float32"
-        watch.install()
-        return watch.run(model, batch, loss_scale)
+        with policies_applied(model, tree, wanted, model_policy):
+            watch.install()
+            return watch.run(model, batch, loss_scale)
     finally:
         watch.remove()
-        for name, policy in policies.items():
-            _restore_policy(tree[name], policy)
-        _restore_policy(model, model_policy)
         for variable, value in state:
             variable.assign(value)
         for metric in model.metrics:
@@ -156,14 +123,15 @@ class _Watch:
         variables = model.trainable_variables
         gradients = tape.gradient(scaled, variables)
         self._phase = "done"
-        finite = all(
-            g is None or bool(np.all(np.isfinite(_array(g)))) for g in gradients
-        )
+        by_path = {variable_path(v): _array(g) for v, g in zip(variables, gradients,
+                                                                 strict=True)
+                   if g is not None}
+        finite = all(bool(np.all(np.isfinite(g))) for g in by_path.values())
         return PassResult(
             forward=self.forward, backward=self.backward,
             offender=self.offenders.get("forward") or self.offenders.get("backward"),
             forward_clean="forward" not in self.offenders,
-            loss=float(_array(loss)), gradients_finite=finite,
+            loss=float(_array(loss)), gradients_finite=finite, gradients=by_path,
         )
 
     def _wrap(self, name: str, call):

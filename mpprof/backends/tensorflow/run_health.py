@@ -14,10 +14,12 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from mpprof.backends.tf_keras import support as tf_keras_support
-from mpprof.recording.collectors.base import Collector
-from mpprof.recording.optimizer_usage import OptimizerUsage
-from mpprof.recording.patching import Patches
+from mpprof.backends.collector import Collector
+from mpprof.backends.health_record import health_record
+from mpprof.backends.layer_records import variable_path
+from mpprof.backends.optimizer_usage import OptimizerUsage
+from mpprof.backends.patching import Patches
+from mpprof.backends.tensorflow import keras_flavors
 from mpprof.records import schema
 
 
@@ -25,7 +27,7 @@ class RunHealth(Collector):
     """Loss watchers for the step's optimizers, and the weight check.
 
     Args:
-        keras_api: the model's `mpprof.backends.tensorflow.backend.KerasApi`.
+        keras_api: the fit's `Backend` (`mpprof.backends.base`).
         usage: the model's `OptimizerUsage`.
         strategy: the model's distribution strategy.
         step_of: for an optimizer's name, a function giving its step in-graph.
@@ -101,25 +103,16 @@ class RunHealth(Collector):
 
     def check_weights(self, model) -> None:
         self.nonfinite_weights = [
-            tf_keras_support.variable_path(w) for w in model.weights
-            if tf_keras_support.is_float_variable(w)
+            variable_path(w) for w in model.weights
+            if keras_flavors.is_float_variable(w)
             and not bool(tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(w))))
         ]
 
     def record(self, step: int) -> dict:
         """The HEALTH record as of `step`."""
         watcher = self.watched()
-        if watcher is not None:
-            loss = {"loss_watched": True, **watcher.read()}
-        else:
-            loss = {
-                "loss_watched": False,
-                "first_nonfinite_loss_step": None,
-                "first_nonfinite_loss_step_last": None,
-                "first_nonfinite_loss_count": None,
-                "nonfinite_loss_steps": None,
-            }
-        return {**loss, "nonfinite_weights": self.nonfinite_weights, "checked_step": step}
+        return health_record(None if watcher is None else watcher.read(),
+                             self.nonfinite_weights, step)
 
     def by_optimizer(self) -> dict[int, object]:
         return {id(w.optimizer): w for w in self.watchers.values()}

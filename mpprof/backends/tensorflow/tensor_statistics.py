@@ -26,19 +26,17 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from mpprof.backends.numerics_rows import (
+    ABS_MAX,
+    BINS,
+    RAW_COLUMNS,
+    SAMPLE_VALUES,
+    STRATUM_POSITIONS,
+    ZERO_BIN,
+    bins_of_exponents,
+    statistics_of_rows,
+)
 from mpprof.records import schema
-
-# Values a tensor's shares and histogram are estimated from, at most. The
-# standard error of an estimated share is at most 0.5 / sqrt(SAMPLE_VALUES),
-# 0.8 percentage points: far finer than the 10% and 90% thresholds (and the
-# 30-point gap) the diagnosis judges shares by.
-SAMPLE_VALUES = 2**12
-# The `schema.NUMERICS_COUNT_COLUMNS` (and the histogram) estimated from the
-# sample; the others are exact.
-ESTIMATED_COLUMNS = ("zero", "below_normal", "below_subnormal")
-
-_SMALLEST_NORMAL = schema.FLOAT16_SMALLEST_NORMAL
-_SMALLEST_SUBNORMAL = schema.FLOAT16_SMALLEST_SUBNORMAL
 
 # Per float dtype: the integer dtype of its width, the mask of its magnitude
 # bits (all but the sign) and the bits of +inf. As integers, magnitudes order
@@ -49,30 +47,6 @@ _MAGNITUDE_BITS = {
     tf.float32: (tf.int32, 0x7FFFFFFF, 0x7F800000),
     tf.float64: (tf.int64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
 }
-
-# Histogram bins: edges 2 binades apart, so a value's bin follows from its
-# binary exponent alone. Two more bins count the sample's zeros and its
-# non-finite values.
-_BINS = len(schema.NUMERICS_HIST_EDGES) + 1
-_ZERO_BIN, _NONFINITE_BIN = _BINS, _BINS + 1
-# The histogram bins wholly below float16's smallest normal and subnormal
-# (both are histogram edges: bin b < this lies below edge b).
-_BELOW_NORMAL_BINS = schema.NUMERICS_HIST_EDGES.index(int(np.log2(_SMALLEST_NORMAL))) + 1
-_BELOW_SUBNORMAL_BINS = schema.NUMERICS_HIST_EDGES.index(int(np.log2(_SMALLEST_SUBNORMAL))) + 1
-
-# A raw row: count, non-finite and abs-max (exact), then the sample's bins.
-_COUNT, _NONFINITE, _ABS_MAX, _FIRST_BIN = 0, 1, 2, 3
-RAW_COLUMNS = _FIRST_BIN + _BINS + 2
-
-# Sampled position i lies at (i + _JITTER[i]) strata into the tensor: one in
-# each of SAMPLE_VALUES equal strata, at a fixed place (so that a step's
-# sample is reproducible) that varies irregularly from one stratum to the
-# next (so that the positions never step in time with a channel count: a
-# stride of 16 over 16 channels would sample one channel only). Float64, so
-# that positions are exact in tensors of billions of values.
-_JITTER = np.random.default_rng(0).random(SAMPLE_VALUES)
-_STRATUM_POSITIONS = np.arange(SAMPLE_VALUES) + _JITTER
-
 
 def raw_statistics(tensor: tf.Tensor) -> tf.Tensor:
     """The float32 [RAW_COLUMNS] row of `tensor`'s statistics (see the module
@@ -85,27 +59,6 @@ def raw_statistics(tensor: tf.Tensor) -> tf.Tensor:
     if values.dtype not in _MAGNITUDE_BITS:
         values = tf.cast(values, tf.float32)
     return _traced_statistics(values.dtype)(values)
-
-
-def statistics_of_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[..., RAW_COLUMNS] rows (summed over call sites and steps, abs-max the
-    maximum) as ([..., NUMERICS_STAT_COLUMNS], [..., histogram bins]).
-
-    An estimated count never claims more values than the finite ones there are.
-    """
-    rows = np.asarray(rows, dtype=np.float64)
-    bins = rows[..., _FIRST_BIN:]
-    histogram = bins[..., :_BINS]
-    finite = rows[..., _COUNT] - rows[..., _NONFINITE]
-    columns = {
-        "count": rows[..., _COUNT],
-        "nonfinite": rows[..., _NONFINITE],
-        "zero": np.minimum(bins[..., _ZERO_BIN], finite),
-        "below_normal": np.minimum(histogram[..., :_BELOW_NORMAL_BINS].sum(-1), finite),
-        "below_subnormal": np.minimum(histogram[..., :_BELOW_SUBNORMAL_BINS].sum(-1), finite),
-        "abs_max": rows[..., _ABS_MAX],
-    }
-    return np.stack([columns[c] for c in schema.NUMERICS_STAT_COLUMNS], axis=-1), histogram
 
 
 def tensor_statistics(tensor) -> tuple[np.ndarray, float, np.ndarray]:
@@ -152,7 +105,7 @@ def _compute_statistics(values: tf.Tensor, integer_maximum: bool) -> tf.Tensor:
     # Every sampled value falls into one bin: the histogram's, zero or
     # non-finite (the sample's unused places weigh nothing).
     bins = tf.math.unsorted_segment_sum(
-        tf.cast(valid, tf.float32), _bin_of(sample), num_segments=_BINS + 2
+        tf.cast(valid, tf.float32), _bin_of(sample), num_segments=BINS + 2
     )
     return tf.concat([tf.stack([tf.cast(size, tf.float32), nonfinite, abs_max]),
                       bins * weight], axis=0)
@@ -197,12 +150,12 @@ def _sample(values: tf.Tensor, size: tf.Tensor):
     """(sample, which of its places hold a value, values each one stands for).
 
     A tensor of more than `SAMPLE_VALUES` values gives one value from each of
-    that many equal strata (see `_STRATUM_POSITIONS`). A smaller one is taken
+    that many equal strata (see `STRATUM_POSITIONS`). A smaller one is taken
     whole, each value once; the sample's other places are masked out.
     """
     strata = tf.maximum(tf.cast(size, tf.float64) / SAMPLE_VALUES, 1.0)
     # With strata of one value (a small tensor) position i is value i.
-    index = tf.minimum(tf.cast(_STRATUM_POSITIONS * strata, tf.int64), size - 1)
+    index = tf.minimum(tf.cast(STRATUM_POSITIONS * strata, tf.int64), size - 1)
     # An empty tensor has nothing to gather from (a layer may output one).
     sample = tf.cond(size > 0, lambda: tf.gather(values, index),
                      lambda: tf.zeros((SAMPLE_VALUES,), values.dtype))
@@ -211,7 +164,7 @@ def _sample(values: tf.Tensor, size: tf.Tensor):
 
 def _bin_of(sample: tf.Tensor) -> tf.Tensor:
     """Each sampled value's bin (int32): a histogram bin for a finite non-zero
-    value, else `_ZERO_BIN` or `_NONFINITE_BIN`. From the value's exponent
+    value, else `ZERO_BIN` or `NONFINITE_BIN`. From the value's exponent
     bits through a lookup table: integer ops, far cheaper than a log and a
     search."""
     if sample.dtype == tf.float64:
@@ -225,23 +178,12 @@ def _bin_of(sample: tf.Tensor) -> tf.Tensor:
                                        _MAGNITUDE_BITS[sample.dtype][1])
     # Zero's exponent bits are a subnormal's (bin 0): move it to its own bin.
     is_zero = tf.cast(tf.equal(magnitude, 0), tf.int32)
-    return tf.gather(table, tf.bitwise.right_shift(magnitude, shift)) + is_zero * _ZERO_BIN
-
-
-def _bins_of_exponents(exponent_bits: int, bias: int) -> np.ndarray:
-    """For every value of a float format's exponent bits, the bin of a value
-    with that exponent: bin b >= 1 holds [2**FIRST * 4**(b - 1), 2**FIRST * 4**b),
-    bin 0 everything smaller (subnormals too), the last everything larger;
-    all exponent bits set is inf or NaN."""
-    exponent = np.arange(2**exponent_bits) - bias
-    bins = np.clip((exponent - schema.NUMERICS_HIST_EDGES[0]) // 2 + 1, 0, _BINS - 1)
-    bins[-1] = _NONFINITE_BIN
-    return bins.astype(np.int32)
+    return tf.gather(table, tf.bitwise.right_shift(magnitude, shift)) + is_zero * ZERO_BIN
 
 
 _BIN_OF_EXPONENT = {
-    tf.float32: _bins_of_exponents(8, 127),
-    tf.float64: _bins_of_exponents(11, 1023),
+    tf.float32: bins_of_exponents(8, 127),
+    tf.float64: bins_of_exponents(11, 1023),
 }
 
 
@@ -273,7 +215,7 @@ class StatisticsTable:
         if not tensors:
             return
         raw = tf.stack([raw_statistics(t) for t in tensors])
-        abs_max = raw[:, _ABS_MAX]
+        abs_max = raw[:, ABS_MAX]
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
             # MirroredStrategy all-reduces only SUM and MEAN: the maximum is
@@ -291,9 +233,9 @@ class StatisticsTable:
         row_max = tf.reduce_max(one_hot * abs_max[None, :], axis=1, keepdims=True)
         table = self.table
         self.table.assign(tf.concat([
-            table[:, :_ABS_MAX] + added[:, :_ABS_MAX],
-            tf.maximum(table[:, _ABS_MAX:_ABS_MAX + 1], row_max),
-            table[:, _ABS_MAX + 1:] + added[:, _ABS_MAX + 1:],
+            table[:, :ABS_MAX] + added[:, :ABS_MAX],
+            tf.maximum(table[:, ABS_MAX:ABS_MAX + 1], row_max),
+            table[:, ABS_MAX + 1:] + added[:, ABS_MAX + 1:],
         ], axis=1))
 
     def split(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:

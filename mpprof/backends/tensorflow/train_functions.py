@@ -20,11 +20,12 @@ seeded run's weights: the instrumented function is then not used.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 
-from mpprof.recording.guard import describe_error
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
+from mpprof.backends.traced_guard import describe_error
 
 
 def seeded_random_ops(graph_def) -> list[str]:
@@ -47,7 +48,7 @@ class TrainFunctions:
 
     Args:
         model: the model, whose `train_function` fit made just before.
-        keras_api: the model's `mpprof.backends.tensorflow.backend.KerasApi`.
+        keras_api: the fit's `Backend` (`mpprof.backends.base`).
         instrumented: whether to make the instrumented function at all.
     """
 
@@ -55,8 +56,8 @@ class TrainFunctions:
         self._model = model
         self._api = keras_api
         self._want_instrumented = instrumented
-        self.plain = None
-        self.instrumented = None
+        self.plain: Callable[..., Any] | None = None
+        self.instrumented: Callable[..., Any] | None = None
         self._instrumented_ran = False
         # Why the instrumented function is not used, when the first traced
         # step showed it would change the run (None: it may be).
@@ -161,8 +162,11 @@ class TrainFunctions:
                 on_abort()
                 raise
             self.instrumented = None
+            # Said only once the plain step ran: when it raises too, the error
+            # is the user's and the fit fails (no "training goes on").
+            logs = self.run_plain(iterator, on_abort=on_abort)
             on_failure(f"the instrumented train step failed: {describe_error(error)}")
-            return self.run_plain(iterator, on_abort=on_abort)
+            return logs
         except BaseException:
             on_abort()
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mpprof.backends.flavor import TF_KERAS
 from mpprof.backends.tensorflow.backend import TensorFlowBackend
 from mpprof.backends.tf_keras import support
 from mpprof.backends.tf_keras.loss_scale_series import TfKerasLossScaleSeries
@@ -12,7 +13,7 @@ from mpprof.backends.tf_keras.numerics_taps import TfKerasNumericsTaps
 class TfKerasBackend(TensorFlowBackend):
     """What differs for a tf-keras (Keras 2) model."""
 
-    flavor = support.TF_KERAS
+    flavor = TF_KERAS
     loss_scale_series = TfKerasLossScaleSeries
     loss_watch = TfKerasLossWatch
     numerics_taps = TfKerasNumericsTaps
@@ -25,6 +26,8 @@ class TfKerasBackend(TensorFlowBackend):
     # tf-keras need not wait for a call's logs, and its loss watchers keep
     # the first non-finite step in-graph: no alarm in the logs.
     alarm_in_logs = False
+    traceback_filters = ("tf_keras.src.utils.traceback_utils",
+                         "tensorflow.python.util.traceback_utils")
 
     fits_across_workers = True
     # tf-keras's TensorBoard(write_graph=True) writes this function's graph.

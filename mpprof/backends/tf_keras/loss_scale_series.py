@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from mpprof.backends.patching import Patches
 from mpprof.backends.tensorflow.loss_scale_series import MODE_GRAPH, MODE_HOST, LossScaleSeries
-from mpprof.recording.patching import Patches
 from mpprof.records import schema
 
 # The private method of tf-keras's `_DynamicLossScaleState` that is wrapped.

@@ -19,8 +19,8 @@ import threading
 
 import tensorflow as tf
 
+from mpprof.backends.patching import Patches
 from mpprof.backends.tensorflow.loss_watch import LossWatch
-from mpprof.recording.patching import Patches
 
 # The first non-finite step until there is one: a minimum needs no branch.
 _NEVER = tf.int64.max

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from mpprof.backends.patching import Patches
 from mpprof.backends.tensorflow.numerics_taps import NumericsTaps
-from mpprof.recording.patching import Patches
 
 
 class TfKerasNumericsTaps(NumericsTaps):

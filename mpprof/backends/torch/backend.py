@@ -75,7 +75,6 @@ class TorchBackend(Keras3Backend):
     loss_methods: tuple[str, ...] = ("scale_loss",)
     alarm_in_logs = False
     fits_across_workers = False
-    traced_train_function_attribute: str | None = None
 
     def __init__(self, model):
         self.step_state: StepState | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 
 # (No key in the logs: nothing to take out of them.)
 LOGS_KEY = "_mpprof_alarm"

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from mpprof.backends.float8_replay import DelayedScalingState
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 
 
 class Float8State(DelayedScalingState):

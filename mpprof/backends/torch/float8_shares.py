@@ -21,7 +21,7 @@ from mpprof.backends.float8_shares import (
     Float8SharesCollector,
     quantization_limits,
 )
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 from mpprof.records import schema
 
 

@@ -1,12 +1,10 @@
-"""Instance-level wrapping of the method each layer's `__call__` runs, on PyTorch.
-
-The wrappers are the JAX backend's (`mpprof.backends.jax.layer_calls`, which
-imports no framework: an instance attribute shadows the class's `call` for
-one layer, and the input casts of `convert_input` are remembered). On JAX
-they run while the step is traced, once; on PyTorch every step calls them,
-so their hooks run only while the patch is `active` (the first call, which
-fills the precision inventory, and sampled calls): other steps pay one
-attribute test per layer call.
+"""The wrapping of every layer's call on PyTorch: the shared wrapper
+(`mpprof.backends.layer_call_patch`) with JAX's cast memory
+(`mpprof.backends.jax.layer_calls`, framework-free), switched by `active`.
+On JAX the hooks run while the step is traced, once; on PyTorch every step
+calls the wrappers, so their hooks (and the cast memory) run only while the
+patch is `active` (the first call, which fills the precision inventory, and
+sampled calls): other steps pay one attribute test per layer call.
 """
 
 from __future__ import annotations
@@ -14,10 +12,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from mpprof.backends import layer_call_patch
 from mpprof.backends.jax import layer_calls
-from mpprof.backends.jax.layer_calls import cast_source, clear_casts, is_patched
+from mpprof.backends.jax.layer_calls import cast_source, clear_casts
 
-__all__ = ["LayerCallPatch", "cast_source", "clear_casts", "is_patched"]
+__all__ = ["LayerCallPatch", "cast_source", "clear_casts"]
 
 
 class LayerCallPatch(layer_calls.LayerCallPatch):
@@ -32,7 +31,10 @@ class LayerCallPatch(layer_calls.LayerCallPatch):
 
     def __init__(self, model, hooks, backend=None):
         super().__init__(model, hooks)
-        self.active = False
+        # On until a fit's train functions take over (they switch it off
+        # between the calls that need it): a patch used on its own runs its
+        # hooks on every call.
+        self.active = True
         if backend is not None:
             backend.layer_patch = self
 
@@ -50,6 +52,7 @@ class LayerCallPatch(layer_calls.LayerCallPatch):
                 casts[id(y)] = (x, y)
             return y
 
+        assert self._patches is not None  # (set by install)
         self._patches.set(policy, "convert_input", convert_input)
 
     def _wrap(self, layer, call: Callable) -> Callable:
@@ -65,5 +68,5 @@ class LayerCallPatch(layer_calls.LayerCallPatch):
                 outputs = hook.on_call(layer, args, kwargs, outputs)
             return outputs
 
-        setattr(wrapped_call, layer_calls._PATCH_MARKER, True)
+        setattr(wrapped_call, layer_call_patch._PATCH_MARKER, True)
         return wrapped_call

@@ -10,8 +10,8 @@ differ: a PyTorch variable may live on a GPU.
 from __future__ import annotations
 
 from mpprof.backends.jax import loss_scale_series
+from mpprof.backends.optimizer_usage import applied_steps
 from mpprof.backends.torch.step_state import host_value
-from mpprof.recording.optimizer_usage import applied_steps
 
 
 class LossScaleSeries(loss_scale_series.LossScaleSeries):

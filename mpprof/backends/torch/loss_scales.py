@@ -7,8 +7,8 @@ which imports no framework), over the step's host counters
 from __future__ import annotations
 
 from mpprof.backends.jax.loss_scales import LossScales
+from mpprof.backends.optimizer_usage import applied_steps
 from mpprof.backends.torch.step_state import host_value
-from mpprof.recording.optimizer_usage import applied_steps
 
 
 class TorchLossScales(LossScales):

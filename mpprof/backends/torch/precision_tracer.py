@@ -49,6 +49,7 @@ class PrecisionTracer(InventoryBuilder):
         self._model = model
         self._call_order: dict[int, int] = {}
         self._output_dtypes: dict[int, set[str]] = {}
+        self._output_shapes: dict[int, list[int] | None] = {}
         self._producers: dict[int, tuple] = {}
         self._casts: dict[tuple, None] = {}
         self._model_output_dtypes: set[str] = set()
@@ -56,6 +57,12 @@ class PrecisionTracer(InventoryBuilder):
         self._inputs_made_outside_layers: set[int] = set()
         self._outputs: list[dict] = []
         self._done = False
+
+    def note_loss_input(self, y_pred) -> None:
+        """`model.compute_loss` got `y_pred`: their dtypes are what the loss
+        receives (torch dtypes have no `.name`: named here)."""
+        seen = self.__dict__.setdefault("_loss_input_dtypes", set())
+        seen.update(dtype_name(t) for t in _tensors(y_pred))
 
     @property
     def traced(self) -> bool:
@@ -82,6 +89,10 @@ class PrecisionTracer(InventoryBuilder):
         else:
             self._call_order.setdefault(key, len(self._call_order))
             self._output_dtypes.setdefault(key, set()).update(dtypes)
+            if flat_outputs and key not in self._output_shapes:
+                # Without the batch axis.
+                shape = flat_outputs[0].shape
+                self._output_shapes[key] = [int(d) for d in shape[1:]] if len(shape) else None
         producers = self._inputs_from.setdefault(key, {})
         for value in _tensors((args, kwargs)):
             source = cast_source(value)

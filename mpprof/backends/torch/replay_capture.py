@@ -9,7 +9,7 @@ collector says so in the run context when captures were asked for.
 
 from __future__ import annotations
 
-from mpprof.recording.collectors.base import Collector
+from mpprof.backends.collector import Collector
 
 
 class ReplayCapture(Collector):
@@ -18,7 +18,8 @@ class ReplayCapture(Collector):
 
     name = "replay_capture"
 
-    def __init__(self, budget: int, backend, loss_scales, health, instrumenting):
+    def __init__(self, budget: int, backend, loss_scales, health, instrumenting,
+                 **settings):
         self.budget = budget
 
     def wrap_train_step(self, fit, patches) -> None:

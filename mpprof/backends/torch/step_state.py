@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mpprof.recording.optimizer_usage import OptimizerUsage, applied_steps
-from mpprof.recording.patching import Patches
+from mpprof.backends.optimizer_usage import OptimizerUsage, applied_steps
+from mpprof.backends.patching import Patches
 from mpprof.records import schema
 
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from mpprof.backends.patching import Patches
 from mpprof.backends.torch.custom_step import watch_loss_metrics
-from mpprof.recording.guard import describe_error
-from mpprof.recording.patching import Patches
+from mpprof.backends.traced_guard import describe_error
 
 
 class TrainFunctions:
@@ -57,6 +57,8 @@ class TrainFunctions:
         if model.train_function is None:
             model.make_train_function()
         self.plain = model.train_function
+        if self._backend.layer_patch is not None:
+            self._backend.layer_patch.active = False  # on for the calls that need it
         if self._wants_instrumented:
             if getattr(model, "jit_compile", False):
                 self.instrumented_off = (

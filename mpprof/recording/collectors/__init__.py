@@ -1,1 +1,2 @@
-"""The backend-neutral collectors (see `base.Collector` for their lifecycle)."""
+"""The backend-neutral collectors (`mpprof.backends.collector.Collector`:
+the lifecycle every collector implements)."""

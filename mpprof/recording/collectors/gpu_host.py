@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 import time
 
-from mpprof.recording.collectors.base import Collector
+from mpprof.backends.collector import Collector
+from mpprof.backends.patching import Patches
 from mpprof.recording.nvml import sampler as gpu_collector
-from mpprof.recording.patching import Patches
 from mpprof.recording.siblings import sibling_callbacks
 from mpprof.records import schema
 
@@ -48,7 +48,11 @@ class HostRecorder(Collector):
             # current on every call, quiet ones included.
             self._sampler.step_source = lambda: fit.step
             self._sampler.start()
-        self.hardware = self._api.hardware_facts(self._sampler)
+        sampler = self._sampler
+        if sampler is None:  # not sampling: NVML probed once, for the facts
+            sampler = gpu_collector.GpuSampler()
+            sampler.probe()
+        self.hardware = self._api.hardware_facts(sampler)
         if self._window is not None:
             siblings = sibling_callbacks(self._profiler, self._api.callback_list_class)
             self._window.begin(fit.step, siblings, self._api)

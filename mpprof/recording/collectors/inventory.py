@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from mpprof.recording.collectors.base import Collector
+from mpprof.backends.collector import Collector
+from mpprof.backends.patching import Patches
 from mpprof.recording.guard import GuardedHook
-from mpprof.recording.patching import Patches
 from mpprof.records import schema
 
 
@@ -33,6 +33,24 @@ class Inventory(Collector):
 
     def install(self, fit, patches: Patches) -> None:
         self.layer_patch.install(patches)
+        self._watch_loss_input(fit.model, patches)
+
+    def _watch_loss_input(self, model, patches: Patches) -> None:
+        """Wraps `model.compute_loss` (instance level) so that the trace sees
+        the dtype of the `y_pred` the loss receives: the model's output is not
+        always it (a subclassed model's custom train_step)."""
+        compute_loss = getattr(model, "compute_loss", None)
+        if not callable(compute_loss):
+            return
+        precision, guard, name = self.precision, self._guard, self.name
+
+        def watched_compute_loss(*args, **kwargs):
+            y_pred = kwargs["y_pred"] if "y_pred" in kwargs else (
+                args[2] if len(args) > 2 else None)
+            guard.run(name, precision.note_loss_input, y_pred)
+            return compute_loss(*args, **kwargs)
+
+        patches.set(model, "compute_loss", watched_compute_loss)
 
     def add_hook(self, collector: str, hook) -> None:
         """Lets `hook` see every layer call too, guarded as `collector`."""

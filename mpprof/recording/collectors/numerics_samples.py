@@ -13,9 +13,10 @@ import math
 
 import numpy as np
 
+from mpprof.backends import protocol
+from mpprof.backends.collector import Collector
+from mpprof.backends.patching import Patches
 from mpprof.dtypes import DTYPE_MAX
-from mpprof.recording.collectors.base import Collector
-from mpprof.recording.patching import Patches
 from mpprof.records import schema
 
 # Samples waiting for the next flush, at most.
@@ -40,9 +41,9 @@ class NumericsSamples(Collector):
         self._loss_scales = loss_scales
         self._health = health
         self._settings = settings
-        self.collector = None
+        self.collector: protocol.NumericsTaps | None = None
         self._pending: list[dict[str, np.ndarray]] = []
-        self._layout_written = None
+        self._layout_written: dict | None = None
         self._forensic_used = 0
         # The notes of forensic samples of earlier steps' batches (JAX).
         self._replayed: list[dict] = []

@@ -56,17 +56,6 @@ _ARCHITECTURES = {
     10: "Blackwell",
     13: "Rubin",
 }
-# By compute capability major, for when NVML cannot name the architecture.
-_ARCHITECTURES_BY_CC = {
-    3: "Kepler",
-    5: "Maxwell",
-    6: "Pascal",
-    7: "Volta",
-    8: "Ampere",
-    9: "Hopper",
-    10: "Blackwell",
-    12: "Blackwell",
-}
 
 
 def architecture_name(
@@ -74,13 +63,8 @@ def architecture_name(
 ) -> str | None:
     if nvml_architecture in _ARCHITECTURES:
         return _ARCHITECTURES[nvml_architecture]
-    if compute_capability:
-        if tuple(compute_capability) == (7, 5):
-            return "Turing"
-        if tuple(compute_capability) == (8, 9):
-            return "Ada"
-        return _ARCHITECTURES_BY_CC.get(compute_capability[0])
-    return None
+    # By compute capability, for when NVML cannot name the architecture.
+    return dtypes.architecture_of(compute_capability)
 
 
 def visible_device_selectors(

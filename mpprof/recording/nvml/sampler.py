@@ -25,6 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -119,7 +120,7 @@ class GpuSampler:
         self._environ = os.environ if environ is None else environ
         self._clock = clock
         self._ring = _RowRing(int(capacity_rows), len(COLUMNS))
-        self._nvml = None
+        self._nvml: Any = None
         self._devices: list[gpu_devices.Device] = []
         self._device_facts: list[dict] = []
         self._system_facts: dict = {}
@@ -230,7 +231,7 @@ class GpuSampler:
 
     def context(self) -> dict:
         """The run context's collectors["gpu"] entry."""
-        entry = {
+        entry: dict[str, Any] = {
             "state": "unavailable" if self.mode == MODE_UNAVAILABLE else "ok",
             "mode": self.mode,
             "reason": self.reason,

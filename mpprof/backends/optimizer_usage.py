@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 
 
 @dataclass

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-from mpprof.recording.patching import Patches
+from mpprof.backends.patching import Patches
 
 
 class Collector:

@@ -9,11 +9,12 @@ events and progress row, `settings()` and `origin` describe it.
 
 from __future__ import annotations
 
-from mpprof.recording.distributed import keras_3_skip_decided_by
+from typing import Any
+
 from mpprof.records import schema
 
 
-def write_series(fit, active: dict[str, object], primary, start: dict[str, object]) -> None:
+def write_series(fit, active: dict[str, Any], primary, start: dict[str, Any]) -> None:
     """Writes each active series' new events and progress.
 
     Args:
@@ -36,7 +37,7 @@ def write_series(fit, active: dict[str, object], primary, start: dict[str, objec
         fit.writer.write_array(schema.LOSS_SCALE_PROGRESS, progress, step, series=series)
 
 
-def series_context(active: dict[str, object], primary, replicas: int) -> dict:
+def series_context(active: dict[str, Any], primary, replicas: int) -> dict:
     """The run context's "loss_scale" state for active series: the primary
     one's settings at the top, and every series' under "series" when there
     are several.
@@ -46,8 +47,8 @@ def series_context(active: dict[str, object], primary, replicas: int) -> dict:
         primary: the primary optimizer's series, or None.
         replicas: replicas in sync (who decides a skip).
     """
-    context = {"state": "ok"}
-    series = {}
+    context: dict[str, Any] = {"state": "ok"}
+    series: dict[str, dict] = {}
     for name, collector in active.items():
         settings = collector.settings()
         settings.setdefault("skip_decided_by", keras_3_skip_decided_by(replicas))
@@ -58,3 +59,23 @@ def series_context(active: dict[str, object], primary, replicas: int) -> dict:
     if len(series) > 1:
         context["series"] = series
     return context
+
+
+def keras_3_skip_decided_by(num_replicas: int) -> str:
+    """What decides a skipped step in Keras 3's LossScaleOptimizer, in words.
+
+    Keras 3 checks the gradients for finiteness BEFORE they are all-reduced
+    (the inner optimizer all-reduces them afterwards); under a strategy with
+    several replicas it takes the first replica's verdict for all. Checked on
+    Keras 3.15 with MirroredStrategy on two logical CPUs: an overflow on the
+    second replica alone is applied, not skipped, and the weights become
+    non-finite (tf-keras all-reduces first and skips such a step).
+    """
+    if num_replicas <= 1:
+        return "Keras 3 LossScaleOptimizer: finiteness of the step's gradients"
+    return (
+        "Keras 3 LossScaleOptimizer: finiteness of the FIRST replica's gradients "
+        "(each replica's own where the strategy runs without merge_call), before the "
+        "all-reduce; an overflow on another replica alone is not skipped and turns "
+        "the weights non-finite (see the health record, MP012)"
+    )

@@ -25,10 +25,11 @@ read makes the origin unknown, never a failed fit.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
-from mpprof.recording.guard import describe_error
+from mpprof.backends.traced_guard import describe_error
 from mpprof.records import filesystem, reader, schema
 from mpprof.records.event_file import ReadWarnings, Record, read_event_file, series_key
 
@@ -110,6 +111,14 @@ def _loss_scale_records(path: str, records: dict[str, list[Record]]) -> EarlierR
     if not progress:
         return f"the last fit recorded in {path!r} has no loss-scale records"
     return EarlierRecords(path, progress, settings)
+
+
+def start_new_series(series, name: str, earlier: Callable[[], EarlierRecords | str]) -> None:
+    """Where a new loss-scale series' step axis starts (every backend's
+    `LossScales` asks, for each series it makes): step 0 when its optimizer
+    never ran, else from the run's earlier records (`earlier()`, read only
+    then)."""
+    series.start_from(FIRST_STEP if series.nothing_ran() else origin(series, name, earlier()))
 
 
 def origin(collector, name: str, earlier: EarlierRecords | str) -> Origin:

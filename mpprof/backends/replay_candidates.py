@@ -1,0 +1,239 @@
+"""A verification candidate applied to a Keras model, alike on every backend.
+
+`mpprof.replay.verification` judges a candidate (a policy map, inputs scaled
+into range) by passes and a short trial that each backend's replay engine
+runs its own way; what those have in common is here: setting the candidate's
+policies for the length of a pass and putting back what was there, scaling
+the inputs, the trial's fresh optimizer, and the engine's bookkeeping
+(`CandidateEngine`, which each backend completes with `run_pass` and
+`train`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import keras
+import numpy as np
+
+from mpprof.backends.layer_records import called_method, walk_layers
+from mpprof.backends.patching import Patches
+from mpprof.replay import verification
+from mpprof.replay.files import ReplayError
+from mpprof.replay.verification import Candidate
+
+
+def layer_tree(model) -> dict[str, object]:
+    """Qualified name -> layer, for every nested layer."""
+    return {name: layer for name, layer, _ in walk_layers(model)}
+
+
+def _policy_of(layer) -> tuple:
+    """What setting `layer.dtype_policy` changes, to put back after a pass.
+
+    A layer built with a `DTypePolicyMap` keeps the map: setting its policy
+    adds an entry for its path to the (shared) map, and setting the map back
+    would make the map an entry of itself. So for such a layer the entry is
+    what is kept: (map, whether it had one, the entry)."""
+    policy = layer.dtype_policy
+    path = getattr(layer, "path", None)
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap) and path:
+        return policy, path in policy, policy[path] if path in policy else None
+    return policy, None, None
+
+
+def _restore_policy(layer, saved: tuple) -> None:
+    policy, had_entry, entry = saved
+    path = getattr(layer, "path", None)
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap) and path:
+        if path in policy:
+            del policy[path]
+        if had_entry:
+            policy[path] = entry
+        return
+    layer.dtype_policy = policy
+
+
+@contextlib.contextmanager
+def policies_applied(model, tree: Mapping[str, object], policies: Mapping[str, str],
+                     model_policy: str | None = None) -> Iterator[None]:
+    """Each named layer computes with its policy (and the model with
+    `model_policy`, when given) inside the block; what was there is put back
+    after it, also when it raises."""
+    changed = {name: policy for name, policy in policies.items()
+               if tree[name].dtype_policy.name != policy}
+    saved = {name: _policy_of(tree[name]) for name in changed}
+    saved_model = _policy_of(model)
+    try:
+        for name, policy in changed.items():
+            tree[name].dtype_policy = policy
+        if model_policy is not None:
+            model.dtype_policy = model_policy
+        yield
+    finally:
+        for name, policy in saved.items():
+            _restore_policy(tree[name], policy)
+        _restore_policy(model, saved_model)
+
+
+def scale_inputs(data, scale: float | None):
+    """The batch with its inputs (`x`: the first element of an (x, y, ...)
+    tuple, or the whole batch otherwise) multiplied by `scale` in float32, as
+    a float32 `Rescaling(scale)` first layer or the division in the input
+    pipeline computes them; numeric leaves only."""
+    if scale is None:
+        return data
+
+    def scaled(leaf):
+        if isinstance(leaf, np.ndarray) and np.issubdtype(leaf.dtype, np.number) \
+                and not np.issubdtype(leaf.dtype, np.bool_):
+            return leaf.astype(np.float32) * np.float32(scale)
+        return leaf
+
+    if isinstance(data, tuple) and data:
+        return (keras.tree.map_structure(scaled, data[0]), *data[1:])
+    return keras.tree.map_structure(scaled, data)
+
+
+def trial_optimizer(model, dtype: str, loss_scale: float):
+    """A fresh optimizer of the run's config for a trial computing in
+    `dtype`: wrapped in a LossScaleOptimizer (initial scale `loss_scale`)
+    for float16 where the run's was one, or where the run computed in no
+    float16 at all (as `model.compile` wraps it under mixed_float16); the
+    inner optimizer alone otherwise.
+
+    Raises:
+        ReplayError: the model has no optimizer (it was not compiled).
+    """
+    run = getattr(model, "optimizer", None)
+    if run is None:
+        raise ReplayError("the model has no optimizer (it was not compiled, and the "
+                          "capture's config holds no compile config)")
+    scaled = isinstance(run, keras.optimizers.LossScaleOptimizer)
+    inner = run.inner_optimizer if scaled else run
+    fresh = type(inner).from_config(inner.get_config())
+    run_half = {verification.policy_compute_dtype(layer.dtype_policy.name)
+                for layer in layer_tree(model).values()}
+    if dtype == "float16" and (scaled or "float16" not in run_half):
+        return keras.optimizers.LossScaleOptimizer(fresh, initial_scale=loss_scale)
+    return fresh
+
+
+@contextlib.contextmanager
+def random_draws_in_float32(tree: Mapping[str, object]) -> Iterator[list[str]]:
+    """Inside the block, each weightless layer that draws random numbers (a
+    SeedGenerator of its own: Dropout, GaussianNoise, random augmentation)
+    computes in float32 and casts its output back: stateless random ops draw
+    in the tensor's dtype, so from the same seed float16 and float32 draw
+    different masks, and a check comparing them would measure the masks, not
+    the precision. Yields the layers' names."""
+    patches = Patches()
+    # Weightless ones only: a layer with weights and a seed (an LSTM cell's
+    # dropout) computes its state in its own dtype and cannot be cast whole.
+    names = [name for name, layer in tree.items()
+             if getattr(layer, "_seed_generators", None) and not layer.weights]
+    try:
+        for name in names:
+            layer = tree[name]
+            method = called_method(layer)
+            patches.set(layer, method, _in_float32(getattr(layer, method)))
+        yield names
+    finally:
+        patches.restore()
+
+
+def _is_float_tensor(value) -> bool:
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and "float" in str(dtype) and keras.ops.is_tensor(value)
+
+
+def _in_float32(call):
+    def call_in_float32(inputs, *args, **kwargs):
+        dtype = next((t.dtype for t in keras.tree.flatten(inputs) if _is_float_tensor(t)),
+                     None)
+        if dtype is None:
+            return call(inputs, *args, **kwargs)
+        outputs = call(keras.tree.map_structure(
+            lambda t: keras.ops.cast(t, "float32") if _is_float_tensor(t) else t, inputs),
+            *args, **kwargs)
+        return keras.tree.map_structure(
+            lambda t: keras.ops.cast(t, dtype) if _is_float_tensor(t) else t, outputs)
+
+    return call_in_float32
+
+
+class CandidateEngine:
+    """The part of `mpprof.replay.verification.Engine` every backend shares.
+
+    Args:
+        model: the model, its captured weights loaded.
+        batches: the captured batches, as the step receives them.
+        loss_scale: the run's loss scale at the capture (1.0: none).
+    """
+
+    def __init__(self, model, batches: list, loss_scale: float):
+        self.model = model
+        self.batches = batches
+        self.batch_count = len(batches)
+        self.loss_scale = float(loss_scale)
+        self.tree = layer_tree(model)
+        self.run_policies = {name: layer.dtype_policy.name
+                             for name, layer in self.tree.items()}
+        self.skipped_steps = 0  # by the loss scale, in the last trial
+        # The captured state every trial starts from, and that it leaves:
+        # weights, moving statistics and random seed states.
+        self._variables = [*model.trainable_variables, *model.non_trainable_variables]
+        self._initial = [np.array(keras.ops.convert_to_numpy(v)) for v in self._variables]
+
+    def policies(self, candidate: Candidate) -> dict[str, str]:
+        return verification.effective_policies(candidate, self.run_policies)
+
+    def trial_optimizer(self, candidate: Candidate, loss_scale: float | None = None):
+        """A fresh optimizer of the run's config for the candidate's trial
+        (`trial_optimizer`), a LossScaleOptimizer's initial scale
+        `loss_scale` (None: the run's, or Keras' default without one). None
+        for a model whose own train_step uses optimizers of its own (a GAN,
+        `model.optimizer` unset): the trial then runs them from their
+        captured state."""
+        if getattr(self.model, "optimizer", None) is None and getattr(
+                self, "uses_own_optimizers", False):
+            return None
+        dtype = verification.candidate_dtype(candidate, self.run_policies)
+        if loss_scale is None:
+            loss_scale = (self.loss_scale if self.loss_scale > 1
+                          else verification.DEFAULT_LOSS_SCALE)
+        return trial_optimizer(self.model, dtype, loss_scale)
+
+    def restore(self) -> None:
+        """The captured state back in the model's variables."""
+        for variable, value in zip(self._variables, self._initial, strict=True):
+            variable.assign(value)
+
+    @contextlib.contextmanager
+    def swapped_optimizer(self, optimizer) -> Iterator[None]:
+        """`model.optimizer` is `optimizer` inside the block (the step uses
+        it); the run's is put back after, and the captured state, and the
+        metrics are reset."""
+        model = self.model
+        saved = model.optimizer
+        if optimizer is not None:
+            model.optimizer = optimizer
+        try:
+            yield
+        finally:
+            model.optimizer = saved
+            self.restore()
+            for metric in model.metrics:
+                metric.reset_state()
+
+
+def trial_loss(logs) -> float:
+    """The step's loss from its logs (metrics reset before the step): its
+    "loss", else the sum of its "..._loss" entries (a custom step's)."""
+    if "loss" in logs:
+        return float(np.asarray(keras.ops.convert_to_numpy(logs["loss"])))
+    parts = [value for key, value in logs.items() if str(key).endswith("_loss")]
+    if not parts:
+        raise ReplayError(f"the step logs no loss (its logs: {', '.join(map(str, logs))})")
+    return float(sum(np.asarray(keras.ops.convert_to_numpy(v)) for v in parts))

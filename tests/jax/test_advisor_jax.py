@@ -1,0 +1,45 @@
+"""The precision advisor's JAX half: a planted model trained on JAX gets its
+plan (the float32 island lowered), JAX's default matmul precision in the run
+context as the advisor's baseline, and the plan verified by the JAX replay
+engine on the run's own kept batches. (The TensorFlow-vs-JAX parity of the
+plans is tests/test_advisor.py's, which trains this half in a subprocess.)"""
+
+import os
+import sys
+
+import jax
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # advise_models
+
+import advise_models
+
+import mpprof
+from mpprof.replay import files
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("advise_mlp_jax")
+    return logdir, advise_models.fit_planted("mlp", logdir)
+
+
+def test_the_jax_run_gets_the_plan_and_its_matmul_precision(mlp):
+    _, advice = mlp
+    assert advice["backend"] == "jax"
+    assert advice["plan"]["lower"] == ["island"]
+    matmuls = advice["baseline"]["float32_matmuls"]
+    assert matmuls["framework"] == "jax"
+    assert matmuls["jax_default_matmul_precision"] == jax.config.jax_default_matmul_precision
+    assert matmuls["tf32_enabled"] is True  # the default: TF32 on A100/H100
+    assert advice["baseline"]["float32_runs_as"] == "tf32"
+
+
+def test_the_jax_engine_verifies_the_plan_on_the_kept_batches(mlp):
+    logdir, _ = mlp
+    kept = files.find_captures(logdir, "train", folder=files.ADVISE_FOLDER)
+    assert [c.manifest["backend"] for c in kept] == ["jax", "jax"]
+    verification = mpprof.advise(str(logdir), verify=True)["verification"]
+    assert verification["state"] == "verified", verification["detail"]
+    assert verification["batch_steps"] == [2, 6]
+    assert verification["plan"]["trial"]["passed"]

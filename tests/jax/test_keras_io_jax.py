@@ -1,0 +1,254 @@
+"""mpprof on keras-io examples (code nobody here wrote), Keras 3 on JAX.
+
+The twin of tests/keras_io/test_keras_io.py: the MNIST convnet (healthy, raw
+16-bit inputs) and the Keras guide's JAX custom
+`train_step` ("Customizing what happens in fit() with JAX",
+guides/custom_train_step_in_jax.py), which never calls `scale_loss`. JAX's
+CPU has no float16 attention (docs/FACTS): the Transformer examples are
+tried on TensorFlow.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+import mpprof
+from mpprof import diagnosis
+from mpprof.reader import read_logdir
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "keras_io"))
+from keras_io_examples import mnist_convnet, mnist_data
+
+BATCH = 32
+
+
+def _fit(log_dir, model, x, y, steps=2):
+    model.fit(x, y, batch_size=BATCH, epochs=1, steps_per_epoch=steps, verbose=0,
+              callbacks=[mpprof.MixedPrecisionProfiler(log_dir=str(log_dir))])
+    return read_logdir(str(log_dir))["train"]
+
+
+def _codes(run, **kwargs) -> set[str]:
+    return {f.code for f in diagnosis.diagnose(run, **kwargs)}
+
+
+def _only(run, code):
+    found = [f for f in diagnosis.diagnose(run) if f.code == code]
+    assert len(found) == 1, [f.title for f in found]
+    return found[0]
+
+
+def _policy(name):
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(0)
+    keras.mixed_precision.set_dtype_policy(name)
+
+
+@pytest.fixture(scope="module")
+def mnist_runs(tmp_path_factory):
+    runs = {}
+    for name, head, raw in (("healthy", "float32", False), ("raw_units", "float32", True)):
+        _policy("mixed_float16")
+        x, y = mnist_data(BATCH * 2, raw_units=raw)
+        runs[name] = _fit(tmp_path_factory.mktemp(f"mnist_{name}"), mnist_convnet(head), x, y)
+    keras.mixed_precision.set_dtype_policy("float32")
+    return runs
+
+
+def test_mnist_on_jax(mnist_runs):
+    assert _codes(mnist_runs["healthy"]) == {"MP011"}
+    assert list(mnist_runs["healthy"].numerics.steps) == [1]  # sampled at the defaults
+    assert "MP007" not in _codes(mnist_runs["healthy"], assume_gpu=True)
+    raw = mnist_runs["raw_units"]
+    codes = _codes(raw)
+    assert "MP003" in codes and "MP004" not in codes
+    assert codes <= {"MP003", "MP002", "MP011", "MP019", "MP013"}
+    assert _only(raw, "MP003").layer == "conv2d"
+
+
+# The guide's first CustomModel, as published: gradients of the loss that
+# `stateless_compute_loss` returns, applied by `stateless_apply`; no
+# `scale_loss`. `scale=True` is MP018's fix, spelled as its text shows it.
+
+
+class CustomModel(keras.Model):
+    scale = False
+
+    def compute_loss_and_updates(
+        self,
+        trainable_variables,
+        non_trainable_variables,
+        metrics_variables,
+        x,
+        y,
+        sample_weight,
+        training=False,
+        optimizer_variables=None,
+    ):
+        y_pred, non_trainable_variables = self.stateless_call(
+            trainable_variables,
+            non_trainable_variables,
+            x,
+            training=training,
+        )
+        loss, (
+            trainable_variables,
+            non_trainable_variables,
+            metrics_variables,
+        ) = self.stateless_compute_loss(
+            trainable_variables,
+            non_trainable_variables,
+            metrics_variables,
+            x=x,
+            y=y,
+            y_pred=y_pred,
+            sample_weight=sample_weight,
+            training=training,
+        )
+        if self.scale:
+            mapping = list(zip(self.optimizer.variables, optimizer_variables, strict=True))
+            with keras.StatelessScope(state_mapping=mapping):
+                return self.optimizer.scale_loss(loss), (
+                    y_pred, non_trainable_variables, metrics_variables)
+        return loss, (y_pred, non_trainable_variables, metrics_variables)
+
+    def train_step(self, state, data):
+        (
+            trainable_variables,
+            non_trainable_variables,
+            optimizer_variables,
+            metrics_variables,
+        ) = state
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+
+        # Get the gradient function.
+        grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
+
+        # Compute the gradients.
+        (loss, (y_pred, non_trainable_variables, metrics_variables)), grads = grad_fn(
+            trainable_variables,
+            non_trainable_variables,
+            metrics_variables,
+            x,
+            y,
+            sample_weight,
+            training=True,
+            optimizer_variables=optimizer_variables,
+        )
+
+        # Update trainable variables and optimizer variables.
+        trainable_variables, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable_variables
+        )
+
+        # Update metrics.
+        new_metrics_vars = []
+        logs = {}
+        for metric in self.metrics:
+            this_metric_vars = metrics_variables[
+                len(new_metrics_vars) : len(new_metrics_vars) + len(metric.variables)
+            ]
+            if metric.name == "loss":
+                this_metric_vars = metric.stateless_update_state(
+                    this_metric_vars, loss, sample_weight=sample_weight
+                )
+            else:
+                this_metric_vars = metric.stateless_update_state(
+                    this_metric_vars, y, y_pred, sample_weight=sample_weight
+                )
+            logs[metric.name] = metric.stateless_result(this_metric_vars)
+            new_metrics_vars += this_metric_vars
+
+        # Return metric logs and updated state variables.
+        state = (
+            trainable_variables,
+            non_trainable_variables,
+            optimizer_variables,
+            new_metrics_vars,
+        )
+        return logs, state
+
+
+def _guide_model(scale: bool, float32_output: bool = False):
+    inputs = keras.Input(shape=(32,))
+    outputs = keras.layers.Dense(1)(inputs)
+    if float32_output:  # MP006's fix (a float32 Dense(1) would leave no float16 layer)
+        outputs = keras.layers.Activation("linear", dtype="float32")(outputs)
+    model = CustomModel(inputs, outputs)
+    model.scale = scale
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    return model
+
+
+@pytest.fixture(scope="module")
+def guide_runs(tmp_path_factory):
+    runs = {}
+    rng = np.random.default_rng(0)
+    x, y = rng.random((BATCH * 2, 32)), rng.random((BATCH * 2, 1))
+    for name, scale, head in (("published", False, False), ("healthy", True, True)):
+        _policy("mixed_float16")
+        runs[name] = _fit(tmp_path_factory.mktemp(f"guide_{name}"), _guide_model(scale, head),
+                          x, y)
+    keras.mixed_precision.set_dtype_policy("float32")
+    return runs
+
+
+def test_guide_without_scale_loss_is_mp018_in_jax(guide_runs):
+    run = guide_runs["published"]
+    assert _codes(run) == {"MP018", "MP006", "MP011"}
+    finding = _only(run, "MP018")
+    assert finding.evidence["update_effect"] == "adaptive"  # Adam
+    assert "GradientTape" not in finding.fix and "tf." not in finding.fix
+    for code in ("jax.value_and_grad", "keras.StatelessScope(state_mapping=mapping)",
+                 "self.optimizer.scale_loss(loss)", "self.optimizer.stateless_apply("):
+        assert code in finding.fix
+    assert "1.7x" in finding.fix
+    # What the loss received, seen through stateless_compute_loss.
+    assert _only(run, "MP006").evidence["loss_input_dtypes"] == ["float16"]
+
+
+def test_guide_with_scale_loss_is_healthy(guide_runs):
+    assert _codes(guide_runs["healthy"]) == {"MP011"}
+
+
+class _RaisesInTraining(keras.layers.Layer):
+    """A user's layer whose training branch raises (a bug of the user's own)."""
+
+    def call(self, x, training=False):
+        if training:
+            raise ValueError("boom in training")
+        return x
+
+
+def test_a_failed_fit_on_jax_is_diagnosed_with_the_users_traceback(tmp_path):
+    import traceback
+    import warnings
+
+    _policy("mixed_float16")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), _RaisesInTraining(),
+                              keras.layers.Dense(1, dtype="float32")])
+    model.compile(optimizer="adam", loss="mse")
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ValueError) as raised:
+        warnings.simplefilter("always")
+        _fit(tmp_path, model, np.ones((64, 4)), np.ones((64, 1)))
+    frames = [f.filename for f in traceback.extract_tb(raised.value.__traceback__)]
+    assert not [f for f in frames if "/mpprof/" in f], frames
+    assert not [w for w in caught if "training goes on" in str(w.message)]
+    run = read_logdir(str(tmp_path))["train"]
+    finding = _only(run, "MP020")
+    assert finding.evidence["type"] == "ValueError" and finding.step == 0
+    assert "boom in training" in finding.title
+    assert finding.evidence["kind"] == "other"  # not a dtype error: no advice
+    assert "numerics_every" not in finding.fix and "cast" not in finding.fix
+    assert _codes(run) == {"MP020", "MP011"}
+    # `mpprof summary` and the diagnosis text say what fit raised, too.
+    from mpprof.display.run_summary import cut_short_text
+
+    assert "model.fit raised ValueError:" in cut_short_text(run)
+    assert "boom in training" in cut_short_text(run)
