@@ -33,4 +33,24 @@ def run_context(
         "num_replicas": 1,
         "devices": [{"name": "cpu:0", "type": "CPU"}] + [
             {"name": f"cuda:{i}", "type": "GPU"} for i in range(gpus)],
+        "float32_matmuls": float32_matmuls(),
+    }
+
+
+def float32_matmuls() -> dict:
+    """What a float32 matmul or convolution runs as (`RunContext.float32_matmuls`):
+    PyTorch runs float32 matmuls in float32 by default
+    (`torch.backends.cuda.matmul.allow_tf32` False) but cuDNN convolutions in
+    TF32 (`torch.backends.cudnn.allow_tf32` True) on Ampere and newer."""
+    matmul = bool(torch.backends.cuda.matmul.allow_tf32)
+    convolution = bool(torch.backends.cudnn.allow_tf32)
+    return {
+        "framework": "torch",
+        "matmul_allow_tf32": matmul,
+        "cudnn_allow_tf32": convolution,
+        "tf32_enabled": matmul or convolution,
+        "setting": (f"torch.backends.cuda.matmul.allow_tf32 = {matmul}, "
+                    f"torch.backends.cudnn.allow_tf32 = {convolution}"),
+        "disable": ("torch.backends.cuda.matmul.allow_tf32 = False; "
+                    "torch.backends.cudnn.allow_tf32 = False"),
     }
