@@ -21,6 +21,9 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev,tf-keras]'
+	# The torch suite (tests/torch): pinned, so that pip takes the CPU build
+	# where one is at hand rather than the newest (CUDA) release.
+	$(PY) -m pip install --quiet 'torch==2.13.0'
 	touch $@
 
 install: $(VENV)/.installed
@@ -61,6 +64,7 @@ test: install docs
 	$(VENV)/bin/mypy
 	MPPROF_REQUIRE_TF_KERAS=1 $(PY) -m pytest -q
 	KERAS_BACKEND=jax $(PY) -m pytest -q tests/jax tests/test_backend_contract.py
+	KERAS_BACKEND=torch $(PY) -m pytest -q tests/torch tests/test_backend_contract.py
 	$(MAKE) test-lowest
 
 lint: install

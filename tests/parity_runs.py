@@ -1,6 +1,7 @@
 """The same Keras 3 runs on whichever backend Keras runs on, each summed up
 as JSON (findings, the loss-scale events, the numerics the findings rest
-on), for tests/test_backend_parity.py to compare across TensorFlow and JAX.
+on), for tests/test_backend_parity.py to compare across TensorFlow, JAX and
+PyTorch.
 
     KERAS_BACKEND=jax python tests/parity_runs.py OUT_DIR
 

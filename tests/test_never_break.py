@@ -248,14 +248,14 @@ def test_model_without_trainable_weights_counts_steps_from_calls(tmp_path):
     assert run.context["collectors"]["loss_scale"]["state"] == "absent"
 
 
-def test_keras_backend_other_than_tensorflow_or_jax_is_refused_at_construction(tmp_path):
-    # (torch is refused the same way; Keras' numpy backend needs nothing installed.)
+def test_keras_backend_other_than_tensorflow_jax_or_torch_is_refused_at_construction(tmp_path):
+    # (Keras' numpy backend needs nothing installed.)
     script = "import mpprof; mpprof.MixedPrecisionProfiler('logs')"
     env = {**os.environ, "KERAS_BACKEND": "numpy"}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                             text=True, timeout=120, cwd=tmp_path)
     assert result.returncode != 0
-    assert ("mpprof.MixedPrecisionProfiler profiles Keras on TensorFlow or JAX "
+    assert ("mpprof.MixedPrecisionProfiler profiles Keras on TensorFlow, JAX or PyTorch "
             "(KERAS_BACKEND is 'numpy')") in result.stderr
     assert not os.path.exists(tmp_path / "logs")
 

@@ -57,6 +57,10 @@ REGISTRY: dict[str, Registration] = {r.name: r for r in (
                  "mpprof.backends.tensorflow.op_names", "tensorflow"),
     Registration("jax", "JAX", "mpprof.backends.jax.backend:JaxBackend",
                  "mpprof.backends.jax.replay_engine", "mpprof.backends.jax.op_names", "jax"),
+    # No replay engine nor XProf window yet (`backends/torch/replay_capture.py`,
+    # `kernels.py` say so in the run context).
+    Registration("torch", "PyTorch", "mpprof.backends.torch.backend:TorchBackend",
+                 None, None, "torch"),
 )}
 
 # tf-keras (Keras 2) is a flavour, not a backend: its models train on
@@ -93,7 +97,8 @@ def check_backend() -> None:
 
     backend = keras.backend.backend()
     if backend not in REGISTRY:
-        names = " or ".join(r.framework for r in REGISTRY.values())
+        frameworks = [r.framework for r in REGISTRY.values()]
+        names = " or ".join(filter(None, [", ".join(frameworks[:-1]), frameworks[-1]]))
         settings = " or ".join(f"KERAS_BACKEND={name}" for name in REGISTRY)
         raise UnsupportedBackendError(
             f"mpprof.MixedPrecisionProfiler profiles Keras on {names} "

@@ -56,8 +56,8 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
     when `fit` ends or raises and on SIGTERM: a process killed outright
     (SIGKILL, the OOM killer) loses at most that much.
 
-    The same class profiles Keras 3 models on TensorFlow or JAX and tf-keras
-    (Keras 2) models, under any `tf.distribute` strategy (or, on JAX,
+    The same class profiles Keras 3 models on TensorFlow, JAX or PyTorch and
+    tf-keras (Keras 2) models, under any `tf.distribute` strategy (or, on JAX,
     `keras.distribution.DataParallel`) their `fit` supports. Under a
     multi-worker `MultiWorkerMirroredStrategy` (tf-keras) the chief writes
     the model-level records into `log_dir/train` and every worker its own
