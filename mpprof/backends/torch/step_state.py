@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,7 +53,8 @@ class _Block:
     """One followed optimizer's counts and, under loss scaling, its event ring
     ([capacity, 4]: step, scale before, scale after, kind)."""
 
-    optimizer: object
+    # A Keras optimizer on torch (a LossScaleOptimizer where growth_steps).
+    optimizer: Any
     growth_steps: int = 0  # (0: no loss scaling)
     ring: np.ndarray | None = None
     applied: int = 0

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from mpprof.backends.patching import Patches
 from mpprof.backends.torch.custom_step import watch_loss_metrics
+from mpprof.backends.torch.step_state import StepState
 from mpprof.backends.traced_guard import describe_error
 
 
@@ -43,7 +44,7 @@ class TrainFunctions:
         self._wants_instrumented = bool(instrumented)
         self.instrumented_off: str | None = None
         self.replayed = None  # (samples are always of the call's own step)
-        self._state = None
+        self._state: StepState | None = None
         self._first = True
 
     def install(self, dispatcher: Callable, patches: Patches) -> None:
