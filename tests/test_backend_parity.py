@@ -86,6 +86,14 @@ TORCH_DRAWS_OTHER_KERNELS = {name: _VALUES for name in (
     "growth_probes", "healthy", "float16_head", "nan_loss", "no_loss_scaling")}
 
 
+# The numerics values of the scenarios that start from random kernels
+# (glorot, seeded): each backend's generator draws its own, so the values of
+# their samples (at the default's early steps) differ across every pair of
+# backends; their sampled steps, findings and statuses are compared all the same.
+NUMERICS_VALUES = ("forward_abs_max", "forward_nonfinite", "backward_subnormal")
+RANDOM_KERNELS = ("healthy", "float16_head", "nan_loss", "no_loss_scaling")
+
+
 @pytest.mark.parametrize("scenario", sorted(EXPECTED))
 def test_every_backend_records_and_finds_the_same(summaries, scenario):
     tensorflow = summaries["tensorflow"][scenario]
@@ -95,7 +103,8 @@ def test_every_backend_records_and_finds_the_same(summaries, scenario):
     torch = summaries["torch"][scenario]
     assert {code for code, _, _ in tensorflow["findings"]} == EXPECTED[scenario]
     for key in sorted(set(tensorflow) | set(jax)):
-        assert tensorflow.get(key) == jax.get(key), (scenario, key)
+        if not (scenario in RANDOM_KERNELS and key in NUMERICS_VALUES):
+            assert tensorflow.get(key) == jax.get(key), (scenario, key)
     for key in sorted(set(tensorflow) | set(torch)):
         if key not in TORCH_DRAWS_OTHER_KERNELS.get(scenario, ()):
             assert tensorflow.get(key) == torch.get(key), (scenario, "torch", key)
