@@ -23,9 +23,9 @@ from no_silent_skips import pytest_runtest_makereport  # noqa: F401
 
 import mpprof
 
-# tests/jax runs in its own process with KERAS_BACKEND=jax (`make test`):
-# Keras picks its backend once, at import.
-collect_ignore = [] if keras.backend.backend() == "jax" else ["jax"]
+# tests/jax and tests/torch run in their own processes with KERAS_BACKEND set
+# (`make test`): Keras picks its backend once, at import.
+collect_ignore = [folder for folder in ("jax", "torch") if keras.backend.backend() != folder]
 
 
 @pytest.fixture(autouse=True)
