@@ -120,20 +120,35 @@ def trial_optimizer(model, dtype: str, loss_scale: float):
     return fresh
 
 
+# The first seed the trial's and the passes' random layers draw from: any
+# fixed value makes a verdict repeatable (a rebuilt model's SeedGenerators
+# start from a new random seed in each process unless the user seeded Keras).
+REPLAY_SEED = 1337
+
+
 @contextlib.contextmanager
-def random_draws_in_float32(tree: Mapping[str, object]) -> Iterator[list[str]]:
-    """Inside the block, each weightless layer that draws random numbers (a
-    SeedGenerator of its own: Dropout, GaussianNoise, random augmentation)
-    computes in float32 and casts its output back: stateless random ops draw
-    in the tensor's dtype, so from the same seed float16 and float32 draw
-    different masks, and a check comparing them would measure the masks, not
-    the precision. Yields the layers' names."""
+def repeatable_random_draws(tree: Mapping[str, object]) -> Iterator[list[str]]:
+    """Inside the block, every SeedGenerator of the model starts from a fixed
+    seed (`REPLAY_SEED`, one per generator), so float32's and a candidate's
+    passes and trials see the same dropout masks in every process: the same
+    capture gets the same verdict twice, and a comparison measures the
+    precision, not the masks. The generators' states are put back after.
+
+    Each weightless layer that draws random numbers (Dropout, GaussianNoise,
+    random augmentation) also computes in float32 and casts its output back:
+    stateless random ops draw in the tensor's dtype, so from the same seed
+    float16 and float32 draw different masks. Yields those layers' names."""
     patches = Patches()
     # Weightless ones only: a layer with weights and a seed (an LSTM cell's
     # dropout) computes its state in its own dtype and cannot be cast whole.
     names = [name for name, layer in tree.items()
              if getattr(layer, "_seed_generators", None) and not layer.weights]
+    generators = list({id(generator): generator for layer in tree.values()
+                       for generator in getattr(layer, "_seed_generators", ())}.values())
+    saved = [keras.ops.convert_to_numpy(generator.state.value) for generator in generators]
     try:
+        for index, generator in enumerate(generators):
+            generator.state.assign(np.array([REPLAY_SEED + index, 0], dtype=saved[index].dtype))
         for name in names:
             layer = tree[name]
             method = called_method(layer)
@@ -141,6 +156,8 @@ def random_draws_in_float32(tree: Mapping[str, object]) -> Iterator[list[str]]:
         yield names
     finally:
         patches.restore()
+        for generator, state in zip(generators, saved, strict=True):
+            generator.state.assign(state)
 
 
 def _is_float_tensor(value) -> bool:

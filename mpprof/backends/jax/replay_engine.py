@@ -196,7 +196,7 @@ class Engine(replay_candidates.CandidateEngine):
 
     def run_pass(self, candidate: verification.Candidate, batch: int,
                  loss_scale: float) -> PassResult:
-        with replay_candidates.random_draws_in_float32(self.tree):
+        with replay_candidates.repeatable_random_draws(self.tree):
             return self._step.run(
                 loss_scale, None,
                 data=replay_candidates.scale_inputs(self.batches[batch],
@@ -212,7 +212,7 @@ class Engine(replay_candidates.CandidateEngine):
         losses = []
         with self.swapped_optimizer(optimizer), replay_candidates.policies_applied(
                 model, self.tree, self.policies(candidate), candidate.default_policy), \
-                replay_candidates.random_draws_in_float32(self.tree):
+                replay_candidates.repeatable_random_draws(self.tree):
             if optimizer is not None:
                 optimizer.build(model.trainable_variables)
             # A new function: traced with these policies and this optimizer.

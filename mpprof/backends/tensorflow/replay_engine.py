@@ -132,7 +132,7 @@ class Engine(replay_candidates.CandidateEngine):
 
     def run_pass(self, candidate: verification.Candidate, batch: int,
                  loss_scale: float) -> search.PassResult:
-        with replay_candidates.random_draws_in_float32(self.tree):
+        with replay_candidates.repeatable_random_draws(self.tree):
             return run_pass(self.model,
                             replay_candidates.scale_inputs(self.batches[batch],
                                                            candidate.input_scale),
@@ -148,7 +148,7 @@ class Engine(replay_candidates.CandidateEngine):
         losses = []
         with self.swapped_optimizer(optimizer), replay_candidates.policies_applied(
                 model, self.tree, self.policies(candidate), candidate.default_policy), \
-                replay_candidates.random_draws_in_float32(self.tree):
+                replay_candidates.repeatable_random_draws(self.tree):
             optimizer.build(model.trainable_variables)
             # A new function: traced with these policies and this optimizer.
             train_step = tf.function(model.train_step)
