@@ -11,6 +11,7 @@ against float32, and the 30-step trial (decrease ratio, mean difference).
     python benchmarks/bench_verification.py                  # TensorFlow
     KERAS_BACKEND=jax python benchmarks/bench_verification.py
     python benchmarks/bench_verification.py --policies mixed_float16
+    python benchmarks/bench_verification.py --tiny   # a smoke test: one model, one policy
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import keras
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+import tiny  # benchmarks/, on the path when run as a script
 
 from mpprof.backends import replay_engines
 from mpprof.replay import verification
@@ -114,7 +117,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--policies", nargs="+", default=["mixed_float16", "mixed_bfloat16"])
     parser.add_argument("--batch-size", type=int, default=32)
-    args = parser.parse_args()
+    args = tiny.parse_args(parser, models=["seed_mlp"], policies=["mixed_float16"])
     print(f"backend {keras.backend.backend()}; tolerances {verification.TOLERANCES}; "
           f"trial {verification.trial_band()}")
     print(f"{'model':14} {'policy':15} {'loss':>8} {'gradient':>9} {'output':>8} "
