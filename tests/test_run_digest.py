@@ -168,3 +168,13 @@ def test_diagnose_json_over_a_sweep_reads_no_digested_run_and_says_the_same(
     reads.clear()
     cli.main(["diagnose", str(logdir)])
     assert reads == ["healthy/train", "storm/train"]
+
+
+def test_a_fifo_named_as_the_digest_holds_up_neither_the_reader_nor_the_fit(logdir):
+    path = logdir / "storm" / "train" / run_digest.NAME
+    path.unlink()
+    os.mkfifo(path)
+    assert loaded(logdir) == {}  # refused, not waited on
+    assert run_digest.write(str(path.parent)) is True  # renamed over it
+    assert path.is_file() and loaded(logdir)["storm/train"] == read_row(logdir, "storm/train")
+    assert [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")] == []

@@ -39,10 +39,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
+import os
 import pathlib
+import secrets
+import stat
 from collections.abc import Iterable
 
 import google_crc32c
@@ -174,7 +178,25 @@ def write(run_dir: str) -> bool:
     document = json.dumps({"crc32c": google_crc32c.value(body.encode()), "body": body})
     if len(document) > MAX_BYTES:
         return False
-    filesystem.write_bytes(filesystem.join(run_dir, NAME), document.encode())
+    path = filesystem.join(run_dir, NAME)
+    if filesystem.is_remote(path):
+        filesystem.write_bytes(path, document.encode())  # one object, whole
+        return True
+    # Written beside, then renamed over whatever is there (never opened: a
+    # FIFO of that name would hold up the fit's end): a reader sees the old
+    # digest or the new one, whole.
+    # Created as the event files are (0o666 less the umask: readable by
+    # whoever may read the records).
+    temporary = os.path.join(run_dir, f"{NAME}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(descriptor, "wb") as out:
+            out.write(document.encode())
+        os.replace(temporary, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
     return True
 
 
@@ -205,11 +227,19 @@ def load_many(runs: dict[str, tuple[reader.FileState, ...]],
 
 
 def _read_local(path: str) -> bytes | OSError:
+    """At most `MAX_BYTES` + 1 bytes of the regular file `path` (opened
+    without blocking: a FIFO of that name is refused, not waited on)."""
     try:
-        with open(path, "rb") as f:
-            return f.read(MAX_BYTES + 1)
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
         return e
+    with os.fdopen(descriptor, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return OSError(f"{path}: not a regular file")
+        try:
+            return f.read(MAX_BYTES + 1)
+        except OSError as e:
+            return e
 
 
 def _trusted(data: bytes, states: tuple[reader.FileState, ...], part: str) -> dict | None:
