@@ -118,14 +118,18 @@ def run_summary(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
 
 
 @functools.cache
-def code_fingerprint() -> str:
+def code_fingerprint() -> str | None:
     """SHA-256 of the content of mpprof's source files: the same on every
-    install of the same code, another for another version or an edit."""
+    install of the same code, another for another version or an edit; None
+    where they cannot be read (no digest is written or trusted then)."""
     root = pathlib.Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(f"{path.relative_to(root).as_posix()}\0".encode())
-        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    try:
+        for path in sorted(root.rglob("*.py")):
+            digest.update(f"{path.relative_to(root).as_posix()}\0".encode())
+            digest.update(hashlib.sha256(path.read_bytes()).digest())
+    except OSError:
+        return None
     return digest.hexdigest()
 
 
@@ -162,7 +166,7 @@ def write(run_dir: str) -> bool:
     be read or written, and whatever reading or diagnosing raises: the
     caller (the fit's end) guards it."""
     states = reader.run_file_states(run_dir, ".")
-    if sum(size for _, size, _ in states) > MAX_READ_BYTES:
+    if sum(size for _, size, _ in states) > MAX_READ_BYTES or code_fingerprint() is None:
         return False
     run = reader.read_run(run_dir, ".")
     if not run.readable or run.losses:
@@ -254,7 +258,8 @@ def _trusted(data: bytes, states: tuple[reader.FileState, ...], part: str) -> di
                 document["crc32c"] != google_crc32c.value(body.encode()):
             return None
         content = json.loads(body)
-        if content["format"] != FORMAT or content["code"] != code_fingerprint():
+        code = code_fingerprint()
+        if content["format"] != FORMAT or code is None or content["code"] != code:
             return None
         if content["files"] != _file_names(states):
             return None  # written before the files last changed
