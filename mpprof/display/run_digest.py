@@ -17,8 +17,9 @@ as ever:
   sizes and mtimes: a record written after it, a later fit into the same
   directory, a file rewritten, truncated or copied without its mtime, and
   the run is read in full;
-- mpprof's code is the same (a SHA-256 of the content of its source files):
-  another version, or an edit, may diagnose differently;
+- mpprof's code is the same (a SHA-256 of the content of its source files
+  and numpy's version): another version, or an edit, may diagnose
+  differently;
 - the digest is whole: under `MAX_BYTES`, its CRC-32C matches its body, its
   parts have the fields they are read with.
 
@@ -50,6 +51,7 @@ import stat
 from collections.abc import Iterable
 
 import google_crc32c
+import numpy as np
 
 from mpprof import diagnosis
 from mpprof.jsonsafe import json_safe
@@ -119,11 +121,12 @@ def run_summary(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
 
 @functools.cache
 def code_fingerprint() -> str | None:
-    """SHA-256 of the content of mpprof's source files: the same on every
-    install of the same code, another for another version or an edit; None
-    where they cannot be read (no digest is written or trusted then)."""
+    """SHA-256 of the content of mpprof's source files and of numpy's version
+    (the rules' statistics): the same on every install of the same code,
+    another for another version or an edit; None where they cannot be read
+    (no digest is written or trusted then)."""
     root = pathlib.Path(__file__).resolve().parent.parent
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(f"numpy {np.__version__}\n".encode())
     try:
         for path in sorted(root.rglob("*.py")):
             digest.update(f"{path.relative_to(root).as_posix()}\0".encode())
