@@ -182,7 +182,11 @@ def retrain(name: str, dtypes: dict | None, policy: str, float8: list[str],
             steps: int = 20, initial=None) -> tuple[list[float], list]:
     """`steps` train_on_batch steps of the planted model with these policies
     (float8: `model.quantize` filters), from `initial` weights when given;
-    the loss of each step and the weights it started from."""
+    the loss of each step and the weights it started from. Seeded: both
+    retrains' dropout layers (the BERT's) start from the same seeds, as the
+    verification's trial does (`replay_candidates.repeatable_random_draws`);
+    unseeded, their masks followed whatever ran before in the process."""
+    keras.utils.set_random_seed(0)
     model = planted(name, dtypes, policy)
     trainable = list(model.trainable_weights)
     if initial is None:
