@@ -265,7 +265,7 @@ def test_the_whole_projection_of_a_plan_by_hand(advice):
     advised = mpprof.advise(str(advice["mlp"][0]), gpu="H100")
     facts = {f["name"]: f for f in advised["facts"]}
     island = next(t for t in advised["projection"]["layers"] if t["layer"] == "island")
-    g = facts["island"]["gemm"]
+    (g,) = facts["island"]["gemms"]
     # 8 rows (the batch) x 40 x 40: memory bound at TF32 now, float16 planned.
     assert (g["m"], g["n"], g["k"]) == (8, 40, 40)
     moved = 8 * 40 + 40 * 40 + 8 * 40
@@ -325,21 +325,105 @@ def test_amdahl_over_a_measured_step_by_hand(advice):
     assert advise_run(run)["projection"]["step_speedup"] is None  # a CPU run: GEMMs only
 
 
+# Attention: sized from the recorded shapes, checked against FLOPs worked out
+# by hand from the models' definitions (tests/advise_models.py).
+
+def _attention_flops(batch, heads, queries, keys, key_dim, value_dim):
+    """Forward and backward FLOPs of QK^T and AV: 3 x 2 x B·H·T·S·(dk + dv)."""
+    return 3 * 2 * batch * heads * queries * keys * (key_dim + value_dim)
+
+
+def test_multi_head_attention_is_sized_from_the_recorded_shapes(advice):
+    """The planted transformer: MultiHeadAttention(num_heads=2, key_dim=8) on
+    8 tokens of 16 features, batch 8; its projections are EinsumDense rows."""
+    advised = mpprof.advise(str(advice["transformer"][0]), gpu="H100")
+    facts = {f["name"]: f for f in advised["facts"]}
+    qk, av = facts["mha"]["gemms"]
+    assert (qk["name"], qk["batch"], qk["m"], qk["n"], qk["k"]) == ("QK^T", 16, 8, 8, 8)
+    assert (av["name"], av["batch"], av["m"], av["n"], av["k"]) == ("AV", 16, 8, 8, 8)
+    assert facts["mha"]["step_flops"] == _attention_flops(8, 2, 8, 8, 8, 8) == 98304
+    # The query projection: (8 x 8 tokens) x 16 features -> 2 heads x 8.
+    assert facts["mha/query"]["step_flops"] == 3 * 2 * (8 * 8) * 16 * (2 * 8)
+    assert facts["mha"]["aligned"] is True
+    row = next(r for r in advised["plan"]["rows"] if r["layer"] == "mha")
+    assert (row["action"], row["planned"]) == ("keep", "float16")
+    assert "QK^T: 16 x 8x8x8" in row["reasons"][-1] and "Tensor Core friendly" in (
+        row["reasons"][-1])
+    # Its roofline on H100 in float16, by hand: each product moves
+    # 16 x (64 + 64 + 64) halves and computes 2 x 16 x 512 FLOP: memory bound.
+    timed = next(t for t in advised["projection"]["layers"] if t["layer"] == "mha")
+    moved = 16 * (8 * 8 * 3) * 2
+    per_product = max(2 * 16 * 8 * 8 * 8 / (989.4e12 * 0.78), moved / (3.35e12 * 0.92))
+    assert timed["now_bound"] == "memory"
+    assert timed["now_s"] == pytest.approx(2 * 3 * per_product, rel=1e-12)
+    assert timed["now_cast_s"] == 0  # both operands made inside, in its dtype
+    assert "mha" not in advised["projection"]["unsized_layers"]
+
+
+@pytest.fixture(scope="module")
+def cross_attention(tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("advise_cross_attention")
+    return advise_models.fit_planted("cross_attention", logdir, advise_batches=0)
+
+
+def test_cross_attention_with_a_misaligned_key_length_is_sized_and_left_alone(
+        cross_attention):
+    """The healthy look-alike: 6 queries attend to 10 keys, everything in
+    mixed_float16: both attention layers sized by hand, flagged misaligned
+    (10 is no multiple of 8), and nothing to change."""
+    facts = {f["name"]: f for f in cross_attention["facts"]}
+    cross, dot = facts["cross"], facts["dot"]
+    assert [(g["batch"], g["m"], g["n"], g["k"]) for g in cross["gemms"]] == [
+        (16, 6, 10, 8), (16, 6, 8, 10)]
+    assert cross["step_flops"] == _attention_flops(8, 2, 6, 10, 8, 8)
+    # keras.layers.Attention([q, v]): one head, the 16 features contracted.
+    assert [(g["batch"], g["m"], g["n"], g["k"]) for g in dot["gemms"]] == [
+        (8, 6, 10, 16), (8, 6, 16, 10)]
+    assert dot["step_flops"] == _attention_flops(8, 1, 6, 10, 16, 16)
+    assert cross["aligned"] is False and dot["aligned"] is False
+    plan = cross_attention["plan"]
+    assert plan["nothing_to_change"], plan["rows"]
+    for name in ("cross", "dot"):
+        row = next(r for r in plan["rows"] if r["layer"] == name)
+        assert row["action"] == "keep"
+        assert "[8, 10] are not all multiples of 8" in row["reasons"][-1] or (
+            "[10, 16] are not all multiples of 8" in row["reasons"][-1])
+    assert cross_attention["projection"]["unsized_layers"] == []
+
+
+def _island(name, cls, sampled=True):
+    """A float32 layer whose sampled output fits float16 with room to spare."""
+    from mpprof.advisor.facts import LayerFacts
+
+    return LayerFacts(name=name, path=name, cls=cls, compute_dtype="float32",
+                      policy="float32", quantization_mode=None, is_output=False,
+                      gemms=[], gemm_dims=None, aligned=None, float8_eligible=False,
+                      sampled=sampled, samples=8, forward_abs_max=3.0,
+                      backward_abs_max=1.0, forward_underflow=0.0, backward_underflow=0.0)
+
+
+def test_an_attention_island_keeps_its_projections_float32():
+    """A float32 MultiHeadAttention stays float32 and so do its projections,
+    though their outputs fit float16: they make the scores' operands."""
+    from mpprof.advisor.plan import make_plan
+
+    plan = make_plan([_island("mha/query", "EinsumDense"),
+                      _island("mha", "MultiHeadAttention", sampled=False),
+                      _island("mha_out", "Dense")], "mixed_float16", "float16")
+    query, mha, after = plan.rows
+    assert (mha.action, mha.planned) == ("keep", "float32")
+    assert "attention scores" in mha.reasons[0]
+    assert (query.action, query.planned) == ("keep", "float32")
+    assert "inside mha" in query.reasons[0]
+    assert (after.action, after.planned) == ("lower", "float16")  # "mha_out" is not inside
+
+
 def test_an_attention_island_is_never_lowered_on_its_output_headroom():
     """Its query-key scores (what overflows) are inside it, never sampled:
     the same output numbers lower a Dense island but not an Attention one."""
-    from mpprof.advisor.facts import LayerFacts
     from mpprof.advisor.plan import make_plan
 
-    def island(name, cls):
-        return LayerFacts(name=name, path=name, cls=cls, compute_dtype="float32",
-                          policy="float32", quantization_mode=None, is_output=False,
-                          gemm=None, gemm_dims=None, aligned=None, float8_eligible=False,
-                          sampled=True, samples=8, forward_abs_max=3.0,
-                          backward_abs_max=1.0, forward_underflow=0.0,
-                          backward_underflow=0.0)
-
-    plan = make_plan([island("attention", "Attention"), island("dense", "Dense")],
+    plan = make_plan([_island("attention", "Attention"), _island("dense", "Dense")],
                      "mixed_float16", "float16")
     attention, dense = plan.rows
     assert (attention.action, attention.planned) == ("keep", "float32")

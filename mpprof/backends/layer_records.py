@@ -409,12 +409,21 @@ def gemm_macs(layer) -> dict | None:
     ConvND: the contracted size, kernel window included; SeparableConvND:
     its pointwise part). "attention_scores": per element of the attention
     probabilities (MultiHeadAttention's softmax output: the QK^T and AV
-    GEMMs, key_dim + value_dim). "timestep_output": per element of a
+    GEMMs, key_dim + value_dim; the advisor sizes them from its query, key
+    and value projections' shapes). "attention_output": `Attention` and
+    `AdditiveAttention`, sized by the advisor from their input and output
+    shapes; `score_mode` "dot" (QK^T and AV are GEMMs) or "concat" (additive
+    scores: only AV is). "timestep_output": per element of a
     recurrent layer's output at each timestep (gates x (inputs + units)),
     exact when the layer returns sequences. None: no GEMM of its own, or
-    one this does not size (a transposed convolution, `Attention`).
+    one this does not size (a transposed convolution).
     """
     cls = type(layer).__name__
+    if cls == "AdditiveAttention":
+        return {"per": "attention_output", "score_mode": "concat"}
+    if cls == "Attention":
+        return {"per": "attention_output",
+                "score_mode": str(getattr(layer, "score_mode", "dot"))}
     if cls == "MultiHeadAttention":
         layout = gemm_layout(layer)
         return {"per": "attention_scores",
