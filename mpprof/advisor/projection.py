@@ -22,7 +22,11 @@ The model (docs/advisor.md says it with its assumptions):
   layer casts its float32 kernel (K·N) each step, forward and backward; a
   float8 layer also reads each quantized tensor once more for its amax.
 - Amdahl: only the GEMMs change; where the run measured its step on the same
-  GPU, the step's other time stays.
+  GPU, the step's other time stays. The GEMMs' share of the step is measured
+  where it can be: XProf's kernel times over the run's profile window (the
+  Tensor-Core-eligible ops' kernels per traced step, over the measured step
+  time; without a step time, their share of all GPU kernel time), else the
+  roofline's GEMM time over the measured step. The result names its source.
 """
 
 from __future__ import annotations
@@ -89,6 +93,60 @@ def layer_seconds(gemms: list[Gemm], mode: str, gpu: Gpu) -> tuple[float, str]:
 
 
 @dataclasses.dataclass
+class KernelTimes:
+    """The run's XProf kernel table over its profile window
+    (`kernels/tensor_core_share`, `mpprof.backends.xprof_kernels`).
+
+    Attributes:
+        gemm_us: the kernel time of the ops XProf calls Tensor-Core eligible
+            (matmuls, convolutions, einsums: the GEMMs a plan changes).
+        total_us: all GPU kernel time.
+        steps: how many train steps the trace holds, None when unknown (a
+            trace of TensorBoard's `profile_batch`).
+        source: the profiling session read.
+    """
+
+    gemm_us: float
+    total_us: float
+    steps: int | None
+    source: str
+
+
+# Where the whole step's Amdahl took the GEMMs' share of the step from.
+AMDAHL_XPROF_STEP = "xprof kernel times over the measured step"
+AMDAHL_XPROF_SHARE = "xprof kernel times' share of GPU kernel time"
+AMDAHL_ROOFLINE = "roofline GEMM time over the measured step"
+
+
+def gemm_share(kernels: KernelTimes | None, measured_step_s: float | None,
+               roofline_now_s: float) -> tuple[float, str, str] | None:
+    """The GEMMs' share of the step, its source and how it was read.
+
+    Measured where the run has a profile window: the GEMM kernels' time per
+    traced step over the measured step time, or (no step time) their share
+    of all GPU kernel time, the step taken as GPU-bound. Else the roofline's
+    GEMM time over the measured step. None without either.
+    """
+    if kernels is not None and kernels.gemm_us > 0 and kernels.total_us > 0:
+        if kernels.steps and measured_step_s:
+            per_step = kernels.gemm_us * 1e-6 / kernels.steps
+            return (min(per_step / measured_step_s, 1.0), AMDAHL_XPROF_STEP,
+                    f"XProf: GEMM kernels {per_step * 1e6:.4g} us per step over "
+                    f"{kernels.steps} traced steps, of a measured "
+                    f"{measured_step_s * 1e3:.4g} ms step")
+        return (kernels.gemm_us / kernels.total_us, AMDAHL_XPROF_SHARE,
+                f"XProf: GEMM kernels {kernels.gemm_us:.4g} us of {kernels.total_us:.4g} us "
+                "of GPU kernel time, the step taken as GPU-bound (no measured step time "
+                "or traced step count)")
+    if measured_step_s and roofline_now_s > 0:
+        return (min(roofline_now_s / measured_step_s, 1.0), AMDAHL_ROOFLINE,
+                f"the roofline's GEMM time {roofline_now_s * 1e6:.4g} us over a measured "
+                f"{measured_step_s * 1e3:.4g} ms step (no XProf kernel times: "
+                "MixedPrecisionProfiler(profile_steps=(start, stop)) records them)")
+    return None
+
+
+@dataclasses.dataclass
 class LayerTime:
     layer: str
     flops: float
@@ -115,13 +173,15 @@ class LayerTime:
 
 
 def project(plan: Plan, facts: list[LayerFacts], gpu: Gpu, tf32_enabled: bool | None,
-            measured_step_s: float | None = None) -> dict:
+            measured_step_s: float | None = None,
+            kernels: KernelTimes | None = None) -> dict:
     """The plan's GEMM time against the current policy's on `gpu`.
 
     Args:
         tf32_enabled: whether float32 matmuls ran as TF32 (None: unknown,
             taken as the frameworks' default, on).
         measured_step_s: the run's own step time on this GPU, for Amdahl.
+        kernels: the run's XProf kernel times on this GPU, for Amdahl.
     """
     by_name = {f.name: f for f in facts}
     now_dtype = {r.layer: r.now for r in plan.rows}
@@ -166,11 +226,14 @@ def project(plan: Plan, facts: list[LayerFacts], gpu: Gpu, tf32_enabled: bool | 
         "gemm_speedup": (now / planned) if planned > 0 else None,
         "measured_step_seconds": measured_step_s,
         "step_speedup": None,
+        "amdahl_source": None,
         "label": "projection",
     }
-    if measured_step_s and planned > 0 and now > 0:
-        share = min(now / measured_step_s, 1.0)
+    found = gemm_share(kernels, measured_step_s, now) if planned > 0 and now > 0 else None
+    if found is not None:
+        share, source, detail = found
         result["gemm_share_of_step"] = share
+        result["amdahl_source"], result["amdahl_detail"] = source, detail
         result["step_speedup"] = 1.0 / ((1.0 - share) + share * planned / now)
     return result
 

@@ -58,9 +58,8 @@ def advice_lines(advice: dict) -> list[str]:
         f"{_seconds(projection['gemm_seconds_plan'])} with the plan"
         + (f" ({speedup:.2f}x)" if speedup else ""))
     if projection.get("step_speedup"):
-        lines.append(f"    whole step (Amdahl over the measured "
-                     f"{_seconds(projection['measured_step_seconds'])}): "
-                     f"{projection['step_speedup']:.2f}x")
+        lines.append(f"    whole step (Amdahl, the GEMMs' share from "
+                     f"{projection['amdahl_detail']}): {projection['step_speedup']:.2f}x")
     elif projection.get("step_note"):
         lines.append(f"    {projection['step_note']}")
     slower = [t["layer"] for t in projection["layers"] if t.get("float8_pays") is False]

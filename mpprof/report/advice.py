@@ -46,6 +46,9 @@ def advice_html(run: reader.Run) -> str:
         f"{projection['gemm_seconds_now'] * 1e6:.3g} us now, "
         f"{projection['gemm_seconds_plan'] * 1e6:.3g} us with the plan"
         + (f" ({speedup:.2f}x)" if speedup else "")
+        + (f"; the whole step {projection['step_speedup']:.2f}x (Amdahl, the GEMMs' share "
+           f"from {escape(projection['amdahl_detail'])})" if projection.get("step_speedup")
+           else "")
         + ". A roofline projection (78% of peak compute, 92% of peak bandwidth), not a "
         "measurement: <code>mpprof advise LOGDIR --gpu NAME</code> for another GPU.</p>")
     verification = saved_verification(run.path)

@@ -60,7 +60,8 @@ export async function show(container, { focus, offerCsv }) {
     el("p", { class: "advice-projection" },
       `Projection on ${projection.gpu_full_name}: GEMMs and casts ${seconds(projection.gemm_seconds_now)} per step now, `,
       `${seconds(projection.gemm_seconds_plan)} with the plan${speedup}. `,
-      projection.step_speedup ? `Whole step (Amdahl over the measured step): ${projection.step_speedup.toFixed(2)}x. `
+      projection.step_speedup
+        ? `Whole step: ${projection.step_speedup.toFixed(2)}x (Amdahl, the GEMMs' share from ${projection.amdahl_detail}). `
         : `${projection.step_note ?? ""} `,
       "A roofline projection (78% of peak compute, 92% of peak bandwidth), not a measurement; ",
       "mpprof advise LOGDIR --gpu NAME projects for another GPU."),
