@@ -186,12 +186,13 @@ def plan_dtypes(plan: dict) -> dict[str, str]:
     return found
 
 
-def fit_planted(name: str, logdir, advise_batches: int = 2) -> dict:
-    """Trains the planted model `name` under the profiler (numerics every
-    step, `advise_batches` kept) and returns `mpprof.advise(logdir)`."""
+def fit_planted(name: str, logdir, advise_batches: int = 2, policy: str = POLICY) -> dict:
+    """Trains the planted model `name` under `policy` and the profiler
+    (numerics every step, `advise_batches` kept) and returns
+    `mpprof.advise(logdir)`."""
     import mpprof
 
-    model = planted(name)
+    model = planted(name, policy=policy)
     x, y = data(name)
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False,
               callbacks=[mpprof.MixedPrecisionProfiler(
