@@ -199,6 +199,18 @@ def test_mp020_look_alikes_are_no_finding(advice, tmp_path):
     assert _mp020(_on_gpu(tmp_path / "healthy", advice["healthy"][0], A100)) == ("checked", [])
 
 
+def test_a_layer_fed_by_a_normalization_knows_its_producer(advice):
+    """keras-hub's encoder feeds its float16 feed-forward Dense the output of
+    a LayerNormalization, which computes in float32 and ends in a Cast: that
+    Cast is the norm's output, not one of the Dense's (TensorFlow's tracer
+    looked behind it and lost the producer, so the float8 input share was
+    unknown and the plan differed from JAX's)."""
+    facts = {f["name"]: f for f in advice["hub"][1]["facts"]}
+    dense = facts["transformer_layer_0/feedforward_intermediate_dense"]
+    assert dense["producer"] == "transformer_layer_0/self_attention_layer_norm"
+    assert dense["float8_input_loss"] is not None
+
+
 def test_both_backends_give_the_same_plan(advice, tmp_path):
     env = {**os.environ, "KERAS_BACKEND": "jax"}
     subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "advise_models.py"),
