@@ -128,6 +128,21 @@ def test_verify_replays_the_plan_with_the_verification_api(advice):
     # Each layer's replayed sensitivity: float16 rounds ~8x finer than bfloat16.
     island = next(f for f in advised["facts"] if f["name"] == "island")["sensitivity"]
     assert 0 < island["float16"]["output"] < island["bfloat16"]["output"] < 0.05
+    # Float8's rounding of its GEMM's operands (e4m3: 3 mantissa bits, e5m2: 2),
+    # coarser than float16's and bfloat16's (10 and 7).
+    assert island["bfloat16"]["output"] < island["float8"]["input"] < 0.1
+    assert island["float8"]["input"] < island["float8"]["gradient"] < 0.2
+
+
+def test_float8_rounding_by_hand():
+    """[2, 1, 0.1] at amax scaling: x 224 -> 448, 224, 22.4; e4m3 holds 448
+    and 224 exactly and rounds 22.4 to 22 (steps of 2 between 16 and 32)."""
+    from mpprof.advisor.verify import float8_rounding
+
+    values = [2.0, 1.0, 0.1]
+    error = math.hypot(0.1 - 22 / 224) / math.hypot(*values)
+    assert float8_rounding(values, "float8_e4m3fn") == pytest.approx(error, rel=1e-12)
+    assert float8_rounding([0.0, 0.0], "float8_e4m3fn") is None
 
 
 def test_cli_json_and_text(advice, capsys):

@@ -144,7 +144,9 @@ def _verification(logdir, run: str, advice: dict, verify: bool) -> dict:
     # The steps that went wrong too (replay captures): the plan must hold on
     # the batches that overflowed, not only on healthy ones.
     wrong = replay_files.find_captures(run_path, ".")
-    result = json_safe(verifying.verify(logdir, run, advice["plan"], captures, wrong))
+    producers = {f["name"]: f["producer"] for f in advice["facts"] if f["float8_eligible"]}
+    result = json_safe(verifying.verify(logdir, run, advice["plan"], captures, wrong,
+                                        producers))
     if result["state"] != "failed":
         result["plan_code"] = advice["plan"]["code"]
         try:

@@ -47,6 +47,11 @@ def advice_lines(advice: dict) -> list[str]:
                       if e and e.get("output") is not None and e.get("gradient") is not None]
             if errors:
                 lines.append(f"      - replayed against float32: {'; '.join(errors)}")
+            rounding = replayed.get("float8") or {}
+            if rounding.get("input") is not None and rounding.get("gradient") is not None:
+                lines.append(f"      - float8 rounding on the float32 pass: input (e4m3) "
+                             f"{rounding['input']:.2g}, gradient (e5m2) "
+                             f"{rounding['gradient']:.2g}")
     if not plan["nothing_to_change"]:
         lines.append("  code:")
         lines += [f"    {line}" for line in plan["code"].splitlines()]
