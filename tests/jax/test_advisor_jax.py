@@ -43,6 +43,9 @@ def test_the_jax_engine_verifies_the_plan_on_the_kept_batches(mlp):
     assert verification["state"] == "verified", verification["detail"]
     assert verification["batch_steps"] == [2, 6]
     assert verification["plan"]["trial"]["passed"]
+    # Float8's rounding of the island's GEMM operands, read on JAX's float32 pass.
+    rounding = verification["sensitivity"]["float8"]["island"]
+    assert 0 < rounding["input"] < rounding["gradient"] < 0.2
 
 
 def test_attention_is_sized_as_on_tensorflow(tmp_path):
