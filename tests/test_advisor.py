@@ -390,15 +390,20 @@ def test_multi_head_attention_is_sized_from_the_recorded_shapes(advice):
 @pytest.fixture(scope="module")
 def cross_attention(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("advise_cross_attention")
-    return advise_models.fit_planted("cross_attention", logdir, advise_batches=0)
+    return logdir, advise_models.fit_planted("cross_attention", logdir, advise_batches=0)
 
 
 def test_cross_attention_with_a_misaligned_key_length_is_sized_and_left_alone(
         cross_attention):
     """The healthy look-alike: 6 queries attend to 10 keys, everything in
     mixed_float16: both attention layers sized by hand, flagged misaligned
-    (10 is no multiple of 8), and nothing to change."""
-    facts = {f["name"]: f for f in cross_attention["facts"]}
+    (10 is no multiple of 8), and nothing to change; the text and the report
+    say so, though no row changes."""
+    from mpprof import report
+    from mpprof.advisor.text import advice_lines
+
+    logdir, advised = cross_attention
+    facts = {f["name"]: f for f in advised["facts"]}
     cross, dot = facts["cross"], facts["dot"]
     assert [(g["batch"], g["m"], g["n"], g["k"]) for g in cross["gemms"]] == [
         (16, 6, 10, 8), (16, 6, 8, 10)]
@@ -408,14 +413,19 @@ def test_cross_attention_with_a_misaligned_key_length_is_sized_and_left_alone(
         (8, 6, 10, 16), (8, 6, 16, 10)]
     assert dot["step_flops"] == _attention_flops(8, 1, 6, 10, 16, 16)
     assert cross["aligned"] is False and dot["aligned"] is False
-    plan = cross_attention["plan"]
+    plan = advised["plan"]
     assert plan["nothing_to_change"], plan["rows"]
-    for name in ("cross", "dot"):
+    for name, sizes in (("cross", "[8, 10]"), ("dot", "[10, 16]")):
         row = next(r for r in plan["rows"] if r["layer"] == name)
         assert row["action"] == "keep"
-        assert "[8, 10] are not all multiples of 8" in row["reasons"][-1] or (
-            "[10, 16] are not all multiples of 8" in row["reasons"][-1])
-    assert cross_attention["projection"]["unsized_layers"] == []
+        assert f"{sizes} are not all multiples of 8" in row["reasons"][-1]
+    assert advised["projection"]["unsized_layers"] == []
+    text = "\n".join(advice_lines(advised))
+    assert "attention (sized from the recorded shapes):\n    cross (MultiHeadAttention): " \
+        "attention GEMMs per step" in text
+    assert "dot (Attention): attention GEMMs per step" in text
+    html = report.build_report(logdir)
+    assert "<li>cross (MultiHeadAttention): attention GEMMs per step" in html
 
 
 def _island(name, cls, sampled=True):

@@ -35,6 +35,10 @@ FLOAT8_MAX_AMAX_GROWTH = 2.0
 INSIDE_PRODUCTS = ("Attention", "AdditiveAttention", "MultiHeadAttention",
                    "GroupedQueryAttention", "GroupQueryAttention")
 
+# How an attention layer's sizing reason starts (the text and the report
+# list them apart: a kept layer's reasons are not shown otherwise).
+ATTENTION_EVIDENCE = "attention GEMMs per step"
+
 KEEP = "keep"
 FLOAT32 = "float32"
 LOWER = "lower"
@@ -277,6 +281,12 @@ def _inside_kept_attention(rows: list[Row]) -> None:
                        "the attention scores' operands"]
 
 
+def attention_rows(plan: dict) -> list[tuple[dict, str]]:
+    """(row, its sizing reason) of each attention layer of a plan dict."""
+    return [(row, reason) for row in plan["rows"] for reason in row["reasons"]
+            if reason.startswith(ATTENTION_EVIDENCE)]
+
+
 def _attention_evidence(fact: LayerFacts) -> str:
     """An attention layer's sizing and Tensor Core alignment, in words."""
     flops = sum(g.step_flops for g in fact.gemms)
@@ -287,7 +297,7 @@ def _attention_evidence(fact: LayerFacts) -> str:
                "Tensor Core friendly" if fact.aligned else
                f"its contracted and produced sizes {sizes} are not all multiples of "
                f"{multiple}: pad the head size or the key length for Tensor Cores")
-    return (f"attention GEMMs per step (forward and backward, {flops:.4g} FLOP): {shapes}; "
+    return (f"{ATTENTION_EVIDENCE} (forward and backward, {flops:.4g} FLOP): {shapes}; "
             f"{aligned}")
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mpprof.advisor.plan import FLOAT8, FLOAT32, LOWER
+from mpprof.advisor.plan import FLOAT8, FLOAT32, LOWER, attention_rows
 from mpprof.terminal import printable
 
 
@@ -52,6 +52,10 @@ def advice_lines(advice: dict) -> list[str]:
                 lines.append(f"      - float8 rounding on the float32 pass: input (e4m3) "
                              f"{rounding['input']:.2g}, gradient (e5m2) "
                              f"{rounding['gradient']:.2g}")
+    attention = attention_rows(plan)
+    if attention:
+        lines.append("  attention (sized from the recorded shapes):")
+        lines += [f"    {row['layer']} ({row['cls']}): {evidence}" for row, evidence in attention]
     if not plan["nothing_to_change"]:
         lines.append("  code:")
         lines += [f"    {line}" for line in plan["code"].splitlines()]

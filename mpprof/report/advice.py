@@ -8,6 +8,7 @@ from __future__ import annotations
 import html
 
 from mpprof.advisor import advise_run, saved_verification
+from mpprof.advisor.plan import attention_rows
 from mpprof.records import reader
 
 _ACTIONS = {"float32": "must be float32", "lower": "can go lower", "float8": "float8 candidate",
@@ -37,6 +38,12 @@ def advice_html(run: reader.Run) -> str:
                 f"<td>{escape(row['planned'])} ({escape(_ACTIONS[row['action']])})</td>"
                 f"<td>{escape('; '.join(row['reasons']))}</td></tr>")
         parts.append("</table>")
+    attention = attention_rows(plan)
+    if attention:
+        parts.append("<p><b>Attention</b> (sized from the recorded shapes):</p><ul>")
+        parts += [f"<li>{escape(row['layer'])} ({escape(row['cls'])}): {escape(evidence)}</li>"
+                  for row, evidence in attention]
+        parts.append("</ul>")
     if not plan["nothing_to_change"]:
         parts.append(f"<pre>{escape(plan['code'])}</pre>")
     speedup = projection.get("gemm_speedup")

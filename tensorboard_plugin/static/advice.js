@@ -7,6 +7,9 @@
 import { getJson } from "./api.js";
 import { el, notMeasured } from "./dom.js";
 
+// How an attention layer's sizing reason starts (mpprof.advisor.plan.ATTENTION_EVIDENCE).
+const ATTENTION_EVIDENCE = "attention GEMMs per step";
+
 const ACTIONS = {
   float32: "must be float32",
   lower: "can go lower",
@@ -52,6 +55,17 @@ export async function show(container, { focus, offerCsv }) {
             el("td", {}, `${row.planned} (${ACTIONS[row.action] ?? row.action})`),
             el("td", {}, row.reasons.join("; ")),
           )))),
+    );
+  }
+  // Each attention layer's sizing (its QK^T and AV products, their FLOPs and
+  // alignment), shown though its row does not change.
+  const attention = plan.rows.flatMap((row) => row.reasons
+    .filter((reason) => reason.startsWith(ATTENTION_EVIDENCE))
+    .map((reason) => `${row.layer} (${row.cls}): ${reason}`));
+  if (attention.length) {
+    container.append(
+      el("p", { class: "advice-attention" }, "Attention (sized from the recorded shapes):"),
+      el("ul", { class: "advice-attention" }, attention.map((line) => el("li", {}, line))),
     );
   }
   if (!plan.nothing_to_change) container.append(el("pre", { class: "advice-code" }, plan.code));
