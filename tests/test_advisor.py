@@ -443,60 +443,76 @@ H100 = {"name": "NVIDIA H100 80GB HBM3", "compute_capability": [9, 0],
         "architecture": "Hopper", "fp16_tensor_cores": True, "bf16": True}
 
 
-def _with_kernel_table(tmp_path, logdir, traced_steps):
-    """The run of `logdir` as if it had trained on an H100 with a profile
-    window whose trace is tests/xplanes.py's kernels, converted by the real
-    XProf (`traced_steps`: the window's steps, None for TensorBoard's)."""
+# The GPU sampler's clock in the rewritten runs: a sample every 50 ms, each
+# at the next step.
+STEP_S = 0.05
+
+
+def _on_h100(tmp_path, logdir, traced_steps=None, kernels=False):
+    """The run of `logdir` as if it had trained on an H100 whose sampler saw
+    a step every STEP_S, with (`kernels`) a profile window whose trace is
+    tests/xplanes.py's kernels, converted by the real XProf (`traced_steps`:
+    the window's steps, None for a TensorBoard trace)."""
+    import numpy as np
     from xplanes import write_gpu_xspace
 
     from mpprof.backends.xprof_kernels import tensor_core_share
     from mpprof.records.writer import RecordWriter
 
     source = reader.read_run(logdir, "train")
-    kernels = {"state": "ok", "window": [2, 3], "phase": "done", "reason": "test"}
-    if traced_steps:
-        kernels["traced_steps"] = traced_steps
-    _on_gpu(tmp_path, logdir, H100,
-            collectors={**source.context["collectors"], "kernels": kernels})
-    write_gpu_xspace(tmp_path / "trace" / "2026_01_01_00_00_00")
+    collectors = dict(source.context["collectors"])
+    if kernels:
+        collectors["kernels"] = {"state": "ok", "window": [2, 3], "phase": "done",
+                                 "reason": "test"}
+        if traced_steps:
+            collectors["kernels"]["traced_steps"] = traced_steps
+    _on_gpu(tmp_path, logdir, H100, collectors=collectors)
     writer = RecordWriter(tmp_path / "train")
-    writer.write_json(schema.KERNEL_STATS, tensor_core_share(tmp_path / "trace"), 4)
+    rows = np.full((8, len(schema.GPU_SAMPLE_COLUMNS)), np.nan)
+    rows[:, schema.GPU_SAMPLE_COLUMNS.index("step")] = np.arange(8)
+    rows[:, schema.GPU_SAMPLE_COLUMNS.index("wall_time")] = 1000 + STEP_S * np.arange(8)
+    rows[:, schema.GPU_SAMPLE_COLUMNS.index("device")] = 0
+    writer.write_array(schema.GPU_SAMPLES, rows, 7)
+    if kernels:
+        write_gpu_xspace(tmp_path / "trace" / "2026_01_01_00_00_00")
+        writer.write_json(schema.KERNEL_STATS, tensor_core_share(tmp_path / "trace"), 4)
     writer.close()
     return reader.read_run(tmp_path, "train")
 
 
 def test_amdahl_over_the_measured_step_from_xprof_kernel_times(advice, tmp_path):
     """With a profile window, the GEMMs' share of the step is measured: the
-    Tensor-Core-eligible ops' kernel time per traced step over the run's step
-    time; without the traced steps (TensorBoard's trace), their share of GPU
-    kernel time; without a window, the roofline's GEMM time (as before)."""
+    Tensor-Core-eligible ops' kernel time per traced step over the step time
+    the GPU sampler saw; without the traced steps (TensorBoard's trace),
+    their share of GPU kernel time; without a window, the roofline's GEMM
+    time over the step (as before)."""
     from xplanes import KERNELS, total_us
 
     from mpprof.advisor import advise_run
 
     gemm_us = total_us([k for k in KERNELS if k[5]])  # the eligible ops' kernels
-    run = _with_kernel_table(tmp_path / "window", advice["cnn"][0], [2, 3])
+    logdir = advice["cnn"][0]
+    run = _on_h100(tmp_path / "window", logdir, [2, 3], kernels=True)
     projected = advise_run(run)["projection"]
-    step = projected["measured_step_seconds"]
-    assert projected["gpu"] == "H100" and step > 0
-    share = gemm_us * 1e-6 / 2 / step  # two traced steps
+    assert projected["gpu"] == "H100"
+    assert projected["measured_step_seconds"] == pytest.approx(STEP_S)
+    share = gemm_us * 1e-6 / 2 / STEP_S  # two traced steps
     assert projected["amdahl_source"] == projection.AMDAHL_XPROF_STEP
     assert projected["gemm_share_of_step"] == pytest.approx(share, rel=1e-9)
     ratio = projected["gemm_seconds_plan"] / projected["gemm_seconds_now"]
     assert projected["step_speedup"] == pytest.approx(1 / ((1 - share) + share * ratio))
     assert "2 traced steps" in projected["amdahl_detail"]
 
-    tensorboard = advise_run(_with_kernel_table(tmp_path / "tb", advice["cnn"][0], None))
+    tensorboard = advise_run(_on_h100(tmp_path / "tb", logdir, None, kernels=True))
     projected = tensorboard["projection"]
     assert projected["amdahl_source"] == projection.AMDAHL_XPROF_SHARE
     assert projected["gemm_share_of_step"] == pytest.approx(gemm_us / total_us(KERNELS))
 
     # Look-alikes: on H100 without a window, the roofline's share; projected
-    # for another GPU, the H100's kernel times say nothing: GEMMs only.
-    plain = advise_run(_on_gpu(tmp_path / "plain", advice["cnn"][0], H100))["projection"]
+    # for another GPU, the H100's times say nothing: GEMMs only.
+    plain = advise_run(_on_h100(tmp_path / "plain", logdir))["projection"]
     assert plain["amdahl_source"] == projection.AMDAHL_ROOFLINE
-    assert plain["gemm_share_of_step"] == pytest.approx(
-        min(plain["gemm_seconds_now"] / plain["measured_step_seconds"], 1.0))
+    assert plain["gemm_share_of_step"] == pytest.approx(plain["gemm_seconds_now"] / STEP_S)
     other = advise_run(run, gpu=gpus.gpu("A100"))["projection"]
     assert other["step_speedup"] is None and other["amdahl_source"] is None
 

@@ -207,9 +207,29 @@ def _kernel_times(run: Run) -> KernelTimes | None:
 
 
 def _measured_step_seconds(run: Run) -> float | None:
-    """The run's median seconds per step between loss-scale reads."""
+    """The run's median seconds per step: between the GPU sampler's samples
+    (each holds the step it saw) where it sampled, else between loss-scale
+    reads."""
+    gpu = run.gpu
+    if gpu is not None and len(gpu.samples):
+        points = set(zip(gpu.column("step").tolist(), gpu.column("wall_time").tolist(),
+                         strict=True))
+        found = _median_rate(points)
+        if found is not None:
+            return found
     records = run.records.get(schema.LOSS_SCALE_PROGRESS) or []
-    points = sorted({(float(np.asarray(r.value)[0]), r.wall_time) for r in records})
-    rates = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(points, points[1:], strict=False)
+    return _median_rate({(float(np.asarray(r.value)[0]), r.wall_time) for r in records})
+
+
+def _median_rate(points: set[tuple[float, float]]) -> float | None:
+    """The median seconds per step between consecutive (step, wall time)
+    points of different steps (each step at its first time)."""
+    first: dict[float, float] = {}
+    for step, wall in points:
+        if np.isfinite(step) and np.isfinite(wall):
+            first[step] = min(wall, first.get(step, wall))
+    ordered = sorted(first.items())
+    rates = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(ordered, ordered[1:],
+                                                                   strict=False)
              if s1 > s0 and t1 > t0]
     return float(np.median(rates)) if rates else None

@@ -273,22 +273,23 @@ def _multi_head_attention(record: dict, records: list[dict],
 def _dot_product_attention(record: dict, by_name: dict, counts: dict[str, float],
                            macs: dict) -> list[Gemm]:
     """`keras.layers.Attention`: [query (B, T, dim), value (B, S, dim_v)],
-    sized from its traced output (T, dim_v), its value input's traced shape
-    (its second producer, else the query's: self-attention) and its sampled
-    output count (the batch). Its "concat" score mode adds, not multiplies:
-    only AV is a GEMM then."""
+    sized from the query and value shapes Keras built it with (else its two
+    producers' traced shapes: with one, which input it fed is unknown), its
+    traced output (T, dim_v) and its sampled output count (the batch). Its
+    "concat" score mode adds, not multiplies: only AV is a GEMM then."""
     out = record.get("output_shape") or []
     count = counts.get(record["name"])
+    query, value = macs.get("query_shape"), macs.get("value_shape")
     producers = record.get("inputs_from") or []
-    source = by_name.get(producers[1] if len(producers) > 1 else (producers or [None])[0])
-    value = (source or {}).get("output_shape") or []
-    query = (by_name.get(producers[0]) or {}).get("output_shape") or [] if producers else []
-    if count is None or len(out) < 2 or len(value) < 2 or not all(
-            isinstance(d, int) for d in [*out, *value, *query]):
+    if (query is None or value is None) and len(producers) == 2:
+        query, value = ((by_name.get(p) or {}).get("output_shape") for p in producers)
+    shapes = [out, query or [], value or []]
+    if count is None or any(len(s) < 2 or not all(isinstance(d, int) for d in s)
+                            for s in shapes):
         return []
     batch = count / math.prod(out)
     return _attention(batch, float(math.prod(out[:-1])), float(math.prod(value[:-1])),
-                      float(query[-1] if query else out[-1]), float(out[-1]),
+                      float(query[-1]), float(out[-1]),
                       "traced query/value shapes, batch from a sampled step",
                       scores=macs.get("score_mode", "dot") == "dot")
 
