@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mpprof.advisor.plan import FLOAT8, FLOAT32, LOWER, attention_rows
+from mpprof.advisor.plan import ATTENTION_EVIDENCE, FLOAT8, FLOAT32, LOWER, attention_rows
 from mpprof.terminal import printable
 
 
@@ -40,7 +40,9 @@ def advice_lines(advice: dict) -> list[str]:
         lines.append(f"  {title}:")
         for row in rows:
             lines.append(f"    {row['layer']} ({row['cls']}, {row['now']} -> {row['planned']})")
-            lines += [f"      - {reason}" for reason in row["reasons"]]
+            # An attention layer's sizing has its own section below.
+            lines += [f"      - {reason}" for reason in row["reasons"]
+                      if not reason.startswith(ATTENTION_EVIDENCE)]
             replayed = sensitivity.get(row["layer"]) or {}
             errors = [f"{dtype} output {e['output']:.2g}, gradient {e['gradient']:.2g}"
                       for dtype, e in replayed.items()
