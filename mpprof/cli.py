@@ -138,6 +138,10 @@ def _diagnose(args) -> int:
     names = sorted(runs.keys() | digested.keys())
     replays = {name: _replays_of(args.logdir, name, args.replay, args.verbosity)
                for name in names}
+    # A digest is written only by a fit in one process: a job's run across
+    # processes (`_with_process_replays`) is always read.
+    for name, run in runs.items():
+        replays[name] = _with_process_replays(run, replays, args)
     results = {}
     for name, run in runs.items():
         if run.readable:
@@ -210,6 +214,21 @@ def _replays_of(logdir: str, run: str, replay_missing: bool, verbosity: int) -> 
                     _say([_replaying(run, capture)], sys.stderr)
                 _run_replay(logdir, run, capture.step)
     return [result for capture in captures if (result := capture.result()) is not None]
+
+
+def _with_process_replays(run: reader.Run, replays: dict[str, list[dict]],
+                          args) -> list[dict]:
+    """A job's model run across processes (JAX's): its captures are in its
+    processes' runs, each holding that process's rows of the batch. Shown
+    under the model run's findings: the replays whose rows went wrong first."""
+    processes = (run.context.distributed.get("worker_runs") or []) \
+        if run.readable and run.worker is None else []
+    found = list(replays[run.name])
+    for name in processes:
+        found += (replays[name] if name in replays
+                  else _replays_of(args.logdir, name, args.replay, args.verbosity))
+    return sorted(found, key=lambda result: result.get("first_op") is None) \
+        if processes else found
 
 
 def _replay_field(code: str, replays: list[dict]) -> dict:

@@ -174,6 +174,8 @@ def write(run_dir: str) -> bool:
     run = reader.read_run(run_dir, ".")
     if not run.readable or run.losses:
         return False  # what a reader must say of a damaged run is the reader's
+    if run.worker is not None or (run.context.distributed or {}).get("worker_runs"):
+        return False  # a job across processes is read with its processes' runs
     result = diagnosis.evaluate(run)
     parts = {"summary": run_summary(run, result),
              "diagnose": {**run_head(run), "findings": [f.to_dict() for f in result.findings]}}

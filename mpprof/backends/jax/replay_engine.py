@@ -69,7 +69,7 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
     except Exception as e:
         raise ReplayError(f"the step could not be traced as {step.what} for the replay "
                           f"({type(e).__name__}: {str(e)[:300]})") from e
-    notes = step.notes()
+    notes = step.notes() + keras_capture.shard_notes(capture.manifest)
     reference = step.run(None, None, all_float32=True)
     tree = layer_tree(model)
     divergence = search.divergence(run_policy, reference, tree)
