@@ -92,7 +92,8 @@ TOLERANCES: dict[str, dict[str, float]] = {
 # under 65504); retrained from its initial weights, its loss scale halves 12
 # times (2**15 to 8) before a step applies, and its mean loss over 30 steps is
 # 233% from float32's, while a trial of the same map from the captured
-# weights (where the skips are not counted) tracked float32 within 1%.
+# weights tracked float32 within 1% (it ran without the loss scaling then;
+# with it, its 11 halvings are skips, not counted).
 # Healthy fixes and steps left 80x and more (the bounded inputs there: 1.4e5x;
 # benchmarks/bench_verification.py prints each model's headroom).
 
