@@ -143,6 +143,41 @@ def text_data(samples: int, seed: int = 0):
 
 
 # ---------------------------------------------------------------------------
+# examples/nlp/bidirectional_lstm_imdb.py (fchollet): the model as published;
+# max_features, maxlen and the widths shrunk.
+
+BILSTM_VOCAB, BILSTM_MAXLEN = 200, 16  # published: 20000, 200
+
+
+def bidirectional_lstm(head_dtype=None) -> keras.Model:
+    """The published two-layer bidirectional LSTM classifier (Embedding 128
+    and LSTM 64 as published, here 16 and 8); its sigmoid head outputs
+    float16 under mixed_float16 as published (`head_dtype`)."""
+    max_features = BILSTM_VOCAB  # Only consider the top words
+    # Input for variable-length sequences of integers
+    inputs = keras.Input(shape=(None,), dtype="int32")
+    # Embed each integer in a 16-dimensional vector
+    x = layers.Embedding(max_features, 16)(inputs)
+    # Add 2 bidirectional LSTMs
+    x = layers.Bidirectional(layers.LSTM(8, return_sequences=True))(x)
+    x = layers.Bidirectional(layers.LSTM(8))(x)
+    # Add a classifier
+    outputs = layers.Dense(1, activation="sigmoid", dtype=head_dtype)(x)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="adam", loss="binary_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def imdb_data(samples: int, seed: int = 0):
+    """Random token sequences; the label says whether token 0 of the
+    vocabulary's first half is more frequent than of its second half."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(1, BILSTM_VOCAB, size=(samples, BILSTM_MAXLEN)).astype("int32")
+    y = (np.mean(x < BILSTM_VOCAB // 2, axis=1) > 0.5).astype("float32")
+    return x, y
+
+
+# ---------------------------------------------------------------------------
 # examples/vision/image_classification_with_vision_transformer.py (Khalid
 # Salama): Patches, PatchEncoder, mlp and the classifier as published; the
 # image 16x16, 1 transformer layer, the MLP head 64 wide, no augmentation
