@@ -30,6 +30,7 @@ from keras_io_examples import (
     imdb_data,
     mnist_convnet,
     mnist_data,
+    mnist_retrained_losses,
     text_data,
     text_transformer,
 )
@@ -81,20 +82,6 @@ def test_mnist_on_jax(mnist_runs):
     assert _only(raw, "MP003").layer == "conv2d"
 
 
-def _trained_losses(policy, scale, x, y, steps=30, first_conv_dtype=None):
-    """The loss of each step of the published convnet (float32 head) trained
-    `steps` steps on the batches of (x * scale, y), cycled, from the seeded
-    initial weights (as the TensorFlow suite retrains a fix)."""
-    _policy(policy)
-    model = mnist_convnet("float32", first_conv_dtype)
-    batches = len(x) // BATCH
-    losses = [float(model.train_on_batch(x[i * BATCH:(i + 1) * BATCH] * scale,
-                                         y[i * BATCH:(i + 1) * BATCH], return_dict=True)["loss"])
-              for i in (step % batches for step in range(steps))]
-    keras.mixed_precision.set_dtype_policy("float32")
-    return losses
-
-
 def test_mnist_raw_units_fixes_on_jax_retrain_as_their_verdicts_say(mnist_runs):
     """The replay on JAX (the step's jaxpr): bounding the inputs leads,
     verified, and retrained from the start it trains like float32 within the
@@ -113,12 +100,14 @@ def test_mnist_raw_units_fixes_on_jax_retrain_as_their_verdicts_say(mnist_runs):
     assert check["overflow"] is None and check["failed"] == "headroom"
     assert check["headroom"]["factor"] < verification.HEADROOM_FACTOR
     x, y = mnist_data(BATCH * 2, raw_units=True)
-    bounded = verification.judge_trial(_trained_losses("mixed_float16", lead["scale"], x, y),
-                                       _trained_losses("float32", lead["scale"], x, y))
+    scale = lead["scale"]
+    bounded = verification.judge_trial(
+        mnist_retrained_losses("mixed_float16", scale, x, y, BATCH),
+        mnist_retrained_losses("float32", scale, x, y, BATCH))
     assert bounded.passed, bounded.reason
     mapped = verification.judge_trial(
-        _trained_losses("mixed_float16", 1.0, x, y, first_conv_dtype="float32"),
-        _trained_losses("float32", 1.0, x, y))
+        mnist_retrained_losses("mixed_float16", 1.0, x, y, BATCH, first_conv_dtype="float32"),
+        mnist_retrained_losses("float32", 1.0, x, y, BATCH))
     assert not mapped.passed, mapped.reason
 
 

@@ -64,6 +64,26 @@ def mnist_data(samples: int, raw_units: bool = False, seed: int = 0):
     return x, y
 
 
+def mnist_retrained_losses(policy: str, scale: float, x, y, batch_size: int, steps: int = 30,
+                           first_conv_dtype=None) -> list[float]:
+    """How both suites retrain a replay's fix: the loss of each step of the
+    published convnet (float32 head) under `policy`, trained `steps` steps
+    on the batches of (x * scale, y), cycled, from the seeded initial
+    weights (as verification's trial trains); `first_conv_dtype` applies a
+    float32 map."""
+    keras.backend.clear_session()  # layer names from 1 again: conv2d, dense...
+    keras.utils.set_random_seed(0)
+    keras.mixed_precision.set_dtype_policy(policy)
+    model = mnist_convnet("float32", first_conv_dtype)
+    batches = len(x) // batch_size
+    losses = [float(model.train_on_batch(x[i * batch_size:(i + 1) * batch_size] * scale,
+                                         y[i * batch_size:(i + 1) * batch_size],
+                                         return_dict=True)["loss"])
+              for i in (step % batches for step in range(steps))]
+    keras.mixed_precision.set_dtype_policy("float32")
+    return losses
+
+
 # ---------------------------------------------------------------------------
 # examples/nlp/text_classification_with_transformer.py (Apoorv Nandan, Keras 3
 # version): the blocks as published; vocab_size and maxlen shrunk.

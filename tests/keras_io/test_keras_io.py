@@ -20,6 +20,7 @@ from keras import layers, ops
 from keras_io_examples import (
     mnist_convnet,
     mnist_data,
+    mnist_retrained_losses,
     text_data,
     text_transformer,
     vit_classifier,
@@ -380,20 +381,6 @@ def test_headroom_of_a_layer_without_weights_points_upstream(tmp_path):
     assert "keras.layers.Dense(..., dtype=\"float32\")" in finding.fix
 
 
-def _trained_losses(policy, scale, x, y, steps=30, first_conv_dtype=None):
-    """The loss of each step of the published convnet (float32 head) trained
-    `steps` steps on the batches of (x * scale, y), cycled, from the seeded
-    initial weights (as verification's trial trains)."""
-    _policy(policy)
-    model = mnist_convnet("float32", first_conv_dtype)
-    batches = len(x) // BATCH
-    losses = [float(model.train_on_batch(x[i * BATCH:(i + 1) * BATCH] * scale,
-                                         y[i * BATCH:(i + 1) * BATCH], return_dict=True)["loss"])
-              for i in (step % batches for step in range(steps))]
-    keras.mixed_precision.set_dtype_policy("float32")
-    return losses
-
-
 def _replayed_fixes(run, capsys) -> dict:
     """`mpprof replay --format json` of the run's captured step: its fixes by kind."""
     import json
@@ -416,8 +403,9 @@ def _retrains_like_float32(scale, first_conv_dtype=None):
     from mpprof.replay import verification
 
     x, y = mnist_data(BATCH * 2, raw_units=True)
-    fixed = _trained_losses("mixed_float16", scale, x, y, first_conv_dtype=first_conv_dtype)
-    reference = _trained_losses("float32", scale, x, y)
+    fixed = mnist_retrained_losses("mixed_float16", scale, x, y, BATCH,
+                                   first_conv_dtype=first_conv_dtype)
+    reference = mnist_retrained_losses("float32", scale, x, y, BATCH)
     assert np.isfinite(fixed).all()
     return verification.judge_trial(fixed, reference)
 
