@@ -91,7 +91,8 @@ def test_this_process_backend_is_registered_with_its_code():
     assert REGISTERED is not None and REGISTERED.name == BACKEND
     assert callable(backends.load(REGISTERED.backend))
     if REGISTERED.replay_engine is not None:
-        assert callable(backends.load(REGISTERED.replay_engine).replay)
+        engine = backends.load(REGISTERED.replay_engine)
+        assert callable(engine.replay) and callable(engine.engine_for)
     if REGISTERED.op_names is not None:
         op_names = backends.load(REGISTERED.op_names)
         assert op_names.layer_of("MatMul") in (None, "")  # no scope: no layer to name
@@ -120,6 +121,13 @@ def test_a_fit_runs_every_collector_the_backend_made(fitted):
         assert kernels["state"] == "unavailable" and REGISTERED.framework in kernels["reason"]
     else:
         assert kernels["state"] == "ok", kernels
+    # A backend with a replay engine captures the sampled steps that go
+    # wrong (none in this healthy fit); one without says why it does not.
+    capture = collectors["replay_capture"]
+    if REGISTERED.replay_engine is not None:
+        assert capture == {"state": "ok", "budget": 2, "captures": []}, capture
+    else:
+        assert capture["state"] == "unavailable" and REGISTERED.framework in capture["reason"]
     assert fitted.inventory["layers"]
     assert len(fitted.loss_scale.progress) > 0  # the scale, step by step
     # Sampled every 2 calls: steps 2 and 4 of 0-5 (the first call traces the plain step).

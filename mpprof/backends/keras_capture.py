@@ -237,6 +237,18 @@ def load_weights(model, capture: files.Capture) -> None:
         raise _non_finite_weights_error(capture, bad, len(variables))
 
 
+def captured_policies(model, capture: files.Capture) -> None:
+    """Gives each layer the policy it trained with: a subclassed model
+    rebuilt from its config makes its layers in `__init__` under this
+    process's global policy, not the one it was trained under (a layer
+    whose policy is already the captured one is left as it is)."""
+    captured = capture.manifest.get("layer_policies") or {}
+    for name, layer, _ in walk_layers(model):
+        policy = captured.get(name)
+        if policy and layer.dtype_policy.name != policy:
+            layer.dtype_policy = policy
+
+
 def _non_finite_weights_error(capture: files.Capture, bad: list[str],
                              count: int) -> ReplayError:
     """Why a capture whose weights hold NaN or inf is not replayed.

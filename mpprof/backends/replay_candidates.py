@@ -195,7 +195,7 @@ class CandidateEngine:
         self.batch_count = len(batches)
         self.loss_scale = float(loss_scale)
         self.tree = layer_tree(model)
-        self.run_policies = {name: layer.dtype_policy.name
+        self.run_policies: Mapping[str, str] = {name: layer.dtype_policy.name
                              for name, layer in self.tree.items()}
         self.skipped_steps = 0  # by the loss scale, in the last trial
         # The captured state every trial starts from, and that it leaves:

@@ -61,7 +61,7 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
             f"the model has quantized layers ({', '.join(quantized[:5])}): float8 "
             "replays are not supported; the float8 findings and the numerics cover them")
     keras_capture.load_weights(model, capture)
-    _captured_policies(model, capture)
+    keras_capture.captured_policies(model, capture)
     captured_scale = float(capture.manifest.get("loss_scale") or 1.0)
     step = _step_for(model, capture.batch(), captured_scale)
     try:
@@ -244,17 +244,6 @@ class Engine(replay_candidates.CandidateEngine):
                 state = (*state[:3], fresh_metrics)
         self.skipped_steps = calls - len(losses)
         return losses
-
-
-def _captured_policies(model, capture: files.Capture) -> None:
-    """Gives each layer the policy it trained with: a subclassed model
-    rebuilt from its config makes its layers in `__init__` under this
-    process's global policy, not the one it was trained under."""
-    captured = capture.manifest.get("layer_policies") or {}
-    for name, layer, _ in walk_layers(model):
-        policy = captured.get(name)
-        if policy and layer.dtype_policy.name != policy:
-            layer.dtype_policy = policy
 
 
 def run_pass(model, batch, loss_scale: float | None, float32_layers, *,

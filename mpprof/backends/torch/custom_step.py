@@ -12,5 +12,12 @@ from __future__ import annotations
 
 from mpprof.backends.jax.custom_step import watch_loss_metrics
 
-__all__ = ["watch_loss_metrics"]
+__all__ = ["overrides_train_step", "watch_loss_metrics"]
+
+
+def overrides_train_step(model) -> bool:
+    """Whether `model`'s `train_step` is not Keras' own PyTorch step."""
+    from keras.src.backend.torch.trainer import TorchTrainer
+
+    return type(model).train_step is not TorchTrainer.train_step
 

@@ -1,34 +1,197 @@
-"""Replay captures on PyTorch: not taken yet.
+"""Replay captures on PyTorch: the batch and weights of a sampled step that went wrong.
 
-On TensorFlow and JAX a sampled step that overflowed or lost its loss is
-saved (its batch and weights) for `mpprof replay`, which ranks the layers by
-what computing each in float32 changes. PyTorch has no replay engine yet
-(an op-by-op replay through a `TorchDispatchMode` is the plan): the
-collector says so in the run context when captures were asked for.
+The files are every backend's (`mpprof.backends.keras_capture`; the manifest
+says `"backend": "torch"`, which `mpprof replay` reads to pick the PyTorch
+engine, `mpprof.backends.torch.replay_engine`). Keras' PyTorch step runs
+eagerly, once per call, from Python, so gathering them is plain: on a sampled
+call the train functions hand this collector (`before_sampled`) the call's
+batch and, before the step runs, clones of the non-trainable variables
+(moving statistics change in the forward pass, also on a skipped step) and
+the primary optimizer's counts as the step found them (`step_state`, kept on
+the host). After the call (`after_sample`) the host counts say whether the
+step was skipped, and the step's loss is checked (the sampled call reads its
+numerics anyway). Only a step that went wrong reaches the host: the batch,
+the trainable weights after the step (a skipped step leaves them unchanged:
+the ones it ran with) and the non-trainable ones as the step found them. A
+model whose own `train_step` may apply optimizers the step state does not
+follow (a GAN's) has its trainable weights cloned before the step too.
+
+Not captured, as on TensorFlow and JAX: the loss scale's initial descent
+(every step so far skipped, the loss finite). Under `jit_compile=True` the
+sampled steps are not instrumented (`train_functions`): captures are off.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
+import keras
+import numpy as np
+import torch
+
+from mpprof.backends import keras_capture
 from mpprof.backends.collector import Collector
+from mpprof.backends.torch.custom_step import overrides_train_step
+from mpprof.replay import files
+
+
+def _host_array(value) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return np.asarray(keras.ops.convert_to_numpy(value.detach()))
+    return np.asarray(value)
 
 
 class ReplayCapture(Collector):
-    """Takes no capture on PyTorch; says why (arguments: as
-    `mpprof.backends.jax.replay_capture.ReplayCapture`)."""
+    """Saves up to `budget` steps per fit that overflowed or lost the loss.
+
+    Args:
+        budget: captures this fit may write (0: off).
+        keras_api: the fit's `TorchBackend` (the train functions find this
+            collector there).
+        loss_scales: the `LossScales` (unused: the step state counts).
+        health: the `RunHealth` (whether the step's loss is watched).
+        instrumenting: (unused on PyTorch: a sampled call is marked by the
+            train functions).
+        advise_batches: how many of the fit's own sampled batches to keep for
+            the precision advisor (`keras_capture.AdviseBatches`; 0: none).
+        fit_params: the callback's `params` (how many steps the fit runs).
+    """
 
     name = "replay_capture"
 
-    def __init__(self, budget: int, backend, loss_scales, health, instrumenting,
-                 **settings):
+    def __init__(self, budget: int, keras_api, loss_scales, health, instrumenting,
+                 advise_batches: int = 0, fit_params: dict | None = None):
         self.budget = budget
+        self.advise_batches = advise_batches
+        self._fit_params = fit_params
+        self._advise: keras_capture.AdviseBatches | None = None
+        self._api = keras_api
+        self._health = health
+        self._unavailable: str | None = None
+        self._before: Any = None
+        self._ran = False
+        self._config: tuple = (None, "")
+        self._custom_step = False
+        self._model: Any = None
+        self.captured: list[dict] = []
+        self.initial_descent_skipped = 0
 
     def wrap_train_step(self, fit, patches) -> None:
-        """(Nothing to wrap.)"""
+        """Registers with the backend, whose train functions call
+        `before_sampled` and `after_sampled` around each sampled call."""
+        self._unavailable = self._why_unavailable(fit.model, fit.schedule.every)
+        self._custom_step = overrides_train_step(fit.model)
+        self._model = fit.model
+        if self._unavailable is None:
+            if self.advise_batches:
+                self._advise = keras_capture.AdviseBatches(
+                    self.advise_batches, self._fit_params, fit.step)
+            self._api.replay = self
+            self._config = keras_capture.model_config(fit.model)
+
+    def _why_unavailable(self, model, sample_every: int | None) -> str | None:
+        if self.budget == 0 and not self.advise_batches:
+            return "replay_budget=0"
+        if sample_every is None:
+            return "numerics_every=None: only sampled (instrumented) steps are captured"
+        if getattr(model, "jit_compile", False):
+            return ("jit_compile=True: on PyTorch the step runs under torch.compile and "
+                    "is not sampled; train with jit_compile=False to capture a step")
+        return None
+
+    # Around the sampled call (called by `TrainFunctions.run_instrumented`).
+
+    def before_sampled(self, data) -> None:
+        """`data`: what Keras hands the train function (a one-element list
+        holding the batch)."""
+        self._ran = False
+        advising = self._advise is not None and len(self._advise.kept) < self._advise.wanted
+        state = self._api.step_state
+        if (len(self.captured) >= self.budget and not advising) or state is None:
+            self._before = None
+            return
+        model = self._model
+        with torch.no_grad():
+            non_trainable = [v.value.detach().clone() for v in model.non_trainable_variables]
+            # A custom step's skips are its own optimizers' (a GAN's), which
+            # the step state may not follow: its weights after may be updated.
+            trainable = ([v.value.detach().clone() for v in model.trainable_variables]
+                         if self._custom_step else None)
+        self._before = (data[0], non_trainable, trainable, state.all_skipped(),
+                        state.primary_counts())
+
+    def after_sampled(self) -> None:
+        self._ran = self._before is not None
+
+    # The core's hook.
+
+    def after_sample(self, fit) -> None:
+        """Writes a capture when the sampled step just run went wrong."""
+        before, ran, self._before, self._ran = self._before, self._ran, None, False
+        if before is None or not ran:
+            return
+        batch, non_trainable, trainable, skipped_before, counts = before
+        state = self._api.step_state
+        skipped = state.all_skipped() - skipped_before
+        watched = (state.loss_watched and fit.guard.ok(self._health.name))
+        loss = state.last_loss() if watched else math.nan
+        loss_finite = math.isfinite(loss) if watched else None
+        applied_before, skipped_steps_before, scale = counts
+        step = applied_before + skipped_steps_before
+        if skipped == 0 and loss_finite is not False:
+            if self._advise is not None and self._advise.due(step):
+                self._write(fit, step, batch, non_trainable, trainable,
+                            ["advise: one of the run's own batches"], False, loss, scale,
+                            folder=files.ADVISE_FOLDER, captured=self._advise.kept)
+            return
+        if len(self.captured) >= self.budget:
+            return
+        if loss_finite and skipped and applied_before == 0:
+            self.initial_descent_skipped += 1
+            return
+        reasons = []
+        if skipped:
+            reasons.append("overflow: the loss scale skipped the step")
+        if loss_finite is False:
+            reasons.append("non-finite loss")
+        self._write(fit, step, batch, non_trainable, trainable, reasons, skipped > 0,
+                    loss, scale)
+
+    def _write(self, fit, step: int, data, non_trainable, trainable, reasons: list[str],
+               skipped: bool, loss: float, scale: float,
+               folder: str = files.REPLAY_FOLDER, captured: list | None = None) -> None:
+        model = fit.model
+        leaves: list = []
+        structure = files.encode_structure(data, leaves)
+        batch = [_host_array(leaf) for leaf in leaves]
+        values = {id(v): a for v, a in zip(model.non_trainable_variables, non_trainable,
+                                           strict=True)}
+        if trainable is not None:
+            values.update({id(v): a for v, a in zip(model.trainable_variables, trainable,
+                                                    strict=True)})
+        weights = [_host_array(values.get(id(v), v.value)) for v in model.weights]
+        keras_capture.write_capture(
+            fit, self.captured if captured is None else captured, step=step, batch=batch,
+            weights=weights, reasons=reasons, loss=loss, loss_scale=scale, skipped=skipped,
+            structure=structure, config=self._config,
+            backend={"backend": "torch", "torch": torch.__version__},
+            weights_before=trainable is not None, folder=folder,
+        )
+
+    def end(self, fit) -> None:
+        self._before = None
+        if self._api.replay is self:
+            self._api.replay = None
 
     def context(self) -> dict:
-        if self.budget == 0:
-            return {"state": "off", "reason": "replay_budget=0", "budget": 0}
-        return {"state": "unavailable", "budget": self.budget, "reason": (
-            "replay captures are not taken on PyTorch yet (no replay engine replays a "
-            "PyTorch step); train on TensorFlow or JAX to capture a step for "
-            "`mpprof replay`")}
+        if self._unavailable is not None:
+            off = self.budget == 0 or self._unavailable.startswith("numerics_every")
+            return {"state": "off" if off else "unavailable", "reason": self._unavailable,
+                    "budget": self.budget}
+        entry = {"state": "ok", "budget": self.budget, "captures": self.captured}
+        if self._advise is not None:
+            entry["advise_batches"] = self._advise.context()
+        if self.initial_descent_skipped:
+            entry["initial_descent_not_captured"] = self.initial_descent_skipped
+        return entry

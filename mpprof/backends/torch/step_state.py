@@ -251,6 +251,12 @@ class StepState:
         block = self._block(optimizer)
         return block.events, block.ring.copy()
 
+    def primary_counts(self) -> tuple[int, int, float]:
+        """The primary optimizer's (applied, skipped, scale) so far (a
+        replay capture dates its step by them)."""
+        block = self._primary_block()
+        return (0, 0, 1.0) if block is None else (block.applied, block.skipped, block.scale)
+
     def all_skipped(self) -> int:
         return sum(block.skipped for block in self._blocks.values())
 

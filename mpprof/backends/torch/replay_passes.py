@@ -1,0 +1,253 @@
+"""One eager pass of a captured step on PyTorch: forward, loss, scaled
+backward, every aten op watched.
+
+Keras' PyTorch step runs eagerly, so a pass is the step itself, run once
+more: `model(x, training=True)`, `model.compute_loss`, and
+`torch.autograd.grad` of the loss times the loss scale (the variables'
+`.grad` are left alone). A `TorchDispatchMode` (`_OpWatch`) sees every aten
+op the forward and the backward pass run, after autograd has recorded it:
+the first op whose floating output is non-finite or beyond its dtype's
+maximum is the offender (`mpprof.replay.search.Offender`, its `op` the aten
+op's name: `mm`, `addmm`, `exp`, ...).
+
+Where an op ran: every layer's call is wrapped at instance level for the
+length of the pass (`mpprof.backends.patching.Patches` puts back what was
+there), so a forward op belongs to the innermost layer running it (an
+offending cast just before a layer's call is that layer's input cast, as on
+TensorFlow); each layer's first floating output is kept and gets a tensor
+hook, which keeps the gradient flowing into it and marks the backward ops
+that follow as that layer's (as TensorFlow's custom gradient does). The
+pass runs eagerly whatever the model was compiled with (`jit_compile=True`
+included).
+
+Each pass starts from the same state: the non-trainable variables (moving
+statistics, random seeds) are put back after it, the metrics reset, and the
+dtype policies it changed restored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import keras
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from mpprof.backends.layer_records import called_method, variable_path
+from mpprof.backends.patching import Patches
+from mpprof.backends.replay_candidates import layer_tree, policies_applied
+from mpprof.dtypes import DTYPE_MAX
+from mpprof.replay import search
+from mpprof.replay.search import BETWEEN_LAYERS, LOSS, Offender, PassResult, subtree
+
+# The aten op of a dtype cast (`ops.cast` on PyTorch is `Tensor.to`).
+_CAST_OPS = {"_to_copy", "to", "convert_element_type"}
+
+
+def as_tensors(batch):
+    """The batch's arrays as tensors on Keras' device (what the step gets
+    from Keras' PyTorch data adapter)."""
+    return keras.tree.map_structure(
+        lambda leaf: keras.ops.convert_to_tensor(leaf) if isinstance(leaf, np.ndarray)
+        else leaf, batch)
+
+
+def run_pass(model, batch, loss_scale: float, float32_layers: Iterable[str] | None,
+             *, all_float32: bool = False, policies: Mapping[str, str] | None = None,
+             model_policy: str | None = None) -> PassResult:
+    """Runs the step once, eagerly, and watches every op (the arguments are
+    `mpprof.backends.tensorflow.replay_passes.run_pass`'s: `batch` is (x, y,
+    sample_weight); `float32_layers` each with its sublayers in float32;
+    `policies` a verification candidate's, after them)."""
+    tree = layer_tree(model)
+    wanted = {n: "float32" for name in (float32_layers or ()) for n in subtree(tree, name)}
+    wanted.update(policies or {})
+    if all_float32:
+        wanted, model_policy = dict.fromkeys(tree, "float32"), "float32"
+    with torch.no_grad():
+        state = [(v, v.value.detach().clone()) for v in model.non_trainable_variables]
+    watch = _Watch(tree)
+    try:
+        with policies_applied(model, tree, wanted, model_policy):
+            watch.install()
+            return watch.run(model, as_tensors(batch), loss_scale)
+    finally:
+        watch.remove()
+        for variable, value in state:
+            variable.assign(value)
+        for metric in model.metrics:
+            metric.reset_state()
+
+
+class _OpWatch(TorchDispatchMode):
+    """Hands every aten op (its outputs computed) to the pass's `_Watch`."""
+
+    def __init__(self, watch: _Watch):
+        super().__init__()
+        self._watch = watch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        outputs = func(*args, **(kwargs or {}))
+        # (The mode is off in here: the checks' own ops are not watched.)
+        self._watch.on_op(func, args, outputs)
+        return outputs
+
+
+class _Watch:
+    """The layer wrappers, tensor hooks and op watch of one pass."""
+
+    def __init__(self, tree: dict[str, object]):
+        self._tree = tree
+        self._stack: list[str] = []
+        self._backward_layer = LOSS
+        self._phase = "forward"
+        self._calls: dict[str, int] = {}
+        self.forward: dict = {}
+        self.backward: dict = {}
+        self.offenders: dict[str, Offender] = {}
+        self._inside = False  # mpprof's own ops (the taps) run
+        self._outside = LOSS
+        self._cast_offended = False
+        self._cast_stack: tuple[str, ...] = ()
+        self._patches = Patches()
+
+    def install(self) -> None:
+        for name, layer in self._tree.items():
+            method = called_method(layer)
+            self._patches.set(layer, method, self._wrap(name, getattr(layer, method)))
+
+    def remove(self) -> None:
+        self._patches.restore()
+
+    def run(self, model, batch, loss_scale: float) -> PassResult:
+        x, y, sample_weight = batch
+        variables = model.trainable_variables
+        with _OpWatch(self):
+            self._outside = BETWEEN_LAYERS
+            y_pred = model(x, training=True)
+            self._outside = LOSS
+            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                      training=True)
+            scaled = loss.float() * loss_scale
+            self._phase = "backward"
+            gradients = torch.autograd.grad(scaled, [v.value for v in variables],
+                                            allow_unused=True)
+            self._phase = "done"
+        by_path = {variable_path(v): _array(g) for v, g in zip(variables, gradients,
+                                                                 strict=True)
+                   if g is not None}
+        finite = all(bool(np.all(np.isfinite(g))) for g in by_path.values())
+        return PassResult(
+            forward=self.forward, backward=self.backward,
+            offender=self.offenders.get("forward") or self.offenders.get("backward"),
+            forward_clean="forward" not in self.offenders,
+            loss=float(_array(loss).astype(np.float64).sum()), gradients_finite=finite,
+            gradients=by_path,
+        )
+
+    def _wrap(self, name: str, call):
+        watch = self
+
+        def watched_call(*args, **kwargs):
+            watch._claim_input_cast(name)
+            index = watch._calls.get(name, 0)
+            watch._calls[name] = index + 1
+            watch._stack.append(name)
+            try:
+                outputs = call(*args, **kwargs)
+            finally:
+                watch._stack.pop()
+            watch._tap(name, index, outputs)
+            return outputs
+
+        return watched_call
+
+    def _tap(self, name: str, index: int, outputs) -> None:
+        """Keeps the layer's first floating output and hooks the gradient
+        flowing into it."""
+        output = next((t for t in keras.tree.flatten(outputs)
+                       if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+        if output is None:
+            return
+        key = (name, index)
+        self._inside = True
+        try:
+            self.forward[key] = _array(output).astype(np.float64)
+        finally:
+            self._inside = False
+        if not output.requires_grad:
+            return
+
+        def on_gradient(gradient):
+            self._backward_layer = name
+            self._inside = True
+            try:
+                self.backward[key] = _array(gradient).astype(np.float64)
+            finally:
+                self._inside = False
+
+        output.register_hook(on_gradient)
+
+    def _claim_input_cast(self, name: str) -> None:
+        """A layer's call begins: an offending cast just before it, in the
+        caller's frame (not the last op of a sibling's call), was its input
+        cast (Keras casts a layer's inputs in `Layer.__call__`)."""
+        if self._cast_offended and tuple(self._stack) == self._cast_stack:
+            self.offenders["forward"].layer = name
+            self._cast_offended = False
+
+    def on_op(self, func, args, outputs) -> None:
+        if self._inside:
+            return
+        self._cast_offended = False
+        phase = self._phase
+        if phase == "done" or phase in self.offenders:
+            return
+        for output in tree_flatten(outputs)[0]:
+            if not _is_float(output) or _in_range(output):
+                continue
+            values = _array(output)
+            dtype = _dtype_name(output)
+            problem = search.problem(values, dtype)
+            if problem is None:
+                continue
+            op = func.overloadpacket.__name__
+            layer = (self._stack[-1] if self._stack else self._outside) \
+                if phase == "forward" else self._backward_layer
+            inputs = [t for t in tree_flatten(args)[0] if _is_float(t)]
+            self.offenders[phase] = Offender(
+                layer=layer, op=op, phase=phase,
+                input_abs_max=[search.abs_max(_array(t)) for t in inputs],
+                output=problem, dtype=dtype,
+            )
+            self._cast_offended = phase == "forward" and op in _CAST_OPS
+            self._cast_stack = tuple(self._stack)
+            return
+
+
+def _is_float(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _in_range(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite and within its dtype's max: one
+    reduction on the tensor's device (the common case needs no copy)."""
+    if tensor.numel() == 0:
+        return True
+    peak = tensor.detach().abs().amax()
+    limit = DTYPE_MAX.get(_dtype_name(tensor))
+    return bool(torch.isfinite(peak)) and (limit is None or float(peak) <= limit)
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor on the host, in a dtype NumPy has (bfloat16 as float32)."""
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.float()
+    return tensor.cpu().numpy()

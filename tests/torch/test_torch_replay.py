@@ -1,0 +1,111 @@
+"""Forensic replay on PyTorch: a sampled step that overflowed is captured,
+and `mpprof replay` (the PyTorch engine: the step run eagerly, every aten op
+seen by a `TorchDispatchMode`) names the first op and its layer, ranks the
+layers float16 vs float32 and verifies the same DTypePolicyMap fix as on
+TensorFlow and JAX (tests/test_replay.py, tests/jax/test_jax_replay.py).
+
+The op differs by framework: on CPU Keras' PyTorch `matmul` computes a
+float16 product in float32 and casts it back (PyTorch has no float16 matmul
+on CPU), so the first op past float16's range is that cast (`_to_copy`), its
+input the float32 product 1.28 * 16 * 5000; on a GPU it is the float16 `mm`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from test_jax_replay import FIX, _fit, third_dense_model
+
+import mpprof
+from mpprof.backends.replay_candidates import layer_tree
+from mpprof.backends.torch import replay_engine
+from mpprof.replay import files
+from mpprof.replay.verification import Candidate
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("torch_replay")
+    context = _fit(third_dense_model(), logdir)
+    return logdir, context
+
+
+def _check(result):
+    first = result["first_op"]
+    assert first["layer"] == "d3" and first["phase"] == "forward"
+    assert first["dtype"] == "float16" and "inf" in first["output"]
+    if torch.cuda.is_available():
+        assert first["op"] in ("mm", "addmm")
+    else:
+        assert first["op"] == "_to_copy"
+        assert max(first["input_abs_max"]) == pytest.approx(1.28 * 16 * 5000, rel=1e-2)
+    assert result["divergence"][0]["layer"] == "d3"
+    assert result["float32_layers"] == ["d3"]
+    assert result["policy_map"] == FIX
+    assert result["verified"] is True, result["verified_detail"]
+    assert result["dtype_lines"] == ['d3: Dense(..., name="d3", dtype="float32")']
+    assert result["backend"] == "torch"
+
+
+def test_the_capture_says_torch_and_holds_the_step(captured):
+    logdir, context = captured
+    assert context["state"] == "ok" and context["captures"], context
+    capture = files.select_capture(str(logdir), "train", None)
+    manifest = capture.manifest
+    assert manifest["backend"] == "torch" and "torch" in manifest["versions"]
+    assert "non-finite loss" in manifest["reasons"]
+    assert "overflow: the loss scale skipped the step" in manifest["reasons"]
+    assert manifest["batch_shapes"] == [[8, 8], [8, 1]]
+    assert manifest["layer_paths"]["d3"] == "third_dense/d3"
+    assert manifest["loss_scale"] > 1
+    kernel = next(v for k, v in capture.weights().items() if k.endswith("d3/kernel"))
+    assert np.all(kernel == 5000.0)
+
+
+def test_in_process_replay_names_the_op_and_verifies_the_fix(captured):
+    logdir, _ = captured
+    _check(mpprof.replay.replay(str(logdir), save=False))
+
+
+def test_cli_diagnose_replay_without_tensorflow(captured):
+    """`mpprof diagnose --replay` in a process where TensorFlow cannot be
+    imported: the capture's manifest picks the PyTorch engine."""
+    logdir, _ = captured
+    code = ("import sys; sys.modules['tensorflow'] = None\n"
+            "from mpprof import cli\n"
+            f"sys.exit(cli.main(['diagnose', {str(logdir)!r}, '--replay', '--format', "
+            "'json']))\n")
+    env = {**os.environ, "KERAS_BACKEND": "torch"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout)
+    shown = [row["replay"] for row in rows if "replay" in row]
+    assert shown, rows
+    capture = files.select_capture(str(logdir), "train", None)
+    _check(capture.result())  # saved beside the capture
+
+
+def test_a_healthy_look_alike_is_neither_captured_nor_offending(tmp_path):
+    """Kernel 1.0 instead of 5000: no step overflows, nothing is captured,
+    and a pass of its step through the engine finds no offending op."""
+    model = third_dense_model(third_kernel=1.0)
+    context = _fit(model, tmp_path)
+    assert context["state"] == "ok" and context["captures"] == []
+    assert files.find_captures(str(tmp_path), "train") == []
+    x, y = np.ones((8, 8), "float32"), np.ones((8, 1), "float32")
+    engine = replay_engine.engine_for(model, [(x, y)], 2.0**15)
+    before = [np.array(v.numpy()) for v in model.weights]
+    result = engine.run_pass(Candidate(label="the run's policies"), 0, 2.0**15)
+    assert result.offender is None and result.forward_clean and result.gradients_finite
+    assert set(result.forward) == {(name, 0) for name in layer_tree(model)}
+    assert set(result.backward) == set(result.forward)
+    # The pass left the model as it was.
+    assert all(np.array_equal(b, v.numpy()) for b, v in zip(before, model.weights,
+                                                            strict=True))
