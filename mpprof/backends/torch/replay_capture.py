@@ -26,20 +26,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import keras
-import numpy as np
 import torch
 
 from mpprof.backends import keras_capture
 from mpprof.backends.collector import Collector
 from mpprof.backends.torch.custom_step import overrides_train_step
+from mpprof.backends.torch.step_state import host_array
 from mpprof.replay import files
-
-
-def _host_array(value) -> np.ndarray:
-    if isinstance(value, torch.Tensor):
-        return np.asarray(keras.ops.convert_to_numpy(value.detach()))
-    return np.asarray(value)
 
 
 class ReplayCapture(Collector):
@@ -164,13 +157,13 @@ class ReplayCapture(Collector):
         model = fit.model
         leaves: list = []
         structure = files.encode_structure(data, leaves)
-        batch = [_host_array(leaf) for leaf in leaves]
+        batch = [host_array(leaf) for leaf in leaves]
         values = {id(v): a for v, a in zip(model.non_trainable_variables, non_trainable,
                                            strict=True)}
         if trainable is not None:
             values.update({id(v): a for v, a in zip(model.trainable_variables, trainable,
                                                     strict=True)})
-        weights = [_host_array(values.get(id(v), v.value)) for v in model.weights]
+        weights = [host_array(values.get(id(v), v.value)) for v in model.weights]
         keras_capture.write_capture(
             fit, self.captured if captured is None else captured, step=step, batch=batch,
             weights=weights, reasons=reasons, loss=loss, loss_scale=scale, skipped=skipped,

@@ -32,6 +32,7 @@ from mpprof.backends.layer_records import called_method, walk_layers
 from mpprof.backends.replay_candidates import layer_tree
 from mpprof.backends.torch.custom_step import overrides_train_step
 from mpprof.backends.torch.replay_passes import as_tensors, run_pass
+from mpprof.backends.torch.step_state import host_array
 from mpprof.replay import files, fixes, search, verification
 from mpprof.replay.files import ReplayError
 
@@ -139,12 +140,12 @@ class Engine(replay_candidates.CandidateEngine):
             while len(losses) < steps and calls < steps + verification.TRIAL_MAX_SKIPS:
                 for metric in model.metrics:
                     metric.reset_state()
-                before = int(keras.ops.convert_to_numpy(optimizer.iterations))
+                before = int(host_array(optimizer.iterations))
                 # Eager, as Keras' PyTorch fit runs it (jit_compile=False).
                 logs = model.train_step(batches[calls % len(batches)])
                 calls += 1
                 # A skipped step leaves `iterations` as it was.
-                if int(keras.ops.convert_to_numpy(optimizer.iterations)) != before:
+                if int(host_array(optimizer.iterations)) != before:
                     losses.append(replay_candidates.trial_loss(logs))
         self.skipped_steps = calls - len(losses)
         return losses

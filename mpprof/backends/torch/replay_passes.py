@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_flatten
 from mpprof.backends.layer_records import called_method, variable_path
 from mpprof.backends.patching import Patches
 from mpprof.backends.replay_candidates import layer_tree, policies_applied
+from mpprof.backends.torch.step_state import host_array
 from mpprof.dtypes import DTYPE_MAX
 from mpprof.replay import search
 from mpprof.replay.search import BETWEEN_LAYERS, LOSS, Offender, PassResult, subtree
@@ -135,7 +136,7 @@ class _Watch:
             gradients = torch.autograd.grad(scaled, [v.value for v in variables],
                                             allow_unused=True)
             self._phase = "done"
-        by_path = {variable_path(v): _array(g) for v, g in zip(variables, gradients,
+        by_path = {variable_path(v): host_array(g) for v, g in zip(variables, gradients,
                                                                  strict=True)
                    if g is not None}
         finite = all(bool(np.all(np.isfinite(g))) for g in by_path.values())
@@ -143,7 +144,7 @@ class _Watch:
             forward=self.forward, backward=self.backward,
             offender=self.offenders.get("forward") or self.offenders.get("backward"),
             forward_clean="forward" not in self.offenders,
-            loss=float(_array(loss).astype(np.float64).sum()), gradients_finite=finite,
+            loss=float(host_array(loss).astype(np.float64).sum()), gradients_finite=finite,
             gradients=by_path,
         )
 
@@ -174,7 +175,7 @@ class _Watch:
         key = (name, index)
         self._inside = True
         try:
-            self.forward[key] = _array(output).astype(np.float64)
+            self.forward[key] = host_array(output).astype(np.float64)
         finally:
             self._inside = False
         if not output.requires_grad:
@@ -184,7 +185,7 @@ class _Watch:
             self._backward_layer = name
             self._inside = True
             try:
-                self.backward[key] = _array(gradient).astype(np.float64)
+                self.backward[key] = host_array(gradient).astype(np.float64)
             finally:
                 self._inside = False
 
@@ -208,7 +209,7 @@ class _Watch:
         for output in tree_flatten(outputs)[0]:
             if not _is_float(output) or _in_range(output):
                 continue
-            values = _array(output)
+            values = host_array(output)
             dtype = _dtype_name(output)
             problem = search.problem(values, dtype)
             if problem is None:
@@ -219,7 +220,7 @@ class _Watch:
             inputs = [t for t in tree_flatten(args)[0] if _is_float(t)]
             self.offenders[phase] = Offender(
                 layer=layer, op=op, phase=phase,
-                input_abs_max=[search.abs_max(_array(t)) for t in inputs],
+                input_abs_max=[search.abs_max(host_array(t)) for t in inputs],
                 output=problem, dtype=dtype,
             )
             self._cast_offended = phase == "forward" and op in _CAST_OPS
@@ -243,11 +244,3 @@ def _in_range(tensor: torch.Tensor) -> bool:
     peak = tensor.detach().abs().amax()
     limit = DTYPE_MAX.get(_dtype_name(tensor))
     return bool(torch.isfinite(peak)) and (limit is None or float(peak) <= limit)
-
-
-def _array(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor on the host, in a dtype NumPy has (bfloat16 as float32)."""
-    tensor = tensor.detach()
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.float()
-    return tensor.cpu().numpy()

@@ -48,6 +48,20 @@ def host_value(variable) -> float:
         value, torch.Tensor) else float(np.asarray(value))
 
 
+def host_array(value) -> np.ndarray:
+    """A tensor (or Keras variable, or array) on the host as a NumPy array,
+    in a dtype NumPy has (bfloat16 as float32). Directly: Keras'
+    `convert_to_numpy` goes through `np.array(tensor)`, which NumPy 2 warns
+    about for torch tensors."""
+    value = getattr(value, "value", value)
+    if not isinstance(value, torch.Tensor):
+        return np.asarray(value)
+    value = value.detach()
+    if value.dtype == torch.bfloat16:
+        value = value.float()
+    return value.cpu().numpy()
+
+
 @dataclass
 class _Block:
     """One followed optimizer's counts and, under loss scaling, its event ring
