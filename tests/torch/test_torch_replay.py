@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 import torch
@@ -24,7 +25,8 @@ from test_jax_replay import FIX, _fit, third_dense_model
 
 import mpprof
 from mpprof.backends.replay_candidates import layer_tree
-from mpprof.backends.torch import replay_engine
+from mpprof.backends.torch import replay_engine, replay_passes
+from mpprof.records import reader
 from mpprof.replay import files
 from mpprof.replay.verification import Candidate
 
@@ -109,3 +111,64 @@ def test_a_healthy_look_alike_is_neither_captured_nor_offending(tmp_path):
     # The pass left the model as it was.
     assert all(np.array_equal(b, v.numpy()) for b, v in zip(before, model.weights,
                                                             strict=True))
+
+
+def test_an_overflowing_input_cast_is_the_receiving_layers():
+    """A float32 layer's output beyond 65504 overflows where the next,
+    float16 layer casts its input: that layer's, not "between layers" (as
+    on TensorFlow, tests/test_replay.py)."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    constant = keras.initializers.Constant
+    model = keras.Sequential([
+        keras.layers.Input((8,)),
+        keras.layers.Dense(4, kernel_initializer=constant(10_000.0), dtype="float32",
+                           name="wide"),
+        keras.layers.Dense(1, name="half"),
+    ], name="casts")
+    model.compile(optimizer="sgd", loss="mse")
+    batch = (np.ones((2, 8), "float32"), np.ones((2, 1), "float32"), None)
+    result = replay_passes.run_pass(model, batch, 1.0, None)
+    assert result.offender.layer == "half" and result.offender.op == "_to_copy"
+    assert result.offender.input_abs_max == [80_000.0]
+    assert replay_passes.run_pass(model, batch, 1.0, ["half"]).forward_clean
+
+
+def _normalised_third_dense_model() -> keras.Model:
+    """`third_dense_model` with a BatchNormalization after the overflowing
+    layer: an overflowed step's NaN batch statistics reach its moving ones."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    constant = keras.initializers.Constant
+    model = keras.Sequential([
+        keras.layers.Input((8,)),
+        keras.layers.Dense(16, kernel_initializer=constant(0.1), name="d1"),
+        keras.layers.Dense(16, kernel_initializer=constant(0.1), name="d2"),
+        keras.layers.Dense(16, kernel_initializer=constant(0.5), name="d3"),
+        keras.layers.BatchNormalization(name="bn"),
+        keras.layers.Dense(1, kernel_initializer=constant(1e-6), dtype="float32",
+                           name="out"),
+    ], name="normalised")
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    return model
+
+
+def test_the_capture_holds_the_moving_statistics_the_step_found(tmp_path):
+    """The overflow comes at step 3, after finite steps: the sampled step's
+    capture holds the moving statistics from before it (cloned before the
+    step ran: finite), not the NaN it left, and the replay verifies d3 in
+    float32."""
+    x = np.ones((32, 8), "float32")
+    x[24:] *= 1e4  # step 3's batch overflows float16 in d3
+    model = _normalised_third_dense_model()
+    model.fit(x, np.ones((32, 1), "float32"), batch_size=8, epochs=1, verbose=0,
+              shuffle=False, callbacks=[mpprof.MixedPrecisionProfiler(
+                  str(tmp_path), gpu_interval=None, numerics_every=1)])
+    context = reader.read_run(str(tmp_path), "train").context["collectors"]["replay_capture"]
+    assert [c["step"] for c in context["captures"]] == [3], context
+    capture = files.select_capture(str(tmp_path), "train", None)
+    moving = [a for p, a in capture.weights().items() if "moving" in p]
+    assert moving and all(np.isfinite(a).all() for a in moving)
+    assert not np.isfinite(model.get_layer("bn").moving_mean.numpy()).all()
+    result = mpprof.replay.replay(str(tmp_path), save=False)
+    assert result["first_op"]["layer"] == "d3"
+    assert "d3" in result["float32_layers"]
+    assert result["verified"], result["verified_detail"]

@@ -29,13 +29,12 @@ from typing import Any
 import torch
 
 from mpprof.backends import keras_capture
-from mpprof.backends.collector import Collector
 from mpprof.backends.torch.custom_step import overrides_train_step
 from mpprof.backends.torch.step_state import host_array
 from mpprof.replay import files
 
 
-class ReplayCapture(Collector):
+class ReplayCapture(keras_capture.SampledStepCapture):
     """Saves up to `budget` steps per fit that overflowed or lost the loss.
 
     Args:
@@ -51,43 +50,16 @@ class ReplayCapture(Collector):
         fit_params: the callback's `params` (how many steps the fit runs).
     """
 
-    name = "replay_capture"
-
     def __init__(self, budget: int, keras_api, loss_scales, health, instrumenting,
                  advise_batches: int = 0, fit_params: dict | None = None):
-        self.budget = budget
-        self.advise_batches = advise_batches
-        self._fit_params = fit_params
-        self._advise: keras_capture.AdviseBatches | None = None
-        self._api = keras_api
-        self._health = health
-        self._unavailable: str | None = None
+        super().__init__(budget, keras_api, health, advise_batches, fit_params)
         self._before: Any = None
         self._ran = False
-        self._config: tuple = (None, "")
-        self._custom_step = False
-        self._model: Any = None
-        self.captured: list[dict] = []
-        self.initial_descent_skipped = 0
 
-    def wrap_train_step(self, fit, patches) -> None:
-        """Registers with the backend, whose train functions call
-        `before_sampled` and `after_sampled` around each sampled call."""
-        self._unavailable = self._why_unavailable(fit.model, fit.schedule.every)
-        self._custom_step = overrides_train_step(fit.model)
-        self._model = fit.model
-        if self._unavailable is None:
-            if self.advise_batches:
-                self._advise = keras_capture.AdviseBatches(
-                    self.advise_batches, self._fit_params, fit.step)
-            self._api.replay = self
-            self._config = keras_capture.model_config(fit.model)
+    def overrides_train_step(self, model) -> bool:
+        return overrides_train_step(model)
 
-    def _why_unavailable(self, model, sample_every: int | None) -> str | None:
-        if self.budget == 0 and not self.advise_batches:
-            return "replay_budget=0"
-        if sample_every is None:
-            return "numerics_every=None: only sampled (instrumented) steps are captured"
+    def unavailable_on_backend(self, model) -> str | None:
         if getattr(model, "jit_compile", False):
             return ("jit_compile=True: on PyTorch the step runs under torch.compile and "
                     "is not sampled; train with jit_compile=False to capture a step")
@@ -99,12 +71,11 @@ class ReplayCapture(Collector):
         """`data`: what Keras hands the train function (a one-element list
         holding the batch)."""
         self._ran = False
-        advising = self._advise is not None and len(self._advise.kept) < self._advise.wanted
         state = self._api.step_state
-        if (len(self.captured) >= self.budget and not advising) or state is None:
+        if not self.wanted() or state is None:
             self._before = None
             return
-        model = self._model
+        model = self.model
         with torch.no_grad():
             non_trainable = [v.value.detach().clone() for v in model.non_trainable_variables]
             # A custom step's skips are its own optimizers' (a GAN's), which
@@ -127,33 +98,21 @@ class ReplayCapture(Collector):
         batch, non_trainable, trainable, skipped_before, counts = before
         state = self._api.step_state
         skipped = state.all_skipped() - skipped_before
-        watched = (state.loss_watched and fit.guard.ok(self._health.name))
+        watched = state.loss_watched and fit.guard.ok(self._health.name)
         loss = state.last_loss() if watched else math.nan
         loss_finite = math.isfinite(loss) if watched else None
         applied_before, skipped_steps_before, scale = counts
         step = applied_before + skipped_steps_before
-        if skipped == 0 and loss_finite is not False:
-            if self._advise is not None and self._advise.due(step):
-                self._write(fit, step, batch, non_trainable, trainable,
-                            ["advise: one of the run's own batches"], False, loss, scale,
-                            folder=files.ADVISE_FOLDER, captured=self._advise.kept)
+        decided = self.decide(step, skipped, loss_finite, applied_before)
+        if decided is None:
             return
-        if len(self.captured) >= self.budget:
-            return
-        if loss_finite and skipped and applied_before == 0:
-            self.initial_descent_skipped += 1
-            return
-        reasons = []
-        if skipped:
-            reasons.append("overflow: the loss scale skipped the step")
-        if loss_finite is False:
-            reasons.append("non-finite loss")
-        self._write(fit, step, batch, non_trainable, trainable, reasons, skipped > 0,
-                    loss, scale)
+        reasons, folder, captured = decided
+        self._write(fit, step, batch, non_trainable, trainable, reasons, skipped > 0, loss,
+                    scale, folder, captured)
 
     def _write(self, fit, step: int, data, non_trainable, trainable, reasons: list[str],
-               skipped: bool, loss: float, scale: float,
-               folder: str = files.REPLAY_FOLDER, captured: list | None = None) -> None:
+               skipped: bool, loss: float, scale: float, folder: str,
+               captured: list) -> None:
         model = fit.model
         leaves: list = []
         structure = files.encode_structure(data, leaves)
@@ -165,26 +124,12 @@ class ReplayCapture(Collector):
                                                     strict=True)})
         weights = [host_array(values.get(id(v), v.value)) for v in model.weights]
         keras_capture.write_capture(
-            fit, self.captured if captured is None else captured, step=step, batch=batch,
-            weights=weights, reasons=reasons, loss=loss, loss_scale=scale, skipped=skipped,
-            structure=structure, config=self._config,
-            backend={"backend": "torch", "torch": torch.__version__},
+            fit, captured, step=step, batch=batch, weights=weights, reasons=reasons,
+            loss=loss, loss_scale=scale, skipped=skipped, structure=structure,
+            config=self._config, backend={"backend": "torch", "torch": torch.__version__},
             weights_before=trainable is not None, folder=folder,
         )
 
     def end(self, fit) -> None:
         self._before = None
-        if self._api.replay is self:
-            self._api.replay = None
-
-    def context(self) -> dict:
-        if self._unavailable is not None:
-            off = self.budget == 0 or self._unavailable.startswith("numerics_every")
-            return {"state": "off" if off else "unavailable", "reason": self._unavailable,
-                    "budget": self.budget}
-        entry = {"state": "ok", "budget": self.budget, "captures": self.captured}
-        if self._advise is not None:
-            entry["advise_batches"] = self._advise.context()
-        if self.initial_descent_skipped:
-            entry["initial_descent_not_captured"] = self.initial_descent_skipped
-        return entry
+        super().end(fit)

@@ -28,12 +28,10 @@ import os
 import keras
 
 from mpprof.backends import keras_capture, replay_candidates
-from mpprof.backends.layer_records import called_method, walk_layers
-from mpprof.backends.replay_candidates import layer_tree
 from mpprof.backends.torch.custom_step import overrides_train_step
 from mpprof.backends.torch.replay_passes import as_tensors, run_pass
 from mpprof.backends.torch.step_state import host_array
-from mpprof.replay import files, fixes, search, verification
+from mpprof.replay import files, search, verification
 from mpprof.replay.files import ReplayError
 
 
@@ -46,12 +44,7 @@ def replay(logdir_or_model, run: str | None = None, step: int | None = None, *,
 
 
 def _replay_with_weights(model, capture: files.Capture) -> dict:
-    quantized = [name for name, layer, _ in walk_layers(model)
-                 if called_method(layer) == "quantized_call"]
-    if quantized:
-        raise ReplayError(
-            f"the model has quantized layers ({', '.join(quantized[:5])}): float8 "
-            "replays are not supported; the float8 findings and the numerics cover them")
+    keras_capture.refuse_quantized(model)
     keras_capture.load_weights(model, capture)
     keras_capture.captured_policies(model, capture)
     batch = keras.utils.unpack_x_y_sample_weight(capture.batch())
@@ -62,38 +55,19 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
         raise ReplayError(
             f"the step could not be run eagerly as model(x, training=True) and "
             f"model.compute_loss ({type(e).__name__}: {str(e)[:300]})") from e
-    reference = run_pass(model, batch, scale, None, all_float32=True)
-    tree = layer_tree(model)
-    divergence = search.divergence(run_policy, reference, tree)
-    fix = fixes.find_fixes(
-        verifier=verification.Verifier(Engine(model, [batch], scale)),
-        run_unscaled=lambda float32_layers: run_pass(model, batch, 1.0, float32_layers),
-        scale=scale, run_policy=run_policy, reference=reference, divergence=divergence,
-        tree=tree, paths=capture.manifest.get("layer_paths", {}),
-        inputs=keras.tree.flatten(batch[0]), backend="torch")
-    offender = run_policy.offender
     notes = ([
         "the model has its own train_step: the replay runs Keras' step (its forward "
         "pass and model.compute_loss), not the model's own loss; the trials run the "
         "model's train_step"] if overrides_train_step(model) else [])
-    return {
-        "run": capture.run,
-        "step": capture.step,
-        "capture_reasons": capture.manifest.get("reasons", []),
-        "loss_scale": scale,
-        "first_op": offender.to_dict() if offender else None,
-        "loss": {"run_policy": run_policy.loss, "float32": reference.loss},
-        "float32_clean": reference.forward_clean and reference.gradients_finite,
-        "divergence": divergence,
-        **fix,
-        "weights_are_the_steps": capture.manifest.get("weights_are_the_steps"),
-        "replayed_eagerly": True,
-        "replayed_as": ("model(x, training=True) and model.compute_loss, eagerly, every "
-                        "aten op seen by a TorchDispatchMode"),
-        **({"notes": notes} if notes else {}),
-        "backend": "torch",
-        "versions": capture.manifest.get("versions", {}),
-    }
+    return keras_capture.replay_result(
+        model, capture, scale=scale, run_policy=run_policy,
+        reference=run_pass(model, batch, scale, None, all_float32=True),
+        engine=Engine(model, [batch], scale),
+        run_unscaled=lambda float32_layers: run_pass(model, batch, 1.0, float32_layers),
+        inputs=keras.tree.flatten(batch[0]), backend="torch",
+        replayed_as=("model(x, training=True) and model.compute_loss, eagerly, every "
+                     "aten op seen by a TorchDispatchMode"),
+        **({"notes": notes} if notes else {}))
 
 
 def engine_for(model, batches: list, loss_scale: float = 1.0) -> Engine:
@@ -125,28 +99,42 @@ class Engine(replay_candidates.CandidateEngine):
                             loss_scale, None, policies=self.policies(candidate),
                             model_policy=candidate.default_policy)
 
+    def trial_step(self, optimizer):
+        """The trial's update: the model's own `train_step`, eager, as Keras'
+        PyTorch `fit` runs it (jit_compile=False); its loss, or None where
+        the loss scale skipped it (`iterations` left as it was)."""
+        model = self.model
+
+        def step(batch) -> float | None:
+            for metric in model.metrics:
+                metric.reset_state()
+            before = int(host_array(optimizer.iterations))
+            logs = model.train_step(as_tensors(batch))
+            if int(host_array(optimizer.iterations)) == before:
+                return None
+            return replay_candidates.trial_loss(logs)
+
+        return step
+
     def train(self, candidate: verification.Candidate, steps: int,
               loss_scale: float | None = None) -> list[float]:
-        model = self.model
+        # The trial's loop, as the verification rework (branch i36a) moves it
+        # into `CandidateEngine.train` over `trial_step`: delete this method
+        # once that is merged.
         optimizer = self.trial_optimizer(candidate, loss_scale)
-        batches = [as_tensors(replay_candidates.scale_inputs(b, candidate.input_scale))
+        batches = [replay_candidates.scale_inputs(b, candidate.input_scale)
                    for b in self.batches]
         losses: list[float] = []
+        calls = 0
         with self.swapped_optimizer(optimizer), replay_candidates.policies_applied(
-                model, self.tree, self.policies(candidate), candidate.default_policy), \
+                self.model, self.tree, self.policies(candidate), candidate.default_policy), \
                 replay_candidates.repeatable_random_draws(self.tree):
-            optimizer.build(model.trainable_variables)
-            calls = 0
+            optimizer.build(self.model.trainable_variables)
+            step = self.trial_step(optimizer)
             while len(losses) < steps and calls < steps + verification.TRIAL_MAX_SKIPS:
-                for metric in model.metrics:
-                    metric.reset_state()
-                before = int(host_array(optimizer.iterations))
-                # Eager, as Keras' PyTorch fit runs it (jit_compile=False).
-                logs = model.train_step(batches[calls % len(batches)])
+                loss = step(batches[calls % len(batches)])
                 calls += 1
-                # A skipped step leaves `iterations` as it was.
-                if int(host_array(optimizer.iterations)) != before:
-                    losses.append(replay_candidates.trial_loss(logs))
+                if loss is not None:
+                    losses.append(loss)
         self.skipped_steps = calls - len(losses)
         return losses
-
