@@ -172,3 +172,29 @@ def test_the_capture_holds_the_moving_statistics_the_step_found(tmp_path):
     assert result["first_op"]["layer"] == "d3"
     assert "d3" in result["float32_layers"]
     assert result["verified"], result["verified_detail"]
+
+
+def test_a_backward_overflow_is_seen_by_the_dispatch_mode():
+    """A forward pass in range (outputs of 128) whose loss-scaled gradient
+    (mse over 4 samples: 2 * 128 / 4 * 2**15 = 2.1e6) passes float16's max where it is cast back to
+    float16 on its way into the float16 layer: the autograd engine's ops go
+    through the dispatch mode too, and the offender is a backward one; at
+    loss scale 1 the same pass is clean."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    constant = keras.initializers.Constant
+    model = keras.Sequential([
+        keras.layers.Input((8,)),
+        keras.layers.Dense(16, kernel_initializer=constant(1.0), name="a"),
+        keras.layers.Dense(1, kernel_initializer=constant(1.0), dtype="float32", name="out"),
+    ], name="backward")
+    model.compile(optimizer="sgd", loss="mse")
+    batch = (np.ones((4, 8), "float32"), np.zeros((4, 1), "float32"), None)
+    result = replay_passes.run_pass(model, batch, 2.0**15, None)
+    assert result.forward_clean and not result.gradients_finite
+    offender = result.offender
+    assert offender.phase == "backward" and offender.dtype == "float16"
+    assert offender.layer == "out" and "inf" in offender.output
+    assert offender.input_abs_max == [2 * 128 / 4 * 2.0**15]
+    assert set(result.backward) == {("a", 0), ("out", 0)}
+    calm = replay_passes.run_pass(model, batch, 1.0, None)
+    assert calm.offender is None and calm.gradients_finite
