@@ -39,19 +39,17 @@ def captured(tmp_path_factory):
 
 
 def _check(result):
+    """The verdict every backend gives (tests/test_backend_contract.py), with
+    PyTorch's own op: the float16 `mm` on a GPU; on a CPU the cast of Keras'
+    float32 product back to float16, its input that product."""
     first = result["first_op"]
-    assert first["layer"] == "d3" and first["phase"] == "forward"
-    assert first["dtype"] == "float16" and "inf" in first["output"]
+    assert (first["layer"], first["phase"], first["dtype"]) == ("d3", "forward", "float16")
     if torch.cuda.is_available():
         assert first["op"] in ("mm", "addmm")
     else:
         assert first["op"] == "_to_copy"
         assert max(first["input_abs_max"]) == pytest.approx(1.28 * 16 * 5000, rel=1e-2)
-    assert result["divergence"][0]["layer"] == "d3"
-    assert result["float32_layers"] == ["d3"]
-    assert result["policy_map"] == FIX
-    assert result["verified"] is True, result["verified_detail"]
-    assert result["dtype_lines"] == ['d3: Dense(..., name="d3", dtype="float32")']
+    assert result["policy_map"] == FIX and result["verified"] is True
     assert result["backend"] == "torch"
 
 
