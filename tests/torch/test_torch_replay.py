@@ -196,3 +196,33 @@ def test_a_backward_overflow_is_seen_by_the_dispatch_mode():
     assert set(result.backward) == {("a", 0), ("out", 0)}
     calm = replay_passes.run_pass(model, batch, 1.0, None)
     assert calm.offender is None and calm.gradients_finite
+
+
+def test_an_unseeded_dropout_replays_to_the_same_verdict_twice(tmp_path):
+    """Keras' PyTorch dropout without a seed draws from torch's global
+    generator into `empty_like` memory: the uninitialised memory is never
+    taken for an overflow (it held NaN garbage), every pass draws the same
+    masks (the generator seeded for the replay, the user's put back), and
+    two replays of one capture agree to the digit."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    constant = keras.initializers.Constant
+    model = keras.Sequential([
+        keras.layers.Input((8,)),
+        keras.layers.Dense(16, kernel_initializer=constant(0.1), name="d1"),
+        keras.layers.Dropout(0.2, name="drop"),
+        keras.layers.Dense(16, kernel_initializer=constant(0.1), name="d2"),
+        keras.layers.Dense(16, kernel_initializer=constant(5000.0), name="d3"),
+        keras.layers.Dense(1, kernel_initializer=constant(1e-6), dtype="float32",
+                           name="out"),
+    ], name="dropped")
+    model.compile(optimizer=keras.optimizers.Adam(1e-9), loss="mse")
+    assert _fit(model, tmp_path)["captures"]
+    user_state = torch.random.get_rng_state()
+    first = mpprof.replay.replay(str(tmp_path), save=False)
+    second = mpprof.replay.replay(str(tmp_path), save=False)
+    assert torch.equal(torch.random.get_rng_state(), user_state)
+    assert first["first_op"]["layer"] == "d3"
+    assert first["policy_map"] == {"dropped/d3": "float32"}
+    assert first["verified"] is True, first["verified_detail"]
+    assert (first["loss"], first["verified_detail"]) == (second["loss"],
+                                                         second["verified_detail"])

@@ -29,7 +29,7 @@ import keras
 
 from mpprof.backends import keras_capture, replay_candidates
 from mpprof.backends.torch.custom_step import overrides_train_step
-from mpprof.backends.torch.replay_passes import as_tensors, run_pass
+from mpprof.backends.torch.replay_passes import as_tensors, run_pass, seeded_global_rng
 from mpprof.backends.torch.step_state import host_array
 from mpprof.replay import files, search, verification
 from mpprof.replay.files import ReplayError
@@ -119,8 +119,13 @@ class Engine(replay_candidates.CandidateEngine):
     def train(self, candidate: verification.Candidate, steps: int,
               loss_scale: float | None = None) -> list[float]:
         # The trial's loop, as the verification rework (branch i36a) moves it
-        # into `CandidateEngine.train` over `trial_step`: delete this method
-        # once that is merged.
+        # into `CandidateEngine.train` over `trial_step`: once that is merged,
+        # this method is `super().train(...)` inside `seeded_global_rng()`.
+        with seeded_global_rng():
+            return self._train(candidate, steps, loss_scale)
+
+    def _train(self, candidate: verification.Candidate, steps: int,
+               loss_scale: float | None) -> list[float]:
         optimizer = self.trial_optimizer(candidate, loss_scale)
         batches = [replay_candidates.scale_inputs(b, candidate.input_scale)
                    for b in self.batches]

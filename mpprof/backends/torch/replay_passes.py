@@ -27,7 +27,8 @@ dtype policies it changed restored.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
 
 import keras
 import numpy as np
@@ -37,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 
 from mpprof.backends.layer_records import called_method, variable_path
 from mpprof.backends.patching import Patches
-from mpprof.backends.replay_candidates import layer_tree, policies_applied
+from mpprof.backends.replay_candidates import REPLAY_SEED, layer_tree, policies_applied
 from mpprof.backends.torch.step_state import host_array
 from mpprof.dtypes import DTYPE_MAX
 from mpprof.replay import search
@@ -45,6 +46,25 @@ from mpprof.replay.search import BETWEEN_LAYERS, LOSS, Offender, PassResult, sub
 
 # The aten op of a dtype cast (`ops.cast` on PyTorch is `Tensor.to`).
 _CAST_OPS = {"_to_copy", "to", "convert_element_type"}
+# Ops whose output is memory left uninitialised, filled by the next op
+# (`torch.nn.functional.dropout` draws its mask into `empty_like`): what they
+# hold is never a value the step computed.
+_UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                  "empty_permuted"}
+
+
+@contextlib.contextmanager
+def seeded_global_rng() -> Iterator[None]:
+    """PyTorch's global generators start from `REPLAY_SEED` inside the
+    block and are put back after. Keras' PyTorch dropout without a seed draws
+    from them (`torch.nn.functional.dropout`), not from its layer's
+    SeedGenerator (which `replay_candidates.repeatable_random_draws` seeds):
+    so every pass and trial draws the same masks, and the user's generator
+    is left as it was."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(REPLAY_SEED)
+        yield
 
 
 def as_tensors(batch):
@@ -71,7 +91,7 @@ def run_pass(model, batch, loss_scale: float, float32_layers: Iterable[str] | No
         state = [(v, v.value.detach().clone()) for v in model.non_trainable_variables]
     watch = _Watch(tree)
     try:
-        with policies_applied(model, tree, wanted, model_policy):
+        with policies_applied(model, tree, wanted, model_policy), seeded_global_rng():
             watch.install()
             return watch.run(model, as_tensors(batch), loss_scale)
     finally:
@@ -200,7 +220,7 @@ class _Watch:
             self._cast_offended = False
 
     def on_op(self, func, args, outputs) -> None:
-        if self._inside:
+        if self._inside or func.overloadpacket.__name__ in _UNINITIALISED:
             return
         self._cast_offended = False
         phase = self._phase
