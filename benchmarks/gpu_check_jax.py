@@ -163,7 +163,7 @@ def advisor_check(run_dir: str, name: str, policy: str, sizes: dict) -> dict:
                                             "nothing_to_change", "policy_map")},
         "projection": {key: projection.get(key) for key in (
             "gpu", "float32_runs_as", "gemm_seconds_now", "gemm_seconds_plan", "gemm_speedup",
-            "measured_step_seconds", "step_speedup")},
+            "measured_step_seconds", "step_speedup", "amdahl_source")},
         "measured": {"baseline_step_seconds": baseline_s, "plan_step_seconds": plan_s,
                      "speedup": baseline_s / plan_s if plan_s else None,
                      **({"plan_not_trained": error} if error else {})},

@@ -125,6 +125,8 @@ def _diagnose(args) -> int:
     runs, chatty = _read(args.logdir, args.run, args.verbosity)
     replays = {name: _replays_of(args.logdir, name, args.replay, args.verbosity)
                for name in runs}
+    for name, run in runs.items():
+        replays[name] = _with_process_replays(run, replays, args)
     results = {}
     for name, run in runs.items():
         if run.readable:
@@ -186,6 +188,21 @@ def _replays_of(logdir: str, run: str, replay_missing: bool, verbosity: int) -> 
                     _say([_replaying(run, capture)], sys.stderr)
                 _run_replay(logdir, run, capture.step)
     return [result for capture in captures if (result := capture.result()) is not None]
+
+
+def _with_process_replays(run: reader.Run, replays: dict[str, list[dict]],
+                          args) -> list[dict]:
+    """A job's model run across processes (JAX's): its captures are in its
+    processes' runs, each holding that process's rows of the batch. Shown
+    under the model run's findings: the replays whose rows went wrong first."""
+    processes = (run.context.distributed.get("worker_runs") or []) \
+        if run.readable and run.worker is None else []
+    found = list(replays[run.name])
+    for name in processes:
+        found += (replays[name] if name in replays
+                  else _replays_of(args.logdir, name, args.replay, args.verbosity))
+    return sorted(found, key=lambda result: result.get("first_op") is None) \
+        if processes else found
 
 
 def _replay_field(finding, replays: list[dict]) -> dict:

@@ -16,7 +16,12 @@ applied: `plan_dtypes`); each model plants a reason the plan must name:
                 and gradient fit float8 at amax scaling (float8 candidates)
     healthy     nothing to change
 
-`EXPECTED[name]` says what the plan must hold.
+`EXPECTED[name]` says what the plan must hold. `LOOK_ALIKES` are healthy
+models shaped like a planted one, whose plan must change nothing:
+
+    cross_attention  a MultiHeadAttention and a keras.layers.Attention
+                     from 6 queries to 10 keys (not multiples of 8), all
+                     mixed_float16, no float32 island
 """
 
 from __future__ import annotations
@@ -115,6 +120,19 @@ def healthy(dtypes):
     return keras.Model(inputs, _dense(4, "out", dtypes, "float32")(h))
 
 
+def cross_attention(dtypes):
+    queries, context = keras.Input((6, 16), name="queries"), keras.Input((10, 16), name="context")
+    attended = keras.layers.MultiHeadAttention(2, 8, name="cross")(queries, context)
+    q = _dense(16, "q", dtypes)(queries)
+    v = _dense(16, "v", dtypes)(context)
+    dot = keras.layers.Attention(name="dot")([q, v])
+    h = keras.layers.Add(name="sum")([attended, dot])
+    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+    return keras.Model([queries, context], _dense(4, "out", dtypes, "float32")(h))
+
+
+LOOK_ALIKES = {"cross_attention": cross_attention}
+
 BUILDERS = {"mlp": mlp, "overflow": overflow, "cnn": cnn, "transformer": transformer,
             "lstm": lstm, "hub": hub, "float8": float8, "healthy": healthy}
 
@@ -131,6 +149,10 @@ def data(name: str):
     rng = np.random.default_rng(0)
     if name == "overflow":
         return np.ones((SAMPLES, 16), "float32"), np.ones((SAMPLES, 1), "float32")
+    if name == "cross_attention":
+        x = [rng.normal(size=(SAMPLES, 6, 16)).astype("float32"),
+             rng.normal(size=(SAMPLES, 10, 16)).astype("float32")]
+        return x, rng.normal(size=(SAMPLES, 4)).astype("float32")
     if name == "hub":
         x = {"token_ids": rng.integers(1, 64, (SAMPLES, 8)).astype("int32"),
              "segment_ids": np.zeros((SAMPLES, 8), "int32"),
@@ -146,7 +168,7 @@ def planted(name: str, dtypes: dict | None = None, policy: str = POLICY):
     """The planted model `name`, compiled, under `policy`."""
     keras.mixed_precision.set_dtype_policy(policy)
     try:
-        model = BUILDERS[name](dtypes or {})
+        model = {**BUILDERS, **LOOK_ALIKES}[name](dtypes or {})
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
@@ -164,12 +186,13 @@ def plan_dtypes(plan: dict) -> dict[str, str]:
     return found
 
 
-def fit_planted(name: str, logdir, advise_batches: int = 2) -> dict:
-    """Trains the planted model `name` under the profiler (numerics every
-    step, `advise_batches` kept) and returns `mpprof.advise(logdir)`."""
+def fit_planted(name: str, logdir, advise_batches: int = 2, policy: str = POLICY) -> dict:
+    """Trains the planted model `name` under `policy` and the profiler
+    (numerics every step, `advise_batches` kept) and returns
+    `mpprof.advise(logdir)`."""
     import mpprof
 
-    model = planted(name)
+    model = planted(name, policy=policy)
     x, y = data(name)
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False,
               callbacks=[mpprof.MixedPrecisionProfiler(
@@ -182,7 +205,11 @@ def retrain(name: str, dtypes: dict | None, policy: str, float8: list[str],
             steps: int = 20, initial=None) -> tuple[list[float], list]:
     """`steps` train_on_batch steps of the planted model with these policies
     (float8: `model.quantize` filters), from `initial` weights when given;
-    the loss of each step and the weights it started from."""
+    the loss of each step and the weights it started from. Seeded: both
+    retrains' dropout layers (the BERT's) start from the same seeds, as the
+    verification's trial does (`replay_candidates.repeatable_random_draws`);
+    unseeded, their masks followed whatever ran before in the process."""
+    keras.utils.set_random_seed(0)
     model = planted(name, dtypes, policy)
     trainable = list(model.trainable_weights)
     if initial is None:

@@ -22,7 +22,7 @@ import mpprof
 from mpprof import cli, diagnosis
 from mpprof.advisor import gpus, projection
 from mpprof.advisor.facts import Gemm
-from mpprof.records import reader
+from mpprof.records import reader, schema
 from mpprof.replay import files
 from mpprof.replay.verification import judge_trial
 
@@ -128,6 +128,21 @@ def test_verify_replays_the_plan_with_the_verification_api(advice):
     # Each layer's replayed sensitivity: float16 rounds ~8x finer than bfloat16.
     island = next(f for f in advised["facts"] if f["name"] == "island")["sensitivity"]
     assert 0 < island["float16"]["output"] < island["bfloat16"]["output"] < 0.05
+    # Float8's rounding of its GEMM's operands (e4m3: 3 mantissa bits, e5m2: 2),
+    # coarser than float16's and bfloat16's (10 and 7).
+    assert island["bfloat16"]["output"] < island["float8"]["input"] < 0.1
+    assert island["float8"]["input"] < island["float8"]["gradient"] < 0.2
+
+
+def test_float8_rounding_by_hand():
+    """[2, 1, 0.1] at amax scaling: x 224 -> 448, 224, 22.4; e4m3 holds 448
+    and 224 exactly and rounds 22.4 to 22 (steps of 2 between 16 and 32)."""
+    from mpprof.advisor.verify import float8_rounding
+
+    values = [2.0, 1.0, 0.1]
+    error = math.hypot(0.1 - 22 / 224) / math.hypot(*values)
+    assert float8_rounding(values, "float8_e4m3fn") == pytest.approx(error, rel=1e-12)
+    assert float8_rounding([0.0, 0.0], "float8_e4m3fn") is None
 
 
 def test_cli_json_and_text(advice, capsys):
@@ -199,6 +214,18 @@ def test_mp020_look_alikes_are_no_finding(advice, tmp_path):
     assert _mp020(_on_gpu(tmp_path / "healthy", advice["healthy"][0], A100)) == ("checked", [])
 
 
+def test_a_layer_fed_by_a_normalization_knows_its_producer(advice):
+    """keras-hub's encoder feeds its float16 feed-forward Dense the output of
+    a LayerNormalization, which computes in float32 and ends in a Cast: that
+    Cast is the norm's output, not one of the Dense's (TensorFlow's tracer
+    looked behind it and lost the producer, so the float8 input share was
+    unknown and the plan differed from JAX's)."""
+    facts = {f["name"]: f for f in advice["hub"][1]["facts"]}
+    dense = facts["transformer_layer_0/feedforward_intermediate_dense"]
+    assert dense["producer"] == "transformer_layer_0/self_attention_layer_norm"
+    assert dense["float8_input_loss"] is not None
+
+
 def test_both_backends_give_the_same_plan(advice, tmp_path):
     env = {**os.environ, "KERAS_BACKEND": "jax"}
     subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "advise_models.py"),
@@ -265,7 +292,7 @@ def test_the_whole_projection_of_a_plan_by_hand(advice):
     advised = mpprof.advise(str(advice["mlp"][0]), gpu="H100")
     facts = {f["name"]: f for f in advised["facts"]}
     island = next(t for t in advised["projection"]["layers"] if t["layer"] == "island")
-    g = facts["island"]["gemm"]
+    (g,) = facts["island"]["gemms"]
     # 8 rows (the batch) x 40 x 40: memory bound at TF32 now, float16 planned.
     assert (g["m"], g["n"], g["k"]) == (8, 40, 40)
     moved = 8 * 40 + 40 * 40 + 8 * 40
@@ -325,21 +352,193 @@ def test_amdahl_over_a_measured_step_by_hand(advice):
     assert advise_run(run)["projection"]["step_speedup"] is None  # a CPU run: GEMMs only
 
 
+# Attention: sized from the recorded shapes, checked against FLOPs worked out
+# by hand from the models' definitions (tests/advise_models.py).
+
+def _attention_flops(batch, heads, queries, keys, key_dim, value_dim):
+    """Forward and backward FLOPs of QK^T and AV: 3 x 2 x B·H·T·S·(dk + dv)."""
+    return 3 * 2 * batch * heads * queries * keys * (key_dim + value_dim)
+
+
+def test_multi_head_attention_is_sized_from_the_recorded_shapes(advice):
+    """The planted transformer: MultiHeadAttention(num_heads=2, key_dim=8) on
+    8 tokens of 16 features, batch 8; its projections are EinsumDense rows."""
+    advised = mpprof.advise(str(advice["transformer"][0]), gpu="H100")
+    facts = {f["name"]: f for f in advised["facts"]}
+    qk, av = facts["mha"]["gemms"]
+    assert (qk["name"], qk["batch"], qk["m"], qk["n"], qk["k"]) == ("QK^T", 16, 8, 8, 8)
+    assert (av["name"], av["batch"], av["m"], av["n"], av["k"]) == ("AV", 16, 8, 8, 8)
+    assert facts["mha"]["step_flops"] == _attention_flops(8, 2, 8, 8, 8, 8) == 98304
+    # The query projection: (8 x 8 tokens) x 16 features -> 2 heads x 8.
+    assert facts["mha/query"]["step_flops"] == 3 * 2 * (8 * 8) * 16 * (2 * 8)
+    assert facts["mha"]["aligned"] is True
+    row = next(r for r in advised["plan"]["rows"] if r["layer"] == "mha")
+    assert (row["action"], row["planned"]) == ("keep", "float16")
+    assert "QK^T: 16 x 8x8x8" in row["reasons"][-1] and "Tensor Core friendly" in (
+        row["reasons"][-1])
+    # Its roofline on H100 in float16, by hand: each product moves
+    # 16 x (64 + 64 + 64) halves and computes 2 x 16 x 512 FLOP: memory bound.
+    timed = next(t for t in advised["projection"]["layers"] if t["layer"] == "mha")
+    moved = 16 * (8 * 8 * 3) * 2
+    per_product = max(2 * 16 * 8 * 8 * 8 / (989.4e12 * 0.78), moved / (3.35e12 * 0.92))
+    assert timed["now_bound"] == "memory"
+    assert timed["now_s"] == pytest.approx(2 * 3 * per_product, rel=1e-12)
+    assert timed["now_cast_s"] == 0  # both operands made inside, in its dtype
+    assert "mha" not in advised["projection"]["unsized_layers"]
+
+
+@pytest.fixture(scope="module")
+def cross_attention(tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("advise_cross_attention")
+    return logdir, advise_models.fit_planted("cross_attention", logdir, advise_batches=0)
+
+
+def test_cross_attention_with_a_misaligned_key_length_is_sized_and_left_alone(
+        cross_attention):
+    """The healthy look-alike: 6 queries attend to 10 keys, everything in
+    mixed_float16: both attention layers sized by hand, flagged misaligned
+    (10 is no multiple of 8), and nothing to change; the text and the report
+    say so, though no row changes."""
+    from mpprof import report
+    from mpprof.advisor.text import advice_lines
+
+    logdir, advised = cross_attention
+    facts = {f["name"]: f for f in advised["facts"]}
+    cross, dot = facts["cross"], facts["dot"]
+    assert [(g["batch"], g["m"], g["n"], g["k"]) for g in cross["gemms"]] == [
+        (16, 6, 10, 8), (16, 6, 8, 10)]
+    assert cross["step_flops"] == _attention_flops(8, 2, 6, 10, 8, 8)
+    # keras.layers.Attention([q, v]): one head, the 16 features contracted.
+    assert [(g["batch"], g["m"], g["n"], g["k"]) for g in dot["gemms"]] == [
+        (8, 6, 10, 16), (8, 6, 16, 10)]
+    assert dot["step_flops"] == _attention_flops(8, 1, 6, 10, 16, 16)
+    assert cross["aligned"] is False and dot["aligned"] is False
+    plan = advised["plan"]
+    assert plan["nothing_to_change"], plan["rows"]
+    for name, sizes in (("cross", "[8, 10]"), ("dot", "[10, 16]")):
+        row = next(r for r in plan["rows"] if r["layer"] == name)
+        assert row["action"] == "keep"
+        assert f"{sizes} are not all multiples of 8" in row["reasons"][-1]
+    assert advised["projection"]["unsized_layers"] == []
+    text = "\n".join(advice_lines(advised))
+    assert "attention (sized from the recorded shapes):\n    cross (MultiHeadAttention): " \
+        "attention GEMMs per step" in text
+    assert "dot (Attention): attention GEMMs per step" in text
+    html = report.build_report(logdir)
+    assert "<li>cross (MultiHeadAttention): attention GEMMs per step" in html
+
+
+def _island(name, cls, sampled=True):
+    """A float32 layer whose sampled output fits float16 with room to spare."""
+    from mpprof.advisor.facts import LayerFacts
+
+    return LayerFacts(name=name, path=name, cls=cls, compute_dtype="float32",
+                      policy="float32", quantization_mode=None, is_output=False,
+                      gemms=[], gemm_dims=None, aligned=None, float8_eligible=False,
+                      sampled=sampled, samples=8, forward_abs_max=3.0,
+                      backward_abs_max=1.0, forward_underflow=0.0, backward_underflow=0.0)
+
+
+H100 = {"name": "NVIDIA H100 80GB HBM3", "compute_capability": [9, 0],
+        "architecture": "Hopper", "fp16_tensor_cores": True, "bf16": True}
+
+
+# The GPU sampler's clock in the rewritten runs: a sample every 50 ms, each
+# at the next step.
+STEP_S = 0.05
+
+
+def _on_h100(tmp_path, logdir, traced_steps=None, kernels=False):
+    """The run of `logdir` as if it had trained on an H100 whose sampler saw
+    a step every STEP_S, with (`kernels`) a profile window whose trace is
+    tests/xplanes.py's kernels, converted by the real XProf (`traced_steps`:
+    the window's steps, None for a TensorBoard trace)."""
+    import numpy as np
+    from xplanes import write_gpu_xspace
+
+    from mpprof.backends.xprof_kernels import tensor_core_share
+    from mpprof.records.writer import RecordWriter
+
+    source = reader.read_run(logdir, "train")
+    collectors = dict(source.context["collectors"])
+    if kernels:
+        collectors["kernels"] = {"state": "ok", "window": [2, 3], "phase": "done",
+                                 "reason": "test"}
+        if traced_steps:
+            collectors["kernels"]["traced_steps"] = traced_steps
+    _on_gpu(tmp_path, logdir, H100, collectors=collectors)
+    writer = RecordWriter(tmp_path / "train")
+    rows = np.full((8, len(schema.GPU_SAMPLE_COLUMNS)), np.nan)
+    rows[:, schema.GPU_SAMPLE_COLUMNS.index("step")] = np.arange(8)
+    rows[:, schema.GPU_SAMPLE_COLUMNS.index("wall_time")] = 1000 + STEP_S * np.arange(8)
+    rows[:, schema.GPU_SAMPLE_COLUMNS.index("device")] = 0
+    writer.write_array(schema.GPU_SAMPLES, rows, 7)
+    if kernels:
+        write_gpu_xspace(tmp_path / "trace" / "2026_01_01_00_00_00")
+        writer.write_json(schema.KERNEL_STATS, tensor_core_share(tmp_path / "trace"), 4)
+    writer.close()
+    return reader.read_run(tmp_path, "train")
+
+
+def test_amdahl_over_the_measured_step_from_xprof_kernel_times(advice, tmp_path):
+    """With a profile window, the GEMMs' share of the step is measured: the
+    Tensor-Core-eligible ops' kernel time per traced step over the step time
+    the GPU sampler saw; without the traced steps (TensorBoard's trace),
+    their share of GPU kernel time; without a window, the roofline's GEMM
+    time over the step (as before)."""
+    from xplanes import KERNELS, total_us
+
+    from mpprof.advisor import advise_run
+
+    gemm_us = total_us([k for k in KERNELS if k[5]])  # the eligible ops' kernels
+    logdir = advice["cnn"][0]
+    run = _on_h100(tmp_path / "window", logdir, [2, 3], kernels=True)
+    projected = advise_run(run)["projection"]
+    assert projected["gpu"] == "H100"
+    assert projected["measured_step_seconds"] == pytest.approx(STEP_S)
+    share = gemm_us * 1e-6 / 2 / STEP_S  # two traced steps
+    assert projected["amdahl_source"] == projection.AMDAHL_XPROF_STEP
+    assert projected["gemm_share_of_step"] == pytest.approx(share, rel=1e-9)
+    ratio = projected["gemm_seconds_plan"] / projected["gemm_seconds_now"]
+    assert projected["step_speedup"] == pytest.approx(1 / ((1 - share) + share * ratio))
+    assert "2 traced steps" in projected["amdahl_detail"]
+
+    tensorboard = advise_run(_on_h100(tmp_path / "tb", logdir, None, kernels=True))
+    projected = tensorboard["projection"]
+    assert projected["amdahl_source"] == projection.AMDAHL_XPROF_SHARE
+    assert projected["gemm_share_of_step"] == pytest.approx(gemm_us / total_us(KERNELS))
+
+    # Look-alikes: on H100 without a window, the roofline's share; projected
+    # for another GPU, the H100's times say nothing: GEMMs only.
+    plain = advise_run(_on_h100(tmp_path / "plain", logdir))["projection"]
+    assert plain["amdahl_source"] == projection.AMDAHL_ROOFLINE
+    assert plain["gemm_share_of_step"] == pytest.approx(plain["gemm_seconds_now"] / STEP_S)
+    other = advise_run(run, gpu=gpus.gpu("A100"))["projection"]
+    assert other["step_speedup"] is None and other["amdahl_source"] is None
+
+
+def test_an_attention_island_keeps_its_projections_float32():
+    """A float32 MultiHeadAttention stays float32 and so do its projections,
+    though their outputs fit float16: they make the scores' operands."""
+    from mpprof.advisor.plan import make_plan
+
+    plan = make_plan([_island("mha/query", "EinsumDense"),
+                      _island("mha", "MultiHeadAttention", sampled=False),
+                      _island("mha_out", "Dense")], "mixed_float16", "float16")
+    query, mha, after = plan.rows
+    assert (mha.action, mha.planned) == ("keep", "float32")
+    assert "attention scores" in mha.reasons[0]
+    assert (query.action, query.planned) == ("keep", "float32")
+    assert "inside mha" in query.reasons[0]
+    assert (after.action, after.planned) == ("lower", "float16")  # "mha_out" is not inside
+
+
 def test_an_attention_island_is_never_lowered_on_its_output_headroom():
     """Its query-key scores (what overflows) are inside it, never sampled:
     the same output numbers lower a Dense island but not an Attention one."""
-    from mpprof.advisor.facts import LayerFacts
     from mpprof.advisor.plan import make_plan
 
-    def island(name, cls):
-        return LayerFacts(name=name, path=name, cls=cls, compute_dtype="float32",
-                          policy="float32", quantization_mode=None, is_output=False,
-                          gemm=None, gemm_dims=None, aligned=None, float8_eligible=False,
-                          sampled=True, samples=8, forward_abs_max=3.0,
-                          backward_abs_max=1.0, forward_underflow=0.0,
-                          backward_underflow=0.0)
-
-    plan = make_plan([island("attention", "Attention"), island("dense", "Dense")],
+    plan = make_plan([_island("attention", "Attention"), _island("dense", "Dense")],
                      "mixed_float16", "float16")
     attention, dense = plan.rows
     assert (attention.action, attention.planned) == ("keep", "float32")

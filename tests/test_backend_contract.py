@@ -257,7 +257,8 @@ def test_the_profile_window_records_no_gpu_kernels_on_cpu_not_zero(fitted):
     assert "no GPU kernels" in record.value["reason"]
     entry = fitted.context["collectors"]["kernels"]
     assert entry == {"state": "ok", "window": [2, 3], "phase": "done",
-                     "reason": "traced steps 2-3", "source": record.value["source"]}
+                     "reason": "traced steps 2-3", "source": record.value["source"],
+                     "traced_steps": [2, 3]}
     assert sessions(fitted.path) == [record.value["source"]]
     assert fitted.gpu.kernels == record.value
 

@@ -24,7 +24,7 @@ TESTED_ELSEWHERE = {"gpu_check_jax"}
 # Benchmarks added in the session that merged them (advisor, verification,
 # early samples, remote stalls, torch) without a --tiny mode yet: each is
 # named here until it has one, so none is left out unseen.
-WITHOUT_TINY_YET = {"bench_advise", "bench_early_samples", "bench_paired_steps_torch",
+WITHOUT_TINY_YET = {"bench_early_samples", "bench_paired_steps_torch",
                     "bench_remote_stall", "bench_verification"}
 SCRIPTS = sorted(p.stem for p in BENCHMARKS.glob("*.py")
                  if p.stem not in LIBRARIES | WITHOUT_TINY_YET)

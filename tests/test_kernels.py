@@ -86,6 +86,7 @@ def test_a_window_past_the_end_of_fit_is_cut_short(tmp_path):
     _, run = fit(tmp_path, steps=3, profile_steps=(1, 1000))
     entry = run.context["collectors"]["kernels"]
     assert entry["state"] == "ok" and "cut short" in entry["reason"]
+    assert entry["traced_steps"] == [1, 2]  # steps 0-2 ran: the trace holds 1 and 2
     assert run.latest(schema.KERNEL_STATS)["no_gpu_kernels"] is True
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from mpprof.advisor import gpus
 from mpprof.advisor.facts import layer_facts
 from mpprof.advisor.plan import half_dtype_of, make_plan
-from mpprof.advisor.projection import project
+from mpprof.advisor.projection import KernelTimes, project
 from mpprof.jsonsafe import json_safe
 from mpprof.records import filesystem, reader, schema
 from mpprof.records.run import Run
@@ -99,9 +99,11 @@ def advise_run(run: Run, gpu: gpus.Gpu | None = None) -> dict:
     tf32 = matmuls.get("tf32_enabled") if matmuls else None
     half = half_dtype_of(context.model_policy, facts, bool(target.tflops.get(gpus.BF16)))
     plan = make_plan(facts, context.model_policy, half, context.keras_flavor)
+    # The run's own step and kernel times count only on the GPU they ran on.
     step_s = _measured_step_seconds(run) if own_gpu is target else None
-    projection = project(plan, facts, target, tf32, step_s)
-    if step_s is None:
+    kernels = _kernel_times(run) if own_gpu is target else None
+    projection = project(plan, facts, target, tf32, step_s, kernels)
+    if projection["step_speedup"] is None:
         projection["step_note"] = (
             "GEMM time only: the whole step's speedup needs the run's own step time on "
             f"{target.name} (train there with the profiler's GPU sampler on)")
@@ -142,7 +144,9 @@ def _verification(logdir, run: str, advice: dict, verify: bool) -> dict:
     # The steps that went wrong too (replay captures): the plan must hold on
     # the batches that overflowed, not only on healthy ones.
     wrong = replay_files.find_captures(run_path, ".")
-    result = json_safe(verifying.verify(logdir, run, advice["plan"], captures, wrong))
+    producers = {f["name"]: f["producer"] for f in advice["facts"] if f["float8_eligible"]}
+    result = json_safe(verifying.verify(logdir, run, advice["plan"], captures, wrong,
+                                        producers))
     if result["state"] != "failed":
         result["plan_code"] = advice["plan"]["code"]
         try:
@@ -189,10 +193,43 @@ def _run_gpu(context) -> gpus.Gpu | None:
     return None
 
 
+def _kernel_times(run: Run) -> KernelTimes | None:
+    """The run's XProf kernel table (its profile window), if it holds GPU kernels."""
+    table = run.gpu.kernels if run.gpu is not None else None
+    if not table or table.get("no_gpu_kernels"):
+        return None
+    traced = run.context.collector("kernels").get("traced_steps")
+    steps = int(traced[1]) - int(traced[0]) + 1 if traced and len(traced) == 2 else None
+    return KernelTimes(gemm_us=float(table.get("eligible_us") or 0.0),
+                       total_us=float(table.get("total_gpu_kernel_us") or 0.0),
+                       steps=steps if steps and steps > 0 else None,
+                       source=str(table.get("source", "")))
+
+
 def _measured_step_seconds(run: Run) -> float | None:
-    """The run's median seconds per step between loss-scale reads."""
+    """The run's median seconds per step: between the GPU sampler's samples
+    (each holds the step it saw) where it sampled, else between loss-scale
+    reads."""
+    gpu = run.gpu
+    if gpu is not None and len(gpu.samples):
+        points = set(zip(gpu.column("step").tolist(), gpu.column("wall_time").tolist(),
+                         strict=True))
+        found = _median_rate(points)
+        if found is not None:
+            return found
     records = run.records.get(schema.LOSS_SCALE_PROGRESS) or []
-    points = sorted({(float(np.asarray(r.value)[0]), r.wall_time) for r in records})
-    rates = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(points, points[1:], strict=False)
+    return _median_rate({(float(np.asarray(r.value)[0]), r.wall_time) for r in records})
+
+
+def _median_rate(points: set[tuple[float, float]]) -> float | None:
+    """The median seconds per step between consecutive (step, wall time)
+    points of different steps (each step at its first time)."""
+    first: dict[float, float] = {}
+    for step, wall in points:
+        if np.isfinite(step) and np.isfinite(wall):
+            first[step] = min(wall, first.get(step, wall))
+    ordered = sorted(first.items())
+    rates = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(ordered, ordered[1:],
+                                                                   strict=False)
              if s1 > s0 and t1 > t0]
     return float(np.median(rates)) if rates else None

@@ -33,28 +33,43 @@ FLOAT8_GRADIENT_FORMAT = "float8_e5m2"
 
 @dataclasses.dataclass
 class Gemm:
-    """One layer's GEMMs in a training step, as M x N x K.
+    """One of a layer's GEMMs in a training step: `batch` products of
+    M x K by K x N.
 
     Attributes:
         m, n, k: rows, columns and contracted size of the forward GEMM
-            (the backward pass runs two more of the same FLOPs: the data
-            and the weight gradients).
+            (the backward pass runs two more of the same FLOPs: the gradients
+            of its two operands).
         basis: how it was sized ("output elements", ...).
+        batch: how many such products (attention: batch x heads), 1 for a
+            layer's GEMM on its kernel.
+        weights: whether the K x N operand is a kernel (a float32 variable a
+            lower-precision layer casts each step); attention multiplies two
+            activations the layer made in its own dtype.
+        name: what it computes ("QK^T", "AV"), or None for the layer's only GEMM.
     """
 
     m: float
     n: float
     k: float
     basis: str
+    batch: float = 1.0
+    weights: bool = True
+    name: str | None = None
 
     @property
     def forward_flops(self) -> float:
-        return 2.0 * self.m * self.n * self.k
+        return 2.0 * self.batch * self.m * self.n * self.k
 
     @property
     def step_flops(self) -> float:
-        """Forward, data gradient and weight gradient."""
+        """Forward and the two gradients."""
         return 3.0 * self.forward_flops
+
+    def describe(self) -> str:
+        shape = f"{self.m:g}x{self.n:g}x{self.k:g} (MxNxK)"
+        batched = f"{self.batch:g} x {shape}" if self.batch != 1 else shape
+        return f"{self.name}: {batched}" if self.name else batched
 
 
 @dataclasses.dataclass
@@ -67,9 +82,13 @@ class LayerFacts:
         compute_dtype: what it computes in now; `policy` its policy name.
         quantization_mode: "float8" etc., or None.
         is_output: whether it produces a model output (what the loss sees).
-        gemm: its GEMMs sized from the samples' element counts, or None.
-        gemm_dims: the kernel's (in, out) sizes; `aligned` whether they are
-            multiples of 8 (16 for float8), None without a GEMM.
+        gemms: its GEMMs sized from the recorded shapes and the samples'
+            element counts (empty: none, or not sized); attention's are its
+            QK^T and AV products (its projections are its sublayers' own).
+        gemm_dims: the kernel's (in, out) sizes; `aligned` whether the
+            GEMMs' dims are multiples of 8 (16 for float8): the kernel's, or
+            for attention each product's K and N (head sizes and the key
+            length), None without a GEMM.
         float8_eligible: whether Keras can quantize it to float8.
         sampled: whether the numerics samples hold the layer.
         forward_abs_max / backward_abs_max: the largest |value| of its output
@@ -94,7 +113,7 @@ class LayerFacts:
     policy: str
     quantization_mode: str | None
     is_output: bool
-    gemm: Gemm | None
+    gemms: list[Gemm]
     gemm_dims: list[int] | None
     aligned: bool | None
     float8_eligible: bool
@@ -122,8 +141,9 @@ class LayerFacts:
     def to_dict(self) -> dict:
         row = dataclasses.asdict(self)
         row["float16_headroom"] = self.float16_headroom
-        row["gemm"] = None if self.gemm is None else {
-            **dataclasses.asdict(self.gemm), "step_flops": self.gemm.step_flops}
+        row["gemms"] = [{**dataclasses.asdict(g), "step_flops": g.step_flops}
+                        for g in self.gemms]
+        row["step_flops"] = sum(g.step_flops for g in self.gemms) if self.gemms else None
         return row
 
 
@@ -153,14 +173,15 @@ def layer_facts(run: Run) -> list[LayerFacts]:
         multiple = dtypes.gemm_multiple(record.get("compute_dtype"), mode) or (
             dtypes.TENSOR_CORE_MULTIPLE)
         dims = record.get("gemm_dims")
+        gemms = _gemms(record, by_name, records, counts)
         fact = LayerFacts(
             name=record["name"], path=record.get("path"), cls=record.get("class", ""),
             compute_dtype=record.get("compute_dtype") or "float32",
             policy=record.get("policy") or "", quantization_mode=mode,
             is_output=record["name"] in outputs,
-            gemm=_gemm(record, by_name, records, counts),
+            gemms=gemms,
             gemm_dims=dims,
-            aligned=None if not dims else all(int(d) % multiple == 0 for d in dims),
+            aligned=_aligned(dims, gemms, multiple),
             float8_eligible=record.get("class") in FLOAT8_CLASSES and mode is None,
             producer=(record.get("inputs_from") or [None])[0],
         )
@@ -180,28 +201,24 @@ def _counts(numerics) -> dict[str, float]:
             if len(count) and np.isfinite(count[:, i]).any() and np.nanmax(count[:, i]) > 0}
 
 
-def _gemm(record: dict, by_name: dict, records: list[dict],
-          counts: dict[str, float]) -> Gemm | None:
+def _gemms(record: dict, by_name: dict, records: list[dict],
+           counts: dict[str, float]) -> list[Gemm]:
     macs = record.get("gemm_macs")
     if not macs:
-        return None
-    per, k = macs.get("per"), float(macs["macs"])
+        return []
+    per = macs.get("per")
     dims = record.get("gemm_dims") or []
     if per == "output":
         count = counts.get(record["name"])
         if count is None or len(dims) < 2:
-            return None
+            return []
         n = float(dims[1])
-        return Gemm(m=count / n, n=n, k=k, basis="output elements of a sampled step")
+        return [Gemm(m=count / n, n=n, k=float(macs["macs"]),
+                     basis="output elements of a sampled step")]
     if per == "attention_scores":
-        # The attention probabilities (B x heads x T x S), the output of the
-        # softmax inside the layer: QK^T contracts key_dim, AV value_dim.
-        softmax = next((r for r in records if r.get("parent") == record["name"]
-                        and r.get("class") == "Softmax"), None)
-        count = counts.get(softmax["name"]) if softmax else None
-        if count is None:
-            return None
-        return Gemm(m=count, n=1.0, k=k, basis="attention probabilities of a sampled step")
+        return _multi_head_attention(record, records, counts)
+    if per == "attention_output":
+        return _dot_product_attention(record, by_name, counts, macs)
     if per == "timestep_output":
         # Per timestep: (B x (inputs + units)) @ ((inputs + units) x gates*units).
         gates, units, inputs = int(macs["gates"]), float(macs["units"]), float(macs["inputs"])
@@ -212,11 +229,80 @@ def _gemm(record: dict, by_name: dict, records: list[dict],
             producers = record.get("inputs_from") or []
             produced = counts.get(producers[0]) if producers else None
             if produced is None:
-                return None
+                return []
             rows = produced / inputs
-        return Gemm(m=rows, n=gates * units, k=inputs + units,
-                    basis="timesteps of a sampled step")
-    return None
+        return [Gemm(m=rows, n=gates * units, k=inputs + units,
+                     basis="timesteps of a sampled step")]
+    return []
+
+
+def _attention(batch: float, queries: float, keys: float, key_dim: float, value_dim: float,
+               basis: str, scores: bool = True) -> list[Gemm]:
+    """The two batched products of dot-product attention: the scores
+    (queries x keys, contracting key_dim) and the weighted values (queries x
+    value_dim, contracting the keys); no weights, both operands made inside."""
+    gemms = [Gemm(m=queries, n=keys, k=key_dim, basis=basis, batch=batch, weights=False,
+                  name="QK^T")] if scores else []
+    return gemms + [Gemm(m=queries, n=value_dim, k=keys, basis=basis, batch=batch,
+                         weights=False, name="AV")]
+
+
+def _multi_head_attention(record: dict, records: list[dict],
+                          counts: dict[str, float]) -> list[Gemm]:
+    """MultiHeadAttention's QK^T and AV, sized from its query, key and value
+    projections' traced shapes ([..., heads, head size], the attended axes
+    before them) and the sampled element count of the query projection's
+    output (which gives the batch)."""
+    children = {r["name"].rpartition("/")[2]: r for r in records
+                if r.get("parent") == record["name"]}
+    shapes = [(children.get(part) or {}).get("output_shape") for part in
+              ("query", "key", "value")]
+    if any(not s or len(s) < 3 or not all(isinstance(d, int) for d in s) for s in shapes):
+        return []
+    query, key, value = shapes
+    count = counts.get(children["query"]["name"])
+    if count is None:
+        return []
+    heads = float(query[-2])
+    batch = count / math.prod(query)
+    return _attention(batch * heads, float(math.prod(query[:-2])), float(math.prod(key[:-2])),
+                      float(query[-1]), float(value[-1]),
+                      "traced query/key/value shapes, batch from a sampled step")
+
+
+def _dot_product_attention(record: dict, by_name: dict, counts: dict[str, float],
+                           macs: dict) -> list[Gemm]:
+    """`keras.layers.Attention`: [query (B, T, dim), value (B, S, dim_v)],
+    sized from the query and value shapes Keras built it with (else its two
+    producers' traced shapes: with one, which input it fed is unknown), its
+    traced output (T, dim_v) and its sampled output count (the batch). Its
+    "concat" score mode adds, not multiplies: only AV is a GEMM then."""
+    out = record.get("output_shape") or []
+    count = counts.get(record["name"])
+    query, value = macs.get("query_shape"), macs.get("value_shape")
+    producers = record.get("inputs_from") or []
+    if (query is None or value is None) and len(producers) == 2:
+        query, value = ((by_name.get(p) or {}).get("output_shape") for p in producers)
+    shapes = [out, query or [], value or []]
+    if count is None or any(len(s) < 2 or not all(isinstance(d, int) for d in s)
+                            for s in shapes):
+        return []
+    batch = count / math.prod(out)
+    return _attention(batch, float(math.prod(out[:-1])), float(math.prod(value[:-1])),
+                      float(query[-1]), float(out[-1]),
+                      "traced query/value shapes, batch from a sampled step",
+                      scores=macs.get("score_mode", "dot") == "dot")
+
+
+def _aligned(dims: list[int] | None, gemms: list[Gemm], multiple: int) -> bool | None:
+    """Whether the GEMMs suit Tensor Cores: the kernel's dims, or attention's
+    contracted and produced sizes (head sizes, key length) when sized."""
+    attention = [g for g in gemms if not g.weights]
+    if attention:
+        return all(int(size) % multiple == 0 for g in attention for size in (g.k, g.n))
+    if not dims:
+        return None
+    return all(int(d) % multiple == 0 for d in dims)
 
 
 def _first_overflows(numerics) -> set[str]:

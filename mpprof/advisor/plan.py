@@ -15,7 +15,12 @@ import re
 
 from mpprof.advisor.facts import LayerFacts
 from mpprof.diagnosis.numerics import HEADROOM_FACTOR, UNDERFLOW_SHARE
-from mpprof.dtypes import FLOAT8_GEMM_MULTIPLE, HALF_DTYPES
+from mpprof.dtypes import (
+    FLOAT8_GEMM_MULTIPLE,
+    HALF_DTYPES,
+    TENSOR_CORE_MULTIPLE,
+    gemm_multiple,
+)
 
 # Largest share of a tensor's non-zero values float8 may flush to zero at
 # amax scaling: the same 1% Keras' float8 training leaves to delayed scaling.
@@ -29,6 +34,10 @@ FLOAT8_MAX_AMAX_GROWTH = 2.0
 # headroom cannot be read there. A float32 island of these is never lowered.
 INSIDE_PRODUCTS = ("Attention", "AdditiveAttention", "MultiHeadAttention",
                    "GroupedQueryAttention", "GroupQueryAttention")
+
+# How an attention layer's sizing reason starts (the text and the report
+# list them apart: a kept layer's reasons are not shown otherwise).
+ATTENTION_EVIDENCE = "attention GEMMs per step"
 
 KEEP = "keep"
 FLOAT32 = "float32"
@@ -190,6 +199,10 @@ def make_plan(facts: list[LayerFacts], model_policy: str | None, half: str,
               flavor: str | None = None) -> Plan:
     """The plan for these layers, lowering to `half`."""
     rows = [_row(fact, half) for fact in facts]
+    _inside_kept_attention(rows)
+    for row, fact in zip(rows, facts, strict=True):
+        if fact.cls in INSIDE_PRODUCTS and fact.gemms:
+            row.reasons.append(_attention_evidence(fact))
     _float8(rows, facts)
     default = _policy(half)
     return Plan(model_policy=model_policy or "float32", default_policy=default,
@@ -219,9 +232,17 @@ def _row(fact: LayerFacts, half: str) -> Row:
                    "never lowered")
     if fact.is_output and now in HALF_DTYPES:
         return row(FLOAT32, FLOAT32, f"the model's output: the loss sees {now} (MP006)")
+    headroom = fact.float16_headroom
+    if now == FLOAT32 and fact.cls in INSIDE_PRODUCTS:
+        return row(FLOAT32, KEEP, (
+            f"stays float32: a {fact.cls} computes its attention scores inside, larger than "
+            "its output and never sampled, so its output's headroom "
+            f"({_num(headroom)}x) says nothing of them"))
+    if not fact.sampled and fact.cls in INSIDE_PRODUCTS:
+        return row(now, KEEP, f"keeps {now}: its attention scores are computed inside it, "
+                   "never sampled; its projections are judged on their own rows")
     if not fact.sampled:
         return row(now, KEEP, "no numerics sample holds it: no evidence to change it on")
-    headroom = fact.float16_headroom
     low_headroom = half == "float16" and headroom is not None and headroom < HEADROOM_FACTOR
     underflow = max(fact.forward_underflow or 0.0, fact.backward_underflow or 0.0)
     if now in HALF_DTYPES:
@@ -231,11 +252,6 @@ def _row(fact: LayerFacts, half: str) -> Row:
                 f"within {HEADROOM_FACTOR:g}x of 65504 ({headroom:.1f}x left)"))
         return row(now, KEEP, f"fits {now} (abs max {_num(fact.forward_abs_max)})")
     # A float32 layer: an island, or a float32 run.
-    if fact.cls in INSIDE_PRODUCTS:
-        return row(FLOAT32, KEEP, (
-            f"stays float32: a {fact.cls} computes its attention scores inside, larger than "
-            "its output and never sampled, so its output's headroom "
-            f"({_num(headroom)}x) says nothing of them"))
     if low_headroom:
         return row(FLOAT32, KEEP, (
             f"needs float32: abs max {_num(fact.forward_abs_max)} leaves {headroom:.1f}x "
@@ -249,6 +265,40 @@ def _row(fact: LayerFacts, half: str) -> Row:
     return row(half, LOWER, (
         f"float32 not needed: abs max {_num(fact.forward_abs_max)} ({room}), "
         f"{underflow:.1%} below float16's smallest normal, over {fact.samples} samples"))
+
+
+def _inside_kept_attention(rows: list[Row]) -> None:
+    """An attention layer kept float32 keeps its sublayers float32: its
+    query and key projections' outputs are the scores' operands, and the
+    scores' product runs in the dtype they arrive in."""
+    kept = [r.layer for r in rows if r.cls in INSIDE_PRODUCTS and r.planned == FLOAT32]
+    for row in rows:
+        parent = next((k for k in kept if row.layer.startswith(k + "/")), None)
+        if parent is None or row.action != LOWER:
+            continue
+        row.planned, row.action = FLOAT32, KEEP
+        row.reasons = [f"stays float32 inside {parent}, which stays float32: its outputs are "
+                       "the attention scores' operands"]
+
+
+def attention_rows(plan: dict) -> list[tuple[dict, str]]:
+    """(row, its sizing reason) of each attention layer of a plan dict."""
+    return [(row, reason) for row in plan["rows"] for reason in row["reasons"]
+            if reason.startswith(ATTENTION_EVIDENCE)]
+
+
+def _attention_evidence(fact: LayerFacts) -> str:
+    """An attention layer's sizing and Tensor Core alignment, in words."""
+    flops = sum(g.step_flops for g in fact.gemms)
+    shapes = "; ".join(g.describe() for g in fact.gemms)
+    sizes = sorted({int(size) for g in fact.gemms for size in (g.k, g.n)})
+    multiple = gemm_multiple(fact.compute_dtype, fact.quantization_mode) or TENSOR_CORE_MULTIPLE
+    aligned = (f"its contracted and produced sizes {sizes} are multiples of {multiple}: "
+               "Tensor Core friendly" if fact.aligned else
+               f"its contracted and produced sizes {sizes} are not all multiples of "
+               f"{multiple}: pad the head size or the key length for Tensor Cores")
+    return (f"{ATTENTION_EVIDENCE} (forward and backward, {flops:.4g} FLOP): {shapes}; "
+            f"{aligned}")
 
 
 def _float8(rows: list[Row], facts: list[LayerFacts]) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mpprof.advisor.plan import FLOAT8, FLOAT32, LOWER
+from mpprof.advisor.plan import ATTENTION_EVIDENCE, FLOAT8, FLOAT32, LOWER, attention_rows
 from mpprof.terminal import printable
 
 
@@ -40,13 +40,24 @@ def advice_lines(advice: dict) -> list[str]:
         lines.append(f"  {title}:")
         for row in rows:
             lines.append(f"    {row['layer']} ({row['cls']}, {row['now']} -> {row['planned']})")
-            lines += [f"      - {reason}" for reason in row["reasons"]]
+            # An attention layer's sizing has its own section below.
+            lines += [f"      - {reason}" for reason in row["reasons"]
+                      if not reason.startswith(ATTENTION_EVIDENCE)]
             replayed = sensitivity.get(row["layer"]) or {}
             errors = [f"{dtype} output {e['output']:.2g}, gradient {e['gradient']:.2g}"
                       for dtype, e in replayed.items()
                       if e and e.get("output") is not None and e.get("gradient") is not None]
             if errors:
                 lines.append(f"      - replayed against float32: {'; '.join(errors)}")
+            rounding = replayed.get("float8") or {}
+            if rounding.get("input") is not None and rounding.get("gradient") is not None:
+                lines.append(f"      - float8 rounding on the float32 pass: input (e4m3) "
+                             f"{rounding['input']:.2g}, gradient (e5m2) "
+                             f"{rounding['gradient']:.2g}")
+    attention = attention_rows(plan)
+    if attention:
+        lines.append("  attention (sized from the recorded shapes):")
+        lines += [f"    {row['layer']} ({row['cls']}): {evidence}" for row, evidence in attention]
     if not plan["nothing_to_change"]:
         lines.append("  code:")
         lines += [f"    {line}" for line in plan["code"].splitlines()]
@@ -58,9 +69,8 @@ def advice_lines(advice: dict) -> list[str]:
         f"{_seconds(projection['gemm_seconds_plan'])} with the plan"
         + (f" ({speedup:.2f}x)" if speedup else ""))
     if projection.get("step_speedup"):
-        lines.append(f"    whole step (Amdahl over the measured "
-                     f"{_seconds(projection['measured_step_seconds'])}): "
-                     f"{projection['step_speedup']:.2f}x")
+        lines.append(f"    whole step (Amdahl, the GEMMs' share from "
+                     f"{projection['amdahl_detail']}): {projection['step_speedup']:.2f}x")
     elif projection.get("step_note"):
         lines.append(f"    {projection['step_note']}")
     slower = [t["layer"] for t in projection["layers"] if t.get("float8_pays") is False]

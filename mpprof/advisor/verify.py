@@ -15,8 +15,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from mpprof.advisor.facts import FLOAT8_GRADIENT_FORMAT, FLOAT8_INPUT_FORMAT
 from mpprof.advisor.plan import FLOAT8, FLOAT32
 from mpprof.backends import replay_engines
+from mpprof.dtypes import FLOAT8_RANGES
 from mpprof.replay import files
 from mpprof.replay.verification import (
     DEFAULT_LOSS_SCALE,
@@ -49,10 +51,12 @@ def plan_candidate(plan: dict) -> Candidate:
 
 
 def verify(logdir, run: str, plan: dict, captures: list[files.Capture],
-           wrong: Sequence[files.Capture] = ()) -> dict:
+           wrong: Sequence[files.Capture] = (), producers: dict | None = None) -> dict:
     """Verifies the plan and the current policy; marks the plan's rows.
 
     Args:
+        producers: float8-eligible layer -> the layer its input comes from
+            (the facts'), for their float8 rounding.
         captures: the kept (advise) batches; the weights are the last one's.
         wrong: replay captures of steps that went wrong: their batches are
             checked too (from the same weights).
@@ -79,7 +83,7 @@ def verify(logdir, run: str, plan: dict, captures: list[files.Capture],
                 "detail": (f"unverified: the replay of the kept batches failed "
                            f"({type(e).__name__}: {str(e)[:300]})")}
     try:
-        sensitivity = layer_sensitivity(engine, verifier)
+        sensitivity = layer_sensitivity(engine, verifier, _float8_inputs(plan, producers))
     except Exception as e:  # noqa: BLE001 - the verdict stands without it
         sensitivity = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     try:
@@ -135,13 +139,25 @@ def _on_overflowed(model, scale: float, candidate: Candidate,
             "current_clean": all(r["current"] == "clean" for r in rows)}
 
 
-def layer_sensitivity(engine, verifier: Verifier, batch: int = 0) -> dict:
+def _float8_inputs(plan: dict, producers: dict | None) -> dict[str, str]:
+    """The float8-eligible layers of the plan's rows with one known producer."""
+    layers = {r["layer"] for r in plan["rows"]}
+    return {layer: producer for layer, producer in (producers or {}).items()
+            if layer in layers and producer}
+
+
+def layer_sensitivity(engine, verifier: Verifier, float8_inputs: dict[str, str] | None = None,
+                      batch: int = 0) -> dict:
     """Per layer, the relative error of its output and of the gradient flowing
     into it with the whole model in float16 and in bfloat16, against the
     verifier's float32 pass, on one kept batch (the first after the
     overflowed ones; float16 at the run's loss scale, its gradients
-    unscaled, as it would train; float8 is not replayed op by op).
-    `{"float16": {layer: {"output", "gradient"}}, "bfloat16": {...}}`."""
+    unscaled, as it would train). Float8 is not replayed op by op (Keras'
+    float8 gradients are custom): for each layer of `float8_inputs` (layer ->
+    its producer), the error float8 rounding puts on its GEMM's operands on
+    the float32 pass instead (`float8_rounding`).
+    `{"float16": {layer: {"output", "gradient"}}, "bfloat16": {...},
+    "float8": {layer: {"input", "gradient"}}}`."""
     reference = verifier.reference_pass(batch, None)
     found = {}
     for dtype in ("float16", "bfloat16"):
@@ -154,7 +170,35 @@ def layer_sensitivity(engine, verifier: Verifier, batch: int = 0) -> dict:
                     "gradient": _worst(lowered.backward, reference.backward, layer, scale)}
             for layer in sorted({key[0] for key in reference.forward})
         }
+    if float8_inputs:
+        found["float8"] = {
+            layer: {"input": _first_rounding(reference.forward, producer, FLOAT8_INPUT_FORMAT),
+                    "gradient": _first_rounding(reference.backward, layer,
+                                                FLOAT8_GRADIENT_FORMAT)}
+            for layer, producer in sorted(float8_inputs.items())}
     return found
+
+
+def float8_rounding(values, fmt: str) -> float | None:
+    """The relative error (`relative_error`) of `values` rounded to the float8
+    format `fmt` at amax scaling (x * max / amax, Keras' float8 scaling with
+    the tensor's own amax: delayed scaling's best case); None for a tensor
+    of zeros or with non-finite values."""
+    import ml_dtypes  # with the framework: only --verify runs this
+
+    values = np.asarray(values, np.float64)
+    amax = float(np.max(np.abs(values))) if values.size else 0.0
+    if amax == 0.0 or not np.isfinite(amax):
+        return None
+    scale = FLOAT8_RANGES[fmt].max / amax
+    rounded = (values * scale).astype(getattr(ml_dtypes, fmt)).astype(np.float64) / scale
+    return relative_error(rounded, values)
+
+
+def _first_rounding(values: dict, layer: str, fmt: str) -> float | None:
+    """`float8_rounding` of the layer's first call's tensor in `values`."""
+    key = min((k for k in values if k[0] == layer), default=None)
+    return None if key is None else float8_rounding(values[key], fmt)
 
 
 def _worst(values: dict, reference: dict, layer: str, scale: float = 1.0) -> float | None:

@@ -18,7 +18,8 @@ import importlib
 import os
 from collections.abc import Callable
 
-from mpprof.backends import protocol
+from mpprof.backends import protocol, worker_role
+from mpprof.backends.worker_role import WorkerRole
 
 # mpprof's own source directory: its frames are hidden from the user's
 # tracebacks where the framework hides its own.
@@ -95,8 +96,14 @@ class Backend:
 
     def distribute_strategy(self, model):
         """The model's distribution strategy, or the backend's stand-in (the
-        core asks it `num_replicas_in_sync` and its multi-worker role)."""
+        core asks it `num_replicas_in_sync`)."""
         return model.distribute_strategy
+
+    def worker_role(self, model) -> WorkerRole:
+        """This process's place in a fit across processes: its
+        `tf.distribute` strategy's cluster role (a single process under any
+        other strategy)."""
+        return worker_role.of_strategy(self.distribute_strategy(model))
 
     def logs_of(self, result):
         """The logs dict of what a train-function call returned: the result

@@ -14,6 +14,7 @@ import contextlib
 import math
 import os
 import platform
+import posixpath
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -68,12 +69,25 @@ def _tensorflow_left_unimported() -> Iterator[None]:
             lazy._available = None  # undecided again: Keras asks for itself later
 
 
+def shard_notes(manifest: dict) -> list[str]:
+    """What a replay of a capture that holds one process's rows must say."""
+    shard = manifest.get("batch_shard")
+    if not shard:
+        return []
+    return [f"the captured batch is process {shard['process']}'s {shard['rows']} of the "
+            f"global batch's {shard['global_rows']} rows (a job of {shard['processes']} "
+            "processes): the replay judges those rows, and a value that went wrong only in "
+            "another process's rows is not in them"]
+
+
 def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarray],
                   weights: list[np.ndarray], reasons: list[str], loss: float,
                   loss_scale: float, skipped: bool, structure, config: tuple[dict | None, str],
                   backend: dict[str, str], weights_before: bool = False,
-                  folder: str = files.REPLAY_FOLDER) -> None:
-    """Writes one capture into `fit.writer`'s run, noting it in `captured`.
+                  folder: str = files.REPLAY_FOLDER, batch_shard: dict | None = None) -> None:
+    """Writes one capture into `fit.writer`'s run, noting it in `captured`;
+    one process's rows of a job's batch (`batch_shard`) into that process's
+    own run (`fit.host_writer`), where they are replayed as what they are.
 
     Args:
         batch: the step's batch, as flat arrays (`structure` rebuilds it).
@@ -89,17 +103,26 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
             (then they are the ones it ran with, skipped or not).
         folder: `files.REPLAY_FOLDER`, or `files.ADVISE_FOLDER` for a batch
             kept for the precision advisor (`AdviseBatches`).
+        batch_shard: where `batch` is one process's rows of a batch sharded
+            across the processes of a job: {"process", "processes", "rows",
+            "global_rows"} (`shard_notes` says what that means to a replay).
     """
     model = fit.model
     config_dict, config_note = config
     framework = dict(backend)
+    writer, run = fit.writer, schema.TRAIN_RUN
+    if batch_shard:
+        # A JAX process's own run is numbered by its process index
+        # (`mpprof.backends.jax.context.worker_role`).
+        writer = fit.host_writer
+        run = posixpath.join(schema.TRAIN_RUN, f"worker_{batch_shard['process']}")
     manifest = {
         "capture_version": files.CAPTURE_VERSION,
         **({"backend": framework.pop("backend")} if "backend" in framework else {}),
-        "run": schema.TRAIN_RUN,
+        "run": run,
         "purpose": "advise" if folder == files.ADVISE_FOLDER else "replay",
         # The fit that wrote it: its run is its writer's (`files.step_folder`).
-        "writer": fit.writer.writer_id,
+        "writer": writer.writer_id,
         "step": step,
         "reasons": reasons,
         "loss": loss if math.isfinite(loss) else str(loss),
@@ -109,6 +132,7 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
         "batch_dtypes": [str(a.dtype) for a in batch],
         "batch_bytes": int(sum(a.nbytes for a in batch)),
         "batch_size": int(batch[0].shape[0]) if batch and batch[0].ndim else None,
+        **({"batch_shard": batch_shard} if batch_shard else {}),
         "weight_paths": [variable_path(v) for v in model.weights],
         "weight_bytes": int(sum(w.nbytes for w in weights)),
         "weights_are_the_steps": skipped or weights_before,
@@ -139,7 +163,7 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
             "python": platform.python_version(), "numpy": np.__version__,
         },
     }
-    folder = files.step_folder(step, fit.writer.writer_id, folder)
+    folder = files.step_folder(step, writer.writer_id, folder)
     payloads = [
         (files.BATCH, files.npz_bytes({f"leaf_{i}": a for i, a in enumerate(batch)})),
         (files.WEIGHTS, files.npz_bytes({f"weight_{i}": w for i, w in enumerate(weights)})),
@@ -151,7 +175,7 @@ def write_capture(fit, captured: list[dict], *, step: int, batch: list[np.ndarra
     payloads.append((files.MANIFEST, files.json_bytes(manifest)))
     captured.append({"step": step, "bytes": manifest["bytes"]})
     for name, data in payloads:
-        if not fit.writer.write_file(f"{folder}/{name}", data):
+        if not writer.write_file(f"{folder}/{name}", data):
             captured[-1]["written"] = False
             return
 

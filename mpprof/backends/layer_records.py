@@ -409,12 +409,19 @@ def gemm_macs(layer) -> dict | None:
     ConvND: the contracted size, kernel window included; SeparableConvND:
     its pointwise part). "attention_scores": per element of the attention
     probabilities (MultiHeadAttention's softmax output: the QK^T and AV
-    GEMMs, key_dim + value_dim). "timestep_output": per element of a
+    GEMMs, key_dim + value_dim; the advisor sizes them from its query, key
+    and value projections' shapes). "attention_output": `Attention` and
+    `AdditiveAttention`, sized by the advisor from their input and output
+    shapes; `score_mode` "dot" (QK^T and AV are GEMMs) or "concat" (additive
+    scores: only AV is). "timestep_output": per element of a
     recurrent layer's output at each timestep (gates x (inputs + units)),
     exact when the layer returns sequences. None: no GEMM of its own, or
-    one this does not size (a transposed convolution, `Attention`).
+    one this does not size (a transposed convolution).
     """
     cls = type(layer).__name__
+    if cls in ("Attention", "AdditiveAttention"):
+        mode = "concat" if cls == "AdditiveAttention" else str(getattr(layer, "score_mode", "dot"))
+        return {"per": "attention_output", "score_mode": mode, **_attention_shapes(layer)}
     if cls == "MultiHeadAttention":
         layout = gemm_layout(layer)
         return {"per": "attention_scores",
@@ -443,6 +450,20 @@ def gemm_macs(layer) -> dict | None:
         return {"per": "output", "macs": int(layout[0]["size"])}
     shape = [int(d) for d in kernel.shape]
     return {"per": "output", "macs": int(math.prod(shape[:-1]))}
+
+
+def _attention_shapes(layer) -> dict:
+    """`Attention`'s query and value shapes without the batch axis, as Keras 3
+    built it (`[query, value(, key)]`); {} where not known (tf-keras)."""
+    built = (getattr(layer, "_build_shapes_dict", None) or {}).get("input_shape")
+    if not isinstance(built, (list, tuple)) or len(built) < 2:
+        return {}
+    query, value = built[0], built[1]
+    if not all(isinstance(s, (list, tuple)) and len(s) >= 2 and
+               all(isinstance(d, int) for d in s[1:]) for s in (query, value)):
+        return {}
+    return {"query_shape": [int(d) for d in query[1:]],
+            "value_shape": [int(d) for d in value[1:]]}
 
 
 def gemm_dims(layer) -> list[int] | None:

@@ -49,6 +49,8 @@ class ProfileWindow:
         self._tensorboard: Any = None
         self._fit_started = 0.0
         self._traced_from = start
+        # The last step the trace holds (known once mpprof's own trace stopped).
+        self._traced_through: int | None = None
         self._last_step: int | None = None
 
     # What the backend's profiler does.
@@ -128,6 +130,10 @@ class ProfileWindow:
         }
         if self.result is not None:
             entry["source"] = self.result.get("source")
+            if self._traced_through is not None:
+                # The steps its kernel times add up over (the advisor's
+                # Amdahl divides by their count).
+                entry["traced_steps"] = [self._traced_from, self._traced_through]
         return entry
 
     def _start_trace(self, step: int) -> None:
@@ -161,6 +167,10 @@ class ProfileWindow:
             self.reason = f"the profiler failed to stop: {_message(e)}{device}"
             return None
         self.state = "done"
+        # Cut short, the steps dispatched before the fit ended: up to
+        # `_last_step` - 1 (`after_steps`).
+        self._traced_through = (self._last_step - 1 if cut_short and self._last_step is not None
+                                else self.stop)
         self.reason = f"traced steps {self._traced_from}-{self.stop}" + (
             " (cut short: fit ended inside the window)" if cut_short else ""
         ) + device

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from mpprof.backends.base import Backend
+from mpprof.backends.worker_role import WorkerRole
 from mpprof.recording.across_fits import AcrossFits
-from mpprof.recording.distributed import WorkerRole
 from mpprof.recording.fit_collectors import FitCollectors
 from mpprof.recording.fit_state import FitState
 from mpprof.recording.guard import Guard

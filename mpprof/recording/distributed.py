@@ -1,20 +1,20 @@
 """Who writes what when one fit runs in several worker processes.
 
-Under `tf.distribute.MultiWorkerMirroredStrategy` every worker process runs
-the same `fit` and the same callbacks. Model-level records (inventory, loss
-scale, overflows, numerics: identical on every worker, because gradients and
-statistics are all-reduced) are written once, by the chief, into the run
-`train`. What belongs to one host (its GPU samples, its XProf window, its own
-view of the run) goes into that worker's own run, `train/worker_<i>`; the
-chief has one too. No two processes ever write into the same directory.
+Under `tf.distribute.MultiWorkerMirroredStrategy` (tf-keras) or
+`keras.distribution` on `jax.distributed`, every process runs the same `fit`
+and the same callbacks (`mpprof.backends.worker_role` says which process
+this is). Model-level records (inventory, loss scale, overflows, numerics:
+identical in every process, because gradients and statistics are the whole
+job's) are written once, by the chief, into the run `train`. What belongs to
+one host (its devices and GPU samples, its XProf window, its own view of the
+run) goes into that process's own run, `train/worker_<i>`; the chief has one
+too. No two processes ever write into the same directory.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import posixpath
 import sys
 
 KERAS_3_MULTI_WORKER_UNSUPPORTED = (
@@ -25,75 +25,6 @@ KERAS_3_MULTI_WORKER_UNSUPPORTED = (
     "several GPUs of one host with Keras 3, or tf-keras (TF_USE_LEGACY_KERAS=1, "
     "pip install tf-keras) for several workers; mpprof profiles both."
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerRole:
-    """This process's place in a (possibly multi-worker) fit.
-
-    Attributes:
-        multi_worker: whether the strategy spans several worker processes.
-        is_chief: whether this process writes the model-level records.
-        task_type: "worker" or "chief" (None outside a cluster).
-        task_index: this worker's index among its task type.
-        num_workers: worker processes in the cluster (1 outside one).
-        worker_index: a number unique to this process ("chief" counts first).
-    """
-
-    multi_worker: bool = False
-    is_chief: bool = True
-    task_type: str | None = None
-    task_index: int = 0
-    num_workers: int = 1
-    worker_index: int = 0
-
-    @property
-    def worker_run(self) -> str | None:
-        """This process's own run, relative to the model run; None if single."""
-        return f"worker_{self.worker_index}" if self.multi_worker else None
-
-    def describe(self, model_run: str) -> dict:
-        """The run context's "distributed" entry."""
-        described = {
-            "multi_worker": self.multi_worker,
-            "role": "chief" if self.is_chief else "worker",
-            "task_type": self.task_type,
-            "task_index": self.task_index,
-            "worker_index": self.worker_index,
-            "num_workers": self.num_workers,
-            "model_run": model_run,
-            "worker_runs": (
-                [posixpath.join(model_run, f"worker_{i}") for i in range(self.num_workers)]
-                if self.multi_worker else []
-            ),
-        }
-        if self.multi_worker:
-            described["worker_run"] = posixpath.join(model_run, self.worker_run)
-        return described
-
-
-def worker_role(strategy) -> WorkerRole:
-    """The role of this process under `strategy`."""
-    extended = getattr(strategy, "extended", None)
-    in_multi_worker = getattr(extended, "_in_multi_worker_mode", None)
-    if not callable(in_multi_worker) or not in_multi_worker():
-        return WorkerRole()
-    resolver = getattr(strategy, "cluster_resolver", None)
-    task_type = getattr(resolver, "task_type", None)
-    task_index = int(getattr(resolver, "task_id", 0) or 0)
-    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
-    chiefs = len(spec.get("chief", []))
-    workers = len(spec.get("worker", []))
-    # A "chief" task, when the cluster has one, is worker 0 of the run names.
-    worker_index = task_index if task_type == "chief" else chiefs + task_index
-    return WorkerRole(
-        multi_worker=True,
-        is_chief=bool(extended.should_checkpoint),
-        task_type=task_type,
-        task_index=task_index,
-        num_workers=max(1, chiefs + workers),
-        worker_index=worker_index,
-    )
 
 
 def tf_config_workers() -> int:

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from mpprof.backends import protocol, step_origin
 from mpprof.backends.base import Backend
 from mpprof.backends.optimizer_usage import OptimizerUsage
+from mpprof.backends.worker_role import WorkerRole
 from mpprof.recording.across_fits import AcrossFits
 from mpprof.recording.collectors.gpu_host import HostRecorder
 from mpprof.recording.collectors.inventory import Inventory
 from mpprof.recording.collectors.numerics_samples import NumericsSamples
-from mpprof.recording.distributed import WorkerRole
 from mpprof.recording.guard import Guard
 from mpprof.recording.settings import Settings
 

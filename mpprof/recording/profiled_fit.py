@@ -24,7 +24,7 @@ from mpprof.backends.patching import Patches
 from mpprof.recording import fit_collectors
 from mpprof.recording.across_fits import AcrossFits
 from mpprof.recording.context_writer import ContextWriter
-from mpprof.recording.distributed import announce_keras_3_multi_worker, worker_role
+from mpprof.recording.distributed import announce_keras_3_multi_worker
 from mpprof.recording.fit_collectors import FitCollectors
 from mpprof.recording.fit_state import FitState
 from mpprof.recording.guard import Guard, describe_fit_error
@@ -100,7 +100,7 @@ class ProfiledFit:
         self._settings = settings
         self._across_fits = across_fits
         self._schedule = across_fits.schedule
-        self._role = role = worker_role(backend.distribute_strategy(model))
+        self._role = role = backend.worker_role(model)
         note = (announce_keras_3_multi_worker()
                 if role.multi_worker and not backend.fits_across_workers else None)
         self._guard = Guard()

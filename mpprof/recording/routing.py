@@ -19,7 +19,8 @@ from __future__ import annotations
 import errno
 import posixpath
 
-from mpprof.recording.distributed import DiscardingWriter, WorkerRole
+from mpprof.backends.worker_role import WorkerRole
+from mpprof.recording.distributed import DiscardingWriter
 from mpprof.recording.guard import Guard, GuardedWriter
 from mpprof.records import filesystem, schema
 from mpprof.records.writer import RecordWriter

@@ -134,7 +134,11 @@ class RunContext(Mapping):
 
     @property
     def devices(self) -> list[dict]:
-        """The logical devices the framework saw (`{"name", "type"}`)."""
+        """The logical devices the framework saw (`{"name", "type"}`); in one
+        process's own run of a job across processes, that process's own (JAX
+        sees every process's devices; `local_devices` are its own)."""
+        if self.run_role == "worker" and self._record.get("local_devices"):
+            return self._record["local_devices"]
         return self._record.get("devices") or []
 
     @property

@@ -8,6 +8,7 @@ from __future__ import annotations
 import html
 
 from mpprof.advisor import advise_run, saved_verification
+from mpprof.advisor.plan import attention_rows
 from mpprof.records import reader
 
 _ACTIONS = {"float32": "must be float32", "lower": "can go lower", "float8": "float8 candidate",
@@ -37,6 +38,12 @@ def advice_html(run: reader.Run) -> str:
                 f"<td>{escape(row['planned'])} ({escape(_ACTIONS[row['action']])})</td>"
                 f"<td>{escape('; '.join(row['reasons']))}</td></tr>")
         parts.append("</table>")
+    attention = attention_rows(plan)
+    if attention:
+        parts.append("<p><b>Attention</b> (sized from the recorded shapes):</p><ul>")
+        parts += [f"<li>{escape(row['layer'])} ({escape(row['cls'])}): {escape(evidence)}</li>"
+                  for row, evidence in attention]
+        parts.append("</ul>")
     if not plan["nothing_to_change"]:
         parts.append(f"<pre>{escape(plan['code'])}</pre>")
     speedup = projection.get("gemm_speedup")
@@ -46,6 +53,9 @@ def advice_html(run: reader.Run) -> str:
         f"{projection['gemm_seconds_now'] * 1e6:.3g} us now, "
         f"{projection['gemm_seconds_plan'] * 1e6:.3g} us with the plan"
         + (f" ({speedup:.2f}x)" if speedup else "")
+        + (f"; the whole step {projection['step_speedup']:.2f}x (Amdahl, the GEMMs' share "
+           f"from {escape(projection['amdahl_detail'])})" if projection.get("step_speedup")
+           else "")
         + ". A roofline projection (78% of peak compute, 92% of peak bandwidth), not a "
         "measurement: <code>mpprof advise LOGDIR --gpu NAME</code> for another GPU.</p>")
     verification = saved_verification(run.path)

@@ -7,6 +7,9 @@
 import { getJson } from "./api.js";
 import { el, notMeasured } from "./dom.js";
 
+// How an attention layer's sizing reason starts (mpprof.advisor.plan.ATTENTION_EVIDENCE).
+const ATTENTION_EVIDENCE = "attention GEMMs per step";
+
 const ACTIONS = {
   float32: "must be float32",
   lower: "can go lower",
@@ -54,13 +57,25 @@ export async function show(container, { focus, offerCsv }) {
           )))),
     );
   }
+  // Each attention layer's sizing (its QK^T and AV products, their FLOPs and
+  // alignment), shown though its row does not change.
+  const attention = plan.rows.flatMap((row) => row.reasons
+    .filter((reason) => reason.startsWith(ATTENTION_EVIDENCE))
+    .map((reason) => `${row.layer} (${row.cls}): ${reason}`));
+  if (attention.length) {
+    container.append(
+      el("p", { class: "advice-attention" }, "Attention (sized from the recorded shapes):"),
+      el("ul", { class: "advice-attention" }, attention.map((line) => el("li", {}, line))),
+    );
+  }
   if (!plan.nothing_to_change) container.append(el("pre", { class: "advice-code" }, plan.code));
   const speedup = projection.gemm_speedup ? ` (${projection.gemm_speedup.toFixed(2)}x)` : "";
   container.append(
     el("p", { class: "advice-projection" },
       `Projection on ${projection.gpu_full_name}: GEMMs and casts ${seconds(projection.gemm_seconds_now)} per step now, `,
       `${seconds(projection.gemm_seconds_plan)} with the plan${speedup}. `,
-      projection.step_speedup ? `Whole step (Amdahl over the measured step): ${projection.step_speedup.toFixed(2)}x. `
+      projection.step_speedup
+        ? `Whole step: ${projection.step_speedup.toFixed(2)}x (Amdahl, the GEMMs' share from ${projection.amdahl_detail}). `
         : `${projection.step_note ?? ""} `,
       "A roofline projection (78% of peak compute, 92% of peak bandwidth), not a measurement; ",
       "mpprof advise LOGDIR --gpu NAME projects for another GPU."),

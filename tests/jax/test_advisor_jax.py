@@ -43,3 +43,21 @@ def test_the_jax_engine_verifies_the_plan_on_the_kept_batches(mlp):
     assert verification["state"] == "verified", verification["detail"]
     assert verification["batch_steps"] == [2, 6]
     assert verification["plan"]["trial"]["passed"]
+    # Float8's rounding of the island's GEMM operands, read on JAX's float32 pass.
+    rounding = verification["sensitivity"]["float8"]["island"]
+    assert 0 < rounding["input"] < rounding["gradient"] < 0.2
+
+
+def test_attention_is_sized_as_on_tensorflow(tmp_path):
+    """The cross-attention look-alike (tests/test_advisor.py sizes it by hand
+    on TensorFlow) in mixed_bfloat16 (JAX's CPU has no float16 attention,
+    FACTS.md): the same products from JAX's traced shapes, nothing to change."""
+    advice = advise_models.fit_planted("cross_attention", tmp_path, advise_batches=0,
+                                       policy="mixed_bfloat16")
+    facts = {f["name"]: f for f in advice["facts"]}
+    assert [(g["batch"], g["m"], g["n"], g["k"]) for g in facts["cross"]["gemms"]] == [
+        (16, 6, 10, 8), (16, 6, 8, 10)]  # batch 8 x 2 heads, 6 queries, 10 keys
+    assert [(g["batch"], g["m"], g["n"], g["k"]) for g in facts["dot"]["gemms"]] == [
+        (8, 6, 10, 16), (8, 6, 16, 10)]
+    assert facts["cross"]["aligned"] is False
+    assert advice["plan"]["nothing_to_change"]

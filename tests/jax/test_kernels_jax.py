@@ -213,6 +213,6 @@ def test_tensorboard_as_keras_makes_it_here_leaves_the_window_alone(tmp_path):
         assert entry["phase"] == "reusing" and entry["state"] == "ok"
     else:
         assert entry == {"state": "ok", "window": [2, 3], "phase": "done",
-                         "reason": "traced steps 2-3",
+                         "reason": "traced steps 2-3", "traced_steps": [2, 3],
                          "source": sessions(tmp_path / "run" / "train")[0]}
         assert sessions(tmp_path / "tb" / "train") == []

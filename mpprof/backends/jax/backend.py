@@ -49,14 +49,7 @@ from mpprof.backends.layer_casts import LayerCallPatch
 from mpprof.backends.step_state_health import LossWatch, RunHealth
 from mpprof.backends.step_state_loss_scales import LossScales
 from mpprof.backends.step_state_series import LossScaleSeries
-
-
-class SingleProcess:
-    """What the core asks of a distribution strategy, for JAX (which has
-    none: `keras.distribution` shards within one process)."""
-
-    num_replicas_in_sync = 1
-    extended = None
+from mpprof.backends.worker_role import SingleProcess, WorkerRole
 
 
 class JaxBackend(Keras3Backend):
@@ -78,7 +71,8 @@ class JaxBackend(Keras3Backend):
     loss_methods: tuple[str, ...] = ("scale_loss",)
     # The alarm is in the logs, but read one call late (`call_alarm`).
     alarm_in_logs = False
-    fits_across_workers = False
+    # keras.distribution on jax.distributed: one job, one fit per process.
+    fits_across_workers = True
 
     def __init__(self, model):
         self.step_state: StepState | None = None
@@ -127,6 +121,9 @@ class JaxBackend(Keras3Backend):
 
     def distribute_strategy(self, model):
         return SingleProcess()
+
+    def worker_role(self, model) -> WorkerRole:
+        return context.worker_role()
 
     def logs_of(self, result):
         """fit calls `train_function(state, iterator)` and gets `(logs, state)`."""

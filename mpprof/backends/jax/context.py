@@ -8,6 +8,7 @@ import jaxlib
 import keras
 
 from mpprof.backends.context_facts import common_facts, framework_facts
+from mpprof.backends.worker_role import WorkerRole
 
 
 def run_context(
@@ -33,8 +34,27 @@ def run_context(
         "num_replicas": _model_replicas(distribution),
         "distribution": distribution_facts(model, distribution),
         "devices": [{"name": str(d), "type": d.platform.upper()} for d in devices],
+        **({"local_devices": [{"name": str(d), "type": d.platform.upper()}
+                              for d in jax.local_devices()]}
+           if jax.process_count() > 1 else {}),
         "float32_matmuls": float32_matmuls(),
     }
+
+
+def worker_role() -> WorkerRole:
+    """This process's place in a job on `jax.distributed`: under a
+    `keras.distribution` whose device mesh holds other processes' devices,
+    the fit is one job of `jax.process_count()` processes, process 0 its
+    chief. Otherwise one process (`jax.distributed` without such a
+    distribution trains a model per process, each its own run)."""
+    distribution = keras.distribution.distribution()
+    if distribution is None or jax.process_count() < 2:
+        return WorkerRole()
+    here = jax.process_index()
+    if all(d.process_index == here for d in distribution.device_mesh.devices.flatten()):
+        return WorkerRole()
+    return WorkerRole(multi_worker=True, is_chief=here == 0, task_type="process",
+                      task_index=here, num_workers=jax.process_count(), worker_index=here)
 
 
 # What mpprof cannot say under a keras.distribution: it reads each global

@@ -133,7 +133,11 @@ class ReplayCapture(keras_capture.SampledStepCapture):
         model = fit.model
         leaves: list = []
         structure = files.encode_structure(data, leaves)
-        batch = [np.asarray(a) for a in jax.device_get(leaves)]
+        batch = [process_rows(a) for a in leaves]
+        global_rows = int(leaves[0].shape[0]) if leaves and np.ndim(leaves[0]) else None
+        shard = ({"process": jax.process_index(), "processes": jax.process_count(),
+                  "rows": int(batch[0].shape[0]), "global_rows": global_rows}
+                 if global_rows is not None and batch[0].shape[0] != global_rows else None)
         values = {id(v): a for v, a in zip(model.trainable_variables, state[0], strict=False)}
         values.update({id(v): a for v, a in zip(model.non_trainable_variables,
                                                 non_trainable_before, strict=False)})
@@ -144,9 +148,26 @@ class ReplayCapture(keras_capture.SampledStepCapture):
             weights=weights, reasons=reasons,
             loss=loss, loss_scale=scale, skipped=skipped, structure=structure,
             config=self._config, backend={"backend": "jax", "jax": jax.__version__},
-            weights_before=weights_before, folder=folder,
+            weights_before=weights_before, folder=folder, batch_shard=shard,
         )
 
     def end(self, fit) -> None:
         self._before = self._after = None
         super().end(fit)
+
+
+def process_rows(array) -> np.ndarray:
+    """The values of `array` that this process holds: all of it in one
+    process (or when it is replicated), and under a job of several processes
+    (`jax.distributed`, a batch sharded across them) this process's own rows,
+    in order, each read once. Never a collective: gathering the other
+    processes' rows would hang the fit the moment one process stopped
+    capturing and another did not."""
+    if not isinstance(array, jax.Array) or array.is_fully_addressable \
+            or array.is_fully_replicated:
+        return np.asarray(jax.device_get(array))
+    rows: dict[int, np.ndarray] = {}
+    for shard in array.addressable_shards:
+        start = shard.index[0].start if shard.index else None
+        rows.setdefault(start or 0, np.asarray(shard.data))
+    return np.concatenate([rows[start] for start in sorted(rows)])

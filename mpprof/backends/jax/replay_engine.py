@@ -64,7 +64,7 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
     except Exception as e:
         raise ReplayError(f"the step could not be traced as {step.what} for the replay "
                           f"({type(e).__name__}: {str(e)[:300]})") from e
-    notes = step.notes()
+    notes = step.notes() + keras_capture.shard_notes(capture.manifest)
     data = capture.batch()
     return keras_capture.replay_result(
         model, capture, scale=step.scale, run_policy=run_policy,

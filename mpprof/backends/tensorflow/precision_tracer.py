@@ -66,7 +66,12 @@ class PrecisionTracer(InventoryBuilder):
             self._record_casts(layer, inputs)
             producers = self._inputs_from.setdefault(key, {})
             for tensor in inputs:
-                producer = self._producers.get(_uncast(tensor).ref())
+                # A layer's own output may end in a Cast (LayerNormalization
+                # computes in float32 and casts back): that tensor is its
+                # producer's; only a Cast of the consumer's own is looked behind.
+                producer = self._producers.get(tensor.ref())
+                if producer is None:
+                    producer = self._producers.get(_uncast(tensor).ref())
                 if producer is not None and producer != key:
                     producers.setdefault(producer, None)
                 elif producer is None and _computed_by_ops(tensor):
@@ -90,7 +95,7 @@ class PrecisionTracer(InventoryBuilder):
 
     def _record_casts(self, layer, inputs) -> None:
         for tensor in inputs:
-            if tensor.op.type != "Cast":
+            if tensor.op.type != "Cast" or tensor.ref() in self._producers:
                 continue
             source = tensor.op.inputs[0]
             producer = self._producers.get(source.ref())

@@ -45,14 +45,7 @@ from mpprof.backends.torch.precision_tracer import PrecisionTracer
 from mpprof.backends.torch.run_health import LossWatch, RunHealth
 from mpprof.backends.torch.step_state import StepState
 from mpprof.backends.torch.train_functions import TrainFunctions
-
-
-class SingleProcess:
-    """What the core asks of a distribution strategy, for PyTorch (Keras'
-    PyTorch fit runs in one process, on one device)."""
-
-    num_replicas_in_sync = 1
-    extended = None
+from mpprof.backends.worker_role import SingleProcess
 
 
 class TorchBackend(Keras3Backend):
