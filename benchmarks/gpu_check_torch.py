@@ -40,7 +40,7 @@ import bench_paired_steps_torch
 import keras
 import numpy as np
 import torch
-from bench_models import SHAPES, small_transformer
+from bench_models import SHAPES, small_transformer, third_dense_model
 from device_checks import column_medians, diagnose
 
 import mpprof
@@ -97,30 +97,12 @@ def train(log_dir: str, name: str, policy: str, sizes: dict) -> dict:
     return figures
 
 
-def third_dense_model() -> keras.Model:
-    """Ones through Dense(0.1) twice reach the third Dense at 1.28: with a
-    kernel of 5000 its float16 product is 1.28 * 16 * 5000 > 65504 (the
-    replay tests' seed overflow model, tests/jax/test_jax_replay.py)."""
-    keras.backend.clear_session()
-    keras.mixed_precision.set_dtype_policy("mixed_float16")
-    constant = keras.initializers.Constant
-    model = keras.Sequential([
-        keras.layers.Input((8,)),
-        keras.layers.Dense(16, kernel_initializer=constant(0.1), name="d1"),
-        keras.layers.Dense(16, kernel_initializer=constant(0.1), name="d2"),
-        keras.layers.Dense(16, kernel_initializer=constant(5000.0), name="d3"),
-        keras.layers.Dense(1, kernel_initializer=constant(1e-6), dtype="float32",
-                           name="out"),
-    ], name="third_dense")
-    model.compile(optimizer=keras.optimizers.Adam(1e-9), loss="mse")
-    return model
-
-
 def replay_check(log_dir: str) -> dict:
     """The seed overflow captured on this device and replayed by the PyTorch
     engine: its verdict and how long the replay took."""
     run_dir = os.path.join(log_dir, "replay_third_dense")
     x, y = np.ones((32, 8), "float32"), np.ones((32, 1), "float32")
+    keras.backend.clear_session()
     third_dense_model().fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
                             callbacks=[mpprof.MixedPrecisionProfiler(run_dir,
                                                                      numerics_every=2)])

@@ -12,6 +12,7 @@ each backend does with real training on CPU.
 import glob
 import os
 import re
+import sys
 
 import keras
 import numpy as np
@@ -26,6 +27,10 @@ from mpprof.backends.patching import Patches
 from mpprof.recording.nvml.sampler import GpuSampler
 from mpprof.records import reader, schema
 from mpprof.records.run_context import RunContext
+
+# The replay's seed overflow model, the device checks' too (benchmarks/).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+from bench_models import third_dense_model
 
 BACKEND = keras.backend.backend()
 REGISTERED = backends.registration(BACKEND)
@@ -194,26 +199,6 @@ def test_with_no_counter_the_call_alarm_never_rings():
     patches.restore()
 
 
-def third_dense() -> keras.Model:
-    """The replay suites' seed overflow: ones through Dense(0.1) twice reach
-    the third Dense at 1.28, and its kernel of 5000 takes the float16 product
-    to 1.28 * 16 * 5000 > 65504 on every step (skipped: the weights stay)."""
-    keras.mixed_precision.set_dtype_policy("mixed_float16")
-    constant = keras.initializers.Constant
-    found = keras.Sequential([
-        keras.layers.Input((8,)),
-        keras.layers.Dense(16, kernel_initializer=constant(0.1), name="d1"),
-        keras.layers.Dense(16, kernel_initializer=constant(0.1), name="d2"),
-        keras.layers.Dense(16, kernel_initializer=constant(5000.0), name="d3"),
-        keras.layers.Dense(1, kernel_initializer=constant(1e-6), dtype="float32",
-                           name="out"),
-    ], name="third_dense")
-    # Adam at a tiny rate: the 30-step trial verifying the fix learns from
-    # activations of 1e5 without diverging.
-    found.compile(optimizer=keras.optimizers.Adam(1e-9), loss="mse")
-    return found
-
-
 def test_a_captured_overflow_replays_to_the_same_verified_fix(tmp_path):
     """A backend with a replay engine captures the sampled step that
     overflowed, and its engine names the same layer and verifies the same
@@ -222,7 +207,7 @@ def test_a_captured_overflow_replays_to_the_same_verified_fix(tmp_path):
     if REGISTERED.replay_engine is None:
         pytest.skip(f"{REGISTERED.framework} has no replay engine registered")
     ones = np.ones((32, 8), "float32")
-    third_dense().fit(ones, ones[:, :1], batch_size=8, epochs=1, verbose=0, shuffle=False,
+    third_dense_model().fit(ones, ones[:, :1], batch_size=8, epochs=1, verbose=0, shuffle=False,
                       callbacks=[mpprof.MixedPrecisionProfiler(
                           str(tmp_path), gpu_interval=None, numerics_every=2)])
     capture = reader.read_run(str(tmp_path), schema.TRAIN_RUN).context["collectors"][
