@@ -8,10 +8,13 @@ PORT ?= 6006
 SERVE ?= 1
 
 # The lowest versions pyproject.toml allows for the JAX extra
-# (tests/lowest/constraints-jax.txt), on the lowest Python it allows where
-# there is one: a fit with the callback, the CLI and the tab
-# (tests/lowest/check.py). The first run installs (about a minute).
+# (tests/lowest/constraints-jax.txt) and for the tensorflow and tf-keras
+# extras (tests/lowest/constraints-tensorflow.txt), each in its own
+# environment, on the lowest Python it allows where there is one: a fit with
+# the callback, the CLI and the tab (tests/lowest/check.py) on each backend.
+# The first run installs (about a minute for JAX, two for TensorFlow).
 LOWEST ?= .venv-lowest
+LOWEST_TF ?= .venv-lowest-tf
 LOWEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3.10) \
                    $(shell command -v python3.10 2>/dev/null) $(PYTHON))
 
@@ -35,13 +38,27 @@ $(LOWEST)/.installed: pyproject.toml tests/lowest/constraints-jax.txt
 	$(LOWEST)/bin/python -m pip install --quiet -c tests/lowest/constraints-jax.txt '.[jax]'
 	touch $@
 
+$(LOWEST_TF)/.installed: pyproject.toml tests/lowest/constraints-tensorflow.txt
+	rm -rf $(LOWEST_TF)
+	$(LOWEST_PYTHON) -m venv $(LOWEST_TF)
+	$(LOWEST_TF)/bin/python -m pip install --quiet --upgrade pip
+	$(LOWEST_TF)/bin/python -m pip install --quiet -c tests/lowest/constraints-tensorflow.txt \
+	  '.[tensorflow,tf-keras]'
+	touch $@
+
 # mpprof itself is installed again each time (as a wheel, not editable):
 # the check runs the tree's code as a user's install would.
-test-lowest: $(LOWEST)/.installed
+test-lowest: $(LOWEST)/.installed $(LOWEST_TF)/.installed
 	$(LOWEST)/bin/python -m pip install --quiet --no-deps --force-reinstall .
 	rm -rf $(LOWEST)/work && mkdir -p $(LOWEST)/work
 	cd $(LOWEST)/work && JAX_PLATFORMS=cpu $(CURDIR)/$(LOWEST)/bin/python \
 	  $(CURDIR)/tests/lowest/check.py .
+	$(LOWEST_TF)/bin/python -m pip install --quiet --no-deps --force-reinstall .
+	for backend in tensorflow tf_keras; do \
+	  rm -rf $(LOWEST_TF)/work-$$backend && mkdir -p $(LOWEST_TF)/work-$$backend && \
+	  (cd $(LOWEST_TF)/work-$$backend && $(CURDIR)/$(LOWEST_TF)/bin/python \
+	    $(CURDIR)/tests/lowest/check.py . $$backend) || exit 1; \
+	done
 
 # oneDNN's float16 kernels are emulated on most CPUs (~50x slower steps):
 # the demo trains on CPU with the plain kernels unless you set it yourself.
@@ -72,4 +89,4 @@ lint: install
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(LOWEST) $(LOGDIR) .pytest_cache site
+	rm -rf $(VENV) $(LOWEST) $(LOWEST_TF) $(LOGDIR) .pytest_cache site

@@ -11,6 +11,7 @@ the ratio. Per-step costs at the defaults are `bench_paired_steps*.py`'s.
 
     KERAS_BACKEND=jax python benchmarks/bench_early_samples.py --steps 200
     python benchmarks/bench_early_samples.py --steps 200   # TensorFlow
+    python benchmarks/bench_early_samples.py --tiny        # a smoke test
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import keras
 import numpy as np
+import tiny  # benchmarks/, on the path when run as a script
 from bench_models import SHAPES
 
 import mpprof
@@ -57,7 +59,8 @@ def main() -> None:
     parser.add_argument("--policy", default="mixed_float16")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    # Fits of 12 steps still take the samples at steps 1 and 10.
+    args = tiny.parse_args(parser, steps=12, repeats=1)
     keras.mixed_precision.set_dtype_policy(args.policy)
     arms = {"sampling off": False, "defaults": True}
     times = {name: [] for name in arms}

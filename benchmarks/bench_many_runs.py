@@ -6,11 +6,15 @@ numerics samples each, every record the callback writes), then for each, in
 a fresh process:
 
 1. `/runs` through TensorBoard's WSGI app with the mpprof plugin: the first
-   request (every run read and diagnosed), then the median of 10 later ones
-   (nothing changed; the listing's 2 s reuse is switched off so each walks
-   the logdir), and the process's peak RSS; then the same in a new process,
-   as TensorBoard restarted on the sweep ("dashboard_restarted": the run
-   summaries the first saved are trusted, `summary_store`);
+   request, then the median of 10 later ones (nothing changed; the listing's
+   2 s reuse is switched off so each walks the logdir), and the process's
+   peak RSS: "dashboard", each run's row taken from the digest its fit
+   wrote (`mpprof.display.run_digest`, written here as a fit's end writes
+   it); "dashboard_without_digests", every run read and diagnosed (runs
+   recorded by an mpprof before digests, or `--source` of one); then
+   "dashboard_restarted", a new process without digests, as TensorBoard
+   restarted on the sweep (the run summaries the previous one saved are
+   trusted, `summary_store`);
 2. `mpprof diagnose LOGDIR --format json` and `mpprof report LOGDIR`: wall time
    and peak RSS of the command.
 
@@ -52,6 +56,8 @@ from tensorboard.plugins import base_plugin
 from werkzeug import test as werkzeug_test
 from tensorboard_plugin_mpprof import routes, run_cache
 run_cache._RUN_LIST_TTL_S = 0.0
+if sys.argv[3] == "no-digests" and hasattr(routes, "run_digest"):
+    routes.run_digest.load_many = lambda runs: {}
 plugin = routes.MpprofPlugin(base_plugin.TBContext(logdir=sys.argv[1]))
 client = werkzeug_test.Client(application.TensorBoardWSGI([plugin]))
 def runs():
@@ -70,12 +76,21 @@ def make_logdir(root: pathlib.Path, runs: int, steps: int) -> pathlib.Path:
     sys.path.insert(0, str(REPO / "benchmarks"))
     from synthetic_logdir import write_synthetic_run
 
+    from mpprof.display import run_digest
+
     logdir = root / f"sweep_{runs}_{steps}"
     if not (logdir / "done").exists():
         for i in range(runs):
             write_synthetic_run(logdir / f"lr_{i:04d}" / "train", steps=steps, layers=10,
                                 samples=10, seed=i)
         (logdir / "done").write_text("")
+    # The digests, as each fit's end writes them; again whenever mpprof's code
+    # changed (a digest of other code is not trusted).
+    marker = logdir / "digests"
+    if not marker.exists() or marker.read_text() != run_digest.code_fingerprint():
+        for i in range(runs):
+            run_digest.write(str(logdir / f"lr_{i:04d}" / "train"))
+        marker.write_text(run_digest.code_fingerprint())
     return logdir
 
 
@@ -113,14 +128,16 @@ def main() -> None:
         logdir = make_logdir(root, size, args.steps)
         line = {"size": size, "steps": args.steps}
         # Each measure in its own process: peak RSS is per process. The first
-        # with no run summaries saved (a first TensorBoard on the sweep), the
-        # second as TensorBoard restarted on it (`summary_store`).
-        with tempfile.TemporaryDirectory() as saved:
-            for key in ("dashboard", "dashboard_restarted"):
+        # two with no run summaries saved (a first TensorBoard on the sweep),
+        # the third as TensorBoard restarted on it (`summary_store`).
+        with tempfile.TemporaryDirectory() as first, tempfile.TemporaryDirectory() as saved:
+            for key, digests, store in (("dashboard", "digests", first),
+                                        ("dashboard_without_digests", "no-digests", saved),
+                                        ("dashboard_restarted", "no-digests", saved)):
                 routes = subprocess.run(
-                    [sys.executable, "-c", _ROUTES, str(logdir), args.source],
+                    [sys.executable, "-c", _ROUTES, str(logdir), args.source, digests],
                     capture_output=True, text=True, timeout=3600,
-                    env={**env, "MPPROF_SUMMARY_CACHE": saved})
+                    env={**env, "MPPROF_SUMMARY_CACHE": store})
                 line[key] = (json.loads(routes.stdout.strip().splitlines()[-1])
                              if routes.returncode == 0 else {"error": routes.stderr[-500:]})
         if not args.no_cli:

@@ -13,6 +13,7 @@ processes of a loaded machine took from it). A control arm, a second plain
 model, shows the noise floor (ratio 1.00).
 
     KERAS_BACKEND=torch python benchmarks/bench_paired_steps_torch.py --rounds 300
+    python benchmarks/bench_paired_steps_torch.py --tiny   # a smoke test
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ if "--pin" in os.sys.argv:
 
 import keras
 import numpy as np
+import tiny  # benchmarks/, on the path when run as a script
 import torch
 from bench_models import SHAPES
 
@@ -149,13 +151,15 @@ def main() -> None:
     parser.add_argument("--policy", default="mixed_float16")
     parser.add_argument("--block", type=int, default=16, help="steps per block")
     parser.add_argument("--rounds", type=int, default=150)
+    parser.add_argument("--samples", type=int, default=16384, help="the data set's size")
     parser.add_argument("--pin", action="store_true",
                         help="one core and one torch thread (read before torch runs)")
-    args = parser.parse_args()
+    args = tiny.parse_args(parser, rounds=2, block=2, samples=512)
     if args.pin:
         torch.set_num_threads(1)
     load_before = os.getloadavg()
-    measured = measure(args.policy, args.block, args.rounds, model_name=args.model)
+    measured = measure(args.policy, args.block, args.rounds, samples=args.samples,
+                       past_first_sample=not args.tiny, model_name=args.model)
     for clock, times in measured.items():
         print(f"\n{clock} clock")
         report(times, args.block)

@@ -11,6 +11,10 @@ store), the time from the last step to the process's exit (the fit's end:
 closing the records), and whether the recording stopped with one warning.
 
     .venv/bin/python benchmarks/bench_remote_stall.py [--steps 2000]
+    .venv/bin/python benchmarks/bench_remote_stall.py --tiny   # a smoke test
+
+`--tiny` runs the hung store only, 40 steps, with a deadline of 2 s instead
+of the default's 20 s (`MPPROF_REMOTE_DEADLINE_S`): the same path, seconds.
 """
 
 from __future__ import annotations
@@ -27,15 +31,22 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
+import tiny  # noqa: E402 - benchmarks/, on the path when run as a script
 from s3_server import BUCKET, StallingProxy, s3_endpoint  # noqa: E402
 
+CASES = ("answering", "hung", "down")
 
-def measure(endpoint: str, case: str, steps: int) -> dict:
+
+def measure(endpoint: str, case: str, steps: int, deadline_s: float | None = None) -> dict:
+    """One fit against the store in `case`; `deadline_s`: the remote
+    deadline (None: mpprof's default)."""
     with tempfile.TemporaryDirectory() as folder, \
             StallingProxy(int(endpoint.rsplit(":", 1)[1])) as proxy:
         progress, go = pathlib.Path(folder, "progress"), pathlib.Path(folder, "go")
         env = {**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint}
         env.pop("MPPROF_REMOTE_DEADLINE_S", None)  # the defaults
+        if deadline_s is not None:
+            env["MPPROF_REMOTE_DEADLINE_S"] = str(deadline_s)
         process = subprocess.Popen(
             [sys.executable, str(REPO / "tests" / "hard_stop_fit.py"),
              f"s3://{BUCKET}/{case}", str(progress), "--steps", str(steps),
@@ -70,12 +81,15 @@ def measure(endpoint: str, case: str, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
-    args = parser.parse_args()
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="the remote deadline (default: mpprof's own)")
+    args = tiny.parse_args(parser, steps=40, cases=["hung"], deadline_s=2.0)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     with s3_endpoint() as endpoint:
-        for case in ("answering", "hung", "down"):
-            print(json.dumps(measure(endpoint, case, args.steps)), flush=True)
+        for case in args.cases:
+            print(json.dumps(measure(endpoint, case, args.steps, args.deadline_s)), flush=True)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,14 @@ Healthy models (nothing overflows), each trained a few steps under the
 policy and then verified as they are (the run's own policy as the candidate)
 on one batch, exactly as a replay verifies a fix: the largest relative error
 of the loss, of a variable's unscaled gradient and of a layer's output
-against float32, and the 30-step trial (decrease ratio, mean difference).
+against float32, the headroom the half-precision layers keep (how many times
+under their dtype's max their largest output is: the tightest layer's), and
+the 30-step trial (decrease ratio, mean difference).
 
     python benchmarks/bench_verification.py                  # TensorFlow
     KERAS_BACKEND=jax python benchmarks/bench_verification.py
     python benchmarks/bench_verification.py --policies mixed_float16
+    python benchmarks/bench_verification.py --tiny   # a smoke test: one model, one policy
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import keras
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+import tiny  # benchmarks/, on the path when run as a script
 
 from mpprof.backends import replay_engines
 from mpprof.replay import verification
@@ -104,6 +109,8 @@ def measure(name: str, policy: str, batch_size: int) -> dict:
             "loss": step.loss_rel_error, "gradient": step.gradient_rel_error,
             "worst_gradient": step.worst_gradient, "output": step.output_rel_error,
             "worst_output": step.worst_output,
+            "headroom": step.headroom["factor"] if step.headroom else None,
+            "tightest": step.headroom["layer"] if step.headroom else None,
             "progress": trial.progress if trial else None,
             "mean_diff": trial.mean_rel_diff if trial else None, "seconds": seconds,
             "detail": result.detail}
@@ -114,20 +121,22 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--policies", nargs="+", default=["mixed_float16", "mixed_bfloat16"])
     parser.add_argument("--batch-size", type=int, default=32)
-    args = parser.parse_args()
+    args = tiny.parse_args(parser, models=["seed_mlp"], policies=["mixed_float16"])
     print(f"backend {keras.backend.backend()}; tolerances {verification.TOLERANCES}; "
           f"trial {verification.trial_band()}")
     print(f"{'model':14} {'policy':15} {'loss':>8} {'gradient':>9} {'output':>8} "
-          f"{'progress':>8} {'mean':>7} {'s':>5}  verified")
+          f"{'headroom':>9} {'progress':>8} {'mean':>7} {'s':>5}  verified")
     for name in args.models:
         for policy in args.policies:
             row = measure(name, policy, args.batch_size)
             progress = "-" if row["progress"] is None else f"{row['progress']:.2f}"
             mean = "-" if row["mean_diff"] is None else f"{row['mean_diff']:.3f}"
+            room = "-" if row["headroom"] is None else f"{row['headroom']:.3g}"
             print(f"{name:14} {policy:15} {row['loss']:8.2g} {row['gradient']:9.2g} "
-                  f"{row['output']:8.2g} {progress:>8} {mean:>7} {row['seconds']:5.1f}  "
-                  f"{row['verified']} (worst gradient {row['worst_gradient']}, output "
-                  f"{row['worst_output']})")
+                  f"{row['output']:8.2g} {room:>9} {progress:>8} {mean:>7} "
+                  f"{row['seconds']:5.1f}  {row['verified']} (worst gradient "
+                  f"{row['worst_gradient']}, output {row['worst_output']}, tightest "
+                  f"{row['tightest']})")
             if not row["verified"]:
                 print(f"    {row['detail']}")
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 
 from mpprof import diagnosis
 from mpprof._version import __version__
+from mpprof.display import run_digest
 from mpprof.display.run_summary import (
     NOTHING_READABLE,
     cut_short_text,
@@ -61,11 +62,15 @@ def _warn(text: str) -> None:
 
 
 def _read(logdir: str, run: str | None, verbosity: int = 0,
-          progress: Callable[[str], None] | None = None) -> tuple[dict[str, reader.Run], bool]:
-    """The selected runs of `logdir`, and whether to say on stderr what is
-    being done: with -v always, with -q never, else for big runs only (said
-    here for the reading, to `progress` when given, else on stderr)."""
-    names = reader.select_runs(logdir, run, on_warning=_warn)
+          progress: Callable[[str], None] | None = None,
+          skip: Iterable[str] = ()) -> tuple[dict[str, reader.Run], bool]:
+    """The selected runs of `logdir` (less those in `skip`), and whether to
+    say on stderr what is being done: with -v always, with -q never, else
+    for big runs only (said here for the reading, to `progress` when given,
+    else on stderr)."""
+    skipped = set(skip)
+    names = [name for name in reader.select_runs(logdir, run, on_warning=_warn)
+             if name not in skipped]
     sizes = {name: _bytes(logdir, name) for name in names}
     chatty = verbosity > 0 or (verbosity == 0 and sum(sizes.values()) > PROGRESS_BYTES)
     if progress is None and chatty:
@@ -92,11 +97,13 @@ def _bytes(logdir: str, run: str) -> int:
         return 0  # reading it will say what is wrong
 
 
-def _unreadable_status(runs: dict[str, reader.Run], whole: bool = False) -> int | None:
+def _unreadable_status(runs: dict[str, reader.Run], whole: bool = False,
+                       digested: int = 0) -> int | None:
     """EXIT_UNREADABLE, with a warning per run, where a run had nothing
     readable; with `whole` (a CI gate: `--fail-on`), also where any of a
     run's records could not be read: a gate never passes what it could not
-    read whole as "no findings"."""
+    read whole as "no findings". `digested`: how many more runs were taken
+    from their digests (each read whole by its fit)."""
     unreadable = [name for name, run in runs.items() if not run.readable]
     for name in unreadable:
         why = cut_short_text(runs[name])  # a write that failed before the first record
@@ -107,7 +114,7 @@ def _unreadable_status(runs: dict[str, reader.Run], whole: bool = False) -> int 
         lost = "; ".join(f"{loss.file}: {loss.describe()}" for loss in runs[name].losses)
         _warn(f"run {name}: records could not be read ({lost}); --fail-on does not pass a "
               "run it could not read whole")
-    return EXIT_UNREADABLE if unreadable or damaged or not runs else None
+    return EXIT_UNREADABLE if unreadable or damaged or not (runs or digested) else None
 
 
 def _summary(args) -> int:
@@ -122,9 +129,17 @@ def _summary(args) -> int:
 
 
 def _diagnose(args) -> int:
-    runs, chatty = _read(args.logdir, args.run, args.verbosity)
+    # A sweep's JSON takes each run whose fit wrote a digest that still holds
+    # from it, unread (`run_digest`); the text, --replay and --assume-gpu
+    # read every run.
+    digested = ({} if args.format == "text" or args.replay or args.assume_gpu
+                else _digests(args.logdir, args.run))
+    runs, chatty = _read(args.logdir, args.run, args.verbosity, skip=digested)
+    names = sorted(runs.keys() | digested.keys())
     replays = {name: _replays_of(args.logdir, name, args.replay, args.verbosity)
-               for name in runs}
+               for name in names}
+    # A digest is written only by a fit in one process: a job's run across
+    # processes (`_with_process_replays`) is always read.
     for name, run in runs.items():
         replays[name] = _with_process_replays(run, replays, args)
     results = {}
@@ -133,48 +148,59 @@ def _diagnose(args) -> int:
             if chatty:
                 _say([f"mpprof: diagnosing run {name}"], sys.stderr)
             results[name] = diagnosis.evaluate(run, assume_gpu=args.assume_gpu)
-    for name, run in runs.items():
-        for warning in run.warnings:
+    findings = {name: result.findings for name, result in results.items()}
+    findings.update({name: run_digest.findings_of(part) for name, part in digested.items()})
+    # Each finding as JSON (`Finding.to_dict`): a digest holds them so.
+    rows = ({} if args.format == "text" else
+            {name: [f.to_dict() for f in result.findings] for name, result in results.items()})
+    rows.update({name: part["findings"] for name, part in digested.items()})
+    heads = {name: run_digest.run_head(run) for name, run in runs.items()}
+    heads.update({name: {key: value for key, value in part.items() if key != "findings"}
+                  for name, part in digested.items()})
+    for name in names:
+        for warning in heads[name]["warnings"]:
             _warn(f"run {name}: {warning}")
     if args.format == "json":
-        rows = [
-            {"run": name, "fit_state": runs[name].fit_outcome, **finding.to_dict(),
-             **_replay_field(finding, replays[name])}
-            for name, result in results.items()
-            for finding in result.findings
+        listed = [
+            {"run": name, "fit_state": heads[name]["fit_state"], **row,
+             **_replay_field(row["code"], replays[name])}
+            for name in names
+            for row in rows.get(name, [])
         ]
-        rows.sort(key=lambda row: diagnosis.SEVERITIES.index(row["severity"]))
+        listed.sort(key=lambda row: diagnosis.SEVERITIES.index(row["severity"]))
         # json.dumps escapes control characters (ensure_ascii).
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(listed, indent=2))
     elif args.format == "json-runs":
         print(json.dumps({"runs": [
-            _run_json(run, results.get(name), replays[name]) for name, run in runs.items()
+            _run_json(heads[name], rows.get(name), replays[name]) for name in names
         ]}, indent=2))
     else:
         color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
         print("\n\n".join(_diagnosis_text(run, results.get(name), color, replays[name])
                           for name, run in runs.items()))
-    status = _unreadable_status(runs, whole=args.fail_on is not None)
+    status = _unreadable_status(runs, whole=args.fail_on is not None, digested=len(digested))
     if status is not None:
         return status
-    findings = [f for result in results.values() for f in result.findings]
-    return EXIT_FINDINGS if diagnosis.exceeds(findings, args.fail_on) else EXIT_OK
+    found = [f for found in findings.values() for f in found]
+    return EXIT_FINDINGS if diagnosis.exceeds(found, args.fail_on) else EXIT_OK
 
 
-def _run_json(run: reader.Run, result, replays: list[dict]) -> dict:
-    """One run of `diagnose --format json-runs`: every run, readable or not."""
-    findings = [] if result is None else [
-        {**f.to_dict(), **_replay_field(f, replays)} for f in result.findings]
+def _digests(logdir: str, run: str | None) -> dict[str, dict]:
+    """{run: its digest's "diagnose" part} for the selected runs whose
+    digest holds (`run_digest.load_many`); the listing's warnings are said
+    once, by `_read`."""
+    files = reader.run_files(logdir, on_warning=lambda warning: None)
+    if run is not None:
+        files = {run: files[run]} if run in files else {}
+    return run_digest.load_many(files, "diagnose")
+
+
+def _run_json(head: dict, rows: list[dict] | None, replays: list[dict]) -> dict:
+    """One run of `diagnose --format json-runs`: every run, readable or not
+    (`head`: `run_digest.run_head`; `rows`: its findings as JSON)."""
+    findings = [{**row, **_replay_field(row["code"], replays)} for row in rows or []]
     findings.sort(key=lambda row: diagnosis.SEVERITIES.index(row["severity"]))
-    return {
-        "run": run.name,
-        "readable": run.readable,
-        "fit_state": run.fit_outcome,
-        "cut_short": run.cut_short,
-        "recording_stopped": run.recording_stopped,
-        "warnings": run.warnings,
-        "findings": findings,
-    }
+    return {**head, "findings": findings}
 
 
 def _replays_of(logdir: str, run: str, replay_missing: bool, verbosity: int) -> list[dict]:
@@ -205,9 +231,9 @@ def _with_process_replays(run: reader.Run, replays: dict[str, list[dict]],
         if processes else found
 
 
-def _replay_field(finding, replays: list[dict]) -> dict:
-    """The JSON row's "replay", under the findings it bears on."""
-    result = replay_text.replay_for(finding.code, replays)
+def _replay_field(code: str, replays: list[dict]) -> dict:
+    """The JSON row's "replay", under the findings (of rule `code`) it bears on."""
+    result = replay_text.replay_for(code, replays)
     return {} if result is None else {"replay": result}
 
 

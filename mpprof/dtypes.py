@@ -86,6 +86,13 @@ DTYPE_RANGES = (
 # comes from the dtype it was computed in.
 DTYPE_MAX = {d.name: d.max for d in DTYPE_RANGES}
 
+# Headroom: a half-precision value within this factor of its dtype's largest
+# finite value is too close to it. 16 = four doublings of headroom: weights
+# that grow during training can double an activation's range in a few hundred
+# steps. MP004 fires on it; a replay's fix must leave at least this much
+# (`mpprof.replay.verification`); the advisor keeps such layers in float32.
+HEADROOM_FACTOR = 16.0
+
 # The float8 formats Keras' float8 layers quantize to (the names are
 # ml_dtypes'): e4m3fn (4 exponent bits, no infinities) for inputs and kernels,
 # e5m2 for gradients. Keras clips x / scale to the max, so a larger value

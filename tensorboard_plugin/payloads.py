@@ -17,6 +17,7 @@ from tensorboard import errors
 from mpprof import diagnosis
 from mpprof.display import downsample, headroom
 from mpprof.display import float8 as float8_view
+from mpprof.display.run_digest import severity_counts
 from mpprof.jsonsafe import json_floats, json_safe
 from mpprof.records import reader
 from mpprof.replay import files as replay_files
@@ -55,62 +56,10 @@ def evaluate(run: reader.Run) -> diagnosis.Diagnosis:
     return diagnosis.evaluate(run)
 
 
-def severity_counts(result: diagnosis.Diagnosis) -> dict[str, int]:
-    """How many findings of each severity, most severe first."""
-    return {
-        severity: sum(f.severity == severity for f in result.findings)
-        for severity in SEVERITIES
-    }
-
-
 def unchecked_notes(result: diagnosis.Diagnosis) -> list[dict]:
     """The rules that could not look at the run, and why ("not measured"...),
     as `Diagnosis.notes` orders them."""
     return [dataclasses.asdict(note) for note in result.notes]
-
-
-def run_summary(run: reader.Run, result: diagnosis.Diagnosis) -> dict:
-    """What the run selector and the comparison table show for one run.
-
-    Args:
-        run: the run read.
-        result: its diagnosis (for the finding counts by severity).
-    """
-    context = run.context
-    loss_scale = run.loss_scale
-    inventory = run.inventory or {}
-    leaves = [layer for layer in inventory.get("layers", []) if layer.get("is_leaf")]
-    return {
-        "run": run.name,
-        "model_policy": context.model_policy,
-        "optimizer": context.optimizer,
-        "jit_compile": context.jit_compile,
-        # What float32 matmuls run as (TF32 on Ampere+ by default), in words.
-        "float32_matmuls": (context.float32_matmuls or {}).get("setting"),
-        "leaf_layers": len(leaves),
-        "float32_islands": sum(bool(layer.get("float32_island")) for layer in leaves),
-        "casts": len(inventory.get("casts", [])),
-        "model_output_dtypes": inventory.get("model", {}).get("output_dtypes"),
-        "loss_scale": None
-        if loss_scale is None
-        else {
-            "initial": _null_nonfinite(loss_scale.initial_scale),
-            "final": _null_nonfinite(loss_scale.final_scale),
-            "steps_run": loss_scale.steps_run,
-            "overflows": loss_scale.skipped_steps,
-            "growths": len(loss_scale.growths),
-        },
-        "has_numerics": run.numerics is not None,
-        "gpu_mode": getattr(run.gpu, "mode", None),
-        "warnings": len(run.warnings),
-        "findings": severity_counts(result),
-        # How the fit stands, read as the CLI reads it (`Run.fit_outcome`):
-        # "ended" | "failed" | "cut_short" | "unknown"; and for a run cut
-        # short, where its records stop.
-        "fit_state": run.fit_outcome,
-        "cut_short": run.cut_short,
-        "readable": run.readable,
-    }
 
 
 def context_payload(run: reader.Run) -> dict:

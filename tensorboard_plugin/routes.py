@@ -20,6 +20,7 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
+from mpprof.display import run_digest
 from mpprof.records import filesystem
 from tensorboard_plugin_mpprof import metadata, payloads, run_sources
 from tensorboard_plugin_mpprof.run_cache import CachedRun, RunCache
@@ -98,12 +99,15 @@ class MpprofPlugin(base_plugin.TBPlugin):
     @wrappers.Request.application
     def _list_runs(self, request):
         # Each run's summary (and its JSON text) is kept while its files are
-        # unchanged: a sweep of many runs is read once, then only what changed.
+        # unchanged: a sweep of many runs is read once, then only what changed;
+        # a run whose fit wrote its digest is not read at all (`run_digest`:
+        # the same row, computed by the fit).
         def summarize(cached: CachedRun) -> dict:
-            return payloads.run_summary(cached.run, _diagnosis(cached))
+            return run_digest.run_summary(cached.run, _diagnosis(cached))
 
-        return http_util.Respond(request, self._runs.summaries_json(summarize),
-                                 "application/json")
+        return http_util.Respond(
+            request, self._runs.summaries_json(summarize, digests=run_digest.load_many),
+            "application/json")
 
     # Each run route parses its parameters (400 on a bad one) and returns a
     # cache key and the payload's computation; see `_run_route`.

@@ -34,6 +34,9 @@ from tensorboard_plugin_mpprof.summary_store import SummaryStore
 
 logger = logging.getLogger(__name__)
 
+# {run: the state of each of its files} -> {run: its summary} (`run_digest.load_many`).
+Digests = Callable[[dict[str, tuple]], dict[str, dict]]
+
 # Listing runs walks the whole logdir; every route validates its run name
 # against the listing, so it is reused for this long.
 _RUN_LIST_TTL_S = 2.0
@@ -125,22 +128,41 @@ class RunCache:
             self._warned.add(warning)
             logger.warning("mpprof: %s", printable(warning))
 
-    def summaries(self, summarize: Callable[[CachedRun], dict]) -> list[dict]:
+    def summaries(self, summarize: Callable[[CachedRun], dict],
+                  digests: Digests | None = None) -> list[dict]:
         """`summarize(run)` of every run, computed again only for runs whose
-        files changed; unreadable runs are left out (logged once)."""
-        return [entry[1] for entry in self._summary_entries(summarize)]
+        files changed; unreadable runs are left out (logged once).
 
-    def summaries_json(self, summarize: Callable[[CachedRun], dict]) -> str:
-        """`{"runs": summaries(summarize)}` as JSON text: each run's summary is
-        serialised once, when computed, not at every request."""
-        return '{"runs": [' + ", ".join(e[2] for e in self._summary_entries(summarize)) + "]}"
+        Args:
+            digests: {run: its summary} of the runs (given with the state of
+                each's files) whose summary their fit wrote and that still
+                holds for those files (`run_digest.load_many`): those runs
+                are not read.
+        """
+        return [entry[1] for entry in self._summary_entries(summarize, digests)]
 
-    def _summary_entries(self, summarize: Callable[[CachedRun], dict]) -> list[tuple]:
+    def summaries_json(self, summarize: Callable[[CachedRun], dict],
+                       digests: Digests | None = None) -> str:
+        """`{"runs": summaries(summarize, digests)}` as JSON text: each run's
+        summary is serialised once, when computed, not at every request."""
+        entries = self._summary_entries(summarize, digests)
+        return '{"runs": [' + ", ".join(e[2] for e in entries) + "]}"
+
+    def _summary_entries(self, summarize: Callable[[CachedRun], dict],
+                         digests: Digests | None) -> list[tuple]:
         # Walked now: the run list is what a page load asks first, and it
         # must not list a run removed (or locked) a moment ago.
         files = self._files(fresh=True)
         stale = [name for name, signature in files.items()
                  if self._summaries.get(name, (None,))[0] != signature]
+        changed = bool(stale)
+        if stale and digests is not None:
+            for name, summary in digests({name: files[name] for name in stale}).items():
+                text = json.dumps(summary, allow_nan=False)
+                with self._lock:
+                    self._summaries[name] = (files[name], summary, text)
+            stale = [name for name in stale if self._summaries.get(name, (None,))[0]
+                     != files[name]]
         progress = _Progress(len(stale)) if len(stale) >= _PROGRESS_RUNS else None
         for index, name in enumerate(stale):
             if progress is not None:
@@ -161,7 +183,7 @@ class RunCache:
             for name in removed:
                 del self._summaries[name]
             kept = dict(self._summaries)
-        if stale or removed:
+        if changed or removed:
             self._store.save(kept)
         return [kept[name] for name in files if name in kept]
 

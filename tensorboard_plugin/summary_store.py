@@ -1,15 +1,16 @@
 """The run list's summaries kept on disk between TensorBoard's restarts.
 
-The first `/runs` of a process reads and diagnoses every run: about 4 s for
-a sweep of 1,000 small runs on 2 cores, paid again at every restart of
-TensorBoard on the same logdir. Each run's summary is small (a few hundred
-bytes), so the summaries are kept in one file per logdir in the user's cache
-folder, each with the signature of the files it was computed from (path,
-size and mtime of each of the run's mpprof event files, as `RunCache` keys
-its own). A summary is trusted only while its run's files are unchanged
-and while the code that computed it is: the file holds a fingerprint of
-mpprof's and the plugin's source files, so an upgrade (or an edit) starts
-afresh.
+The first `/runs` of a process reads and diagnoses every run that has no
+digest written by its fit (`mpprof.display.run_digest`: runs of an older
+mpprof, fits still running): about 4 s for a sweep of 1,000 small runs on 2
+cores, paid again at every restart of TensorBoard on the same logdir. Each
+run's summary is small (a few hundred bytes), so the summaries are kept in
+one file per logdir in the user's cache folder, each with the signature of
+the files it was computed from (path, size and mtime of each of the run's
+mpprof event files, as `RunCache` keys its own). A summary is trusted only
+while its run's files are unchanged and while the code that computed it is:
+the file holds a fingerprint of mpprof's and the plugin's source files, so
+an upgrade (or an edit) starts afresh.
 
 Nothing is ever written into the logdir. `MPPROF_SUMMARY_CACHE` names the
 folder (default `$XDG_CACHE_HOME/mpprof`, else `~/.cache/mpprof`); `off`

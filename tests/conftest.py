@@ -111,6 +111,22 @@ class BatchTimes(keras.callbacks.Callback):
         time.sleep(self.sleep_s)
 
 
+@pytest.fixture
+def reads(monkeypatch):
+    """The runs read in full (`reader.read_run`), in order."""
+    from mpprof.records import reader
+
+    done = []
+    read_run = reader.read_run
+
+    def counting(logdir, run, *args, **kwargs):
+        done.append(run)
+        return read_run(logdir, run, *args, **kwargs)
+
+    monkeypatch.setattr(reader, "read_run", counting)
+    return done
+
+
 @pytest.fixture(scope="session")
 def seed_logdir(tmp_path_factory):
     """A healthy mixed_float16 run of the seed model (float32 logits)."""

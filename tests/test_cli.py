@@ -393,7 +393,7 @@ print(json.dumps({{"codes": codes, "statuses": statuses,
 
 def test_report_and_dashboard_say_a_run_was_cut_short(tmp_path):
     from mpprof import report
-    from tensorboard_plugin_mpprof import payloads
+    from mpprof.display import run_digest
 
     run_dir = copy_run("healthy_mixed", tmp_path)
     good = reader.read_run(tmp_path, "train")
@@ -402,7 +402,7 @@ def test_report_and_dashboard_say_a_run_was_cut_short(tmp_path):
     run = reader.read_run(tmp_path, "train")
     page = report.build_report(tmp_path)
     assert f"<b>Cut short:</b> cut short at step {last_step}: the fit never recorded" in page
-    summary_row = payloads.run_summary(run, diagnosis.evaluate(run))
+    summary_row = run_digest.run_summary(run, diagnosis.evaluate(run))
     assert summary_row["cut_short"]["step"] == last_step
     assert summary_row["fit_state"] == run.fit_outcome == "cut_short"
     # The healthy original says it ended, and neither shows a warning.

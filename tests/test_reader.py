@@ -351,7 +351,7 @@ def test_a_flipped_length_says_how_much_was_lost_and_cuts_the_run_short(tmp_path
     run is cut short at its last readable record although the fit ended, and
     the CLI and the tab's /runs say so alike."""
     from mpprof import cli, diagnosis
-    from tensorboard_plugin_mpprof import payloads
+    from mpprof.display import run_digest
 
     run_dir = copy_run("storm", tmp_path)
     path = event_file(run_dir)
@@ -371,7 +371,7 @@ def test_a_flipped_length_says_how_much_was_lost_and_cuts_the_run_short(tmp_path
     code = cli.main(["diagnose", str(tmp_path), "--format", "json-runs"])
     (listed,) = json.loads(capsys.readouterr().out)["runs"]
     assert code in (cli.EXIT_OK, cli.EXIT_FINDINGS)
-    row = payloads.run_summary(run, diagnosis.evaluate(run))
+    row = run_digest.run_summary(run, diagnosis.evaluate(run))
     assert (row["fit_state"], row["cut_short"]) == (listed["fit_state"], listed["cut_short"])
     assert listed["fit_state"] == "cut_short"
     cli.main(["summary", str(tmp_path)])

@@ -30,6 +30,7 @@ from werkzeug import test as werkzeug_test
 import mpprof
 from mpprof import cli
 from mpprof.records import filesystem, reader, run_context, schema
+from mpprof.records.writer import RecordWriter
 from tensorboard_plugin_mpprof.routes import MpprofPlugin
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -371,3 +372,27 @@ def test_s3_requests_get_timeouts_and_bounded_retries_under_the_users_settings(s
     fs, _ = filesystem._remote("s3://bucket/logs")
     assert fs.config_kwargs["read_timeout"] == 60 and fs.config_kwargs["connect_timeout"] == 5
     assert "memory" in filesystem._remote("memory://logs")[0].protocol  # no S3 options
+
+
+def test_a_fit_on_s3_writes_its_digest_and_a_later_writer_voids_it(fitted):
+    """The digest (`run_digest`) on an object store: the fit's row is trusted
+    while the run's parts are those it listed; another writer's part, and
+    the run is read again."""
+    from mpprof.display import run_digest
+
+    local, remote = fitted
+    rows = {logdir: run_digest.load_many({"train": tuple(reader.run_file_states(logdir, "train"))})
+            for logdir in (local, remote)}
+    assert rows[remote]["train"] == rows[local]["train"]
+    assert rows[remote]["train"]["findings"] == rows[local]["train"]["findings"]
+    # A copy of the run under another prefix, then a second writer into it.
+    copy = f"s3://{BUCKET}/digest_copy/train"
+    for path, _, _ in reader.run_file_states(remote, "train"):
+        filesystem.write_bytes(f"{copy}/{path.rsplit('/', 1)[-1]}",
+                               filesystem.open_file(path).read())
+    assert run_digest.write(copy) is True
+    copied = f"s3://{BUCKET}/digest_copy"
+    assert run_digest.load_many({"train": tuple(reader.run_file_states(copied, "train"))})
+    writer = RecordWriter(copy)
+    writer.close()
+    assert run_digest.load_many({"train": tuple(reader.run_file_states(copied, "train"))}) == {}

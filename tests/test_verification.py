@@ -79,24 +79,36 @@ def test_raw_inputs_lead_to_bounding_them_verified_and_the_float32_map_not(raw_m
     assert lead["verification"]["trial"]["progress"] >= verification.TRIAL_MIN_PROGRESS
     assert result["verified"] is True and result["verified_detail"] == lead["verified_detail"]
     # The map the search finds (as in the issue: the first conv in float32)
-    # stops the overflow, and the model stops learning: not verified, by the
-    # trial, with its numbers.
+    # stops the overflow; the float16 layers after it still hold raw-unit
+    # magnitudes (max pooling, the dropout: ~3e4, under 2x below 65504), and
+    # the model stops learning: not verified, by the headroom on the step
+    # and by the trial, each with its numbers.
     assert alternative["float32_layers"] == ["conv2d"]
     assert alternative["verified"] is False
-    assert alternative["verification"]["step"][0]["failed"] is None  # the step passes
+    check = alternative["verification"]["step"][0]
+    assert check["overflow"] is None and check["failed"] == "headroom"
+    room = check["headroom"]
+    assert room["dtype"] == "float16" and room["factor"] < verification.HEADROOM_FACTOR
+    assert room["layer"] in ("max_pooling2d", "conv2d_1", "max_pooling2d_1", "flatten",
+                             "dropout")
+    detail = alternative["verified_detail"]
+    assert detail.startswith(f"not verified: the output of layer {room['layer']} reaches")
+    assert f"only {room['factor']:.3g}x under its max 65504 (at least 16x" in detail
     trial = alternative["verification"]["trial"]
     assert trial["passed"] is False
-    assert alternative["verified_detail"].startswith("not verified: in a 30-step trial the loss")
+    assert "in a 30-step trial the loss" in detail
     # Flat while float32's falls (or, later in the trial, non-finite).
     if trial["progress"] is not None:
         assert trial["progress"] < verification.TRIAL_MIN_PROGRESS
-        assert f"{trial['progress']:.0%} of float32's decrease" in alternative["verified_detail"]
+        assert f"{trial['progress']:.0%} of float32's decrease" in detail
+    # The lead fix leaves every float16 layer far from the max.
+    assert lead["verification"]["step"][0]["headroom"]["factor"] > 1000
     # What the CLI and the report print: the lead first, the map as the
     # alternative with its own verdict, and what "verified" was judged by.
     lines = "\n".join(text.result_lines(result))
     assert "fix: the first op to overflow is the cast of a model input to float16" in lines
     assert "alternative: keep these layers in float32" in lines
-    assert "not verified: in a 30-step trial" in lines
+    assert "not verified: the output of layer" in lines
     assert "verified means: relative error to float32 at most 0.01 for the loss" in lines
     assert text.headline(result).endswith("bound the inputs (times 1 / 65535) (verified)")
 

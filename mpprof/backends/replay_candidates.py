@@ -4,15 +4,16 @@
 into range) by passes and a short trial that each backend's replay engine
 runs its own way; what those have in common is here: setting the candidate's
 policies for the length of a pass and putting back what was there, scaling
-the inputs, the trial's fresh optimizer, and the engine's bookkeeping
+the inputs, the trial's fresh optimizer, the trial itself and the engine's bookkeeping
 (`CandidateEngine`, which each backend completes with `run_pass` and
-`train`).
+`trial_step`).
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import keras
 import numpy as np
@@ -21,6 +22,7 @@ from mpprof.backends.layer_records import called_method, walk_layers
 from mpprof.backends.patching import Patches
 from mpprof.replay import verification
 from mpprof.replay.files import ReplayError
+from mpprof.replay.search import PassResult
 from mpprof.replay.verification import Candidate
 
 
@@ -96,12 +98,14 @@ def scale_inputs(data, scale: float | None):
     return keras.tree.map_structure(scaled, data)
 
 
-def trial_optimizer(model, dtype: str, loss_scale: float):
+def trial_optimizer(model, dtype: str, loss_scale: float, run_scaled: bool = False):
     """A fresh optimizer of the run's config for a trial computing in
     `dtype`: wrapped in a LossScaleOptimizer (initial scale `loss_scale`)
-    for float16 where the run's was one, or where the run computed in no
-    float16 at all (as `model.compile` wraps it under mixed_float16); the
-    inner optimizer alone otherwise.
+    for float16 where the run's was one (`model.optimizer` is, or
+    `run_scaled`: the run had a loss scale, which a model rebuilt from its
+    config loses, being compiled before its policy is set), or where the run
+    computed in no float16 at all (as `model.compile` wraps it under
+    mixed_float16); the inner optimizer alone otherwise.
 
     Raises:
         ReplayError: the model has no optimizer (it was not compiled).
@@ -110,12 +114,12 @@ def trial_optimizer(model, dtype: str, loss_scale: float):
     if run is None:
         raise ReplayError("the model has no optimizer (it was not compiled, and the "
                           "capture's config holds no compile config)")
-    scaled = isinstance(run, keras.optimizers.LossScaleOptimizer)
-    inner = run.inner_optimizer if scaled else run
+    wrapped = isinstance(run, keras.optimizers.LossScaleOptimizer)
+    inner = run.inner_optimizer if wrapped else run
     fresh = type(inner).from_config(inner.get_config())
     run_half = {verification.policy_compute_dtype(layer.dtype_policy.name)
                 for layer in layer_tree(model).values()}
-    if dtype == "float16" and (scaled or "float16" not in run_half):
+    if dtype == "float16" and (wrapped or run_scaled or "float16" not in run_half):
         return keras.optimizers.LossScaleOptimizer(fresh, initial_scale=loss_scale)
     return fresh
 
@@ -180,14 +184,40 @@ def _in_float32(call):
     return call_in_float32
 
 
-class CandidateEngine:
-    """The part of `mpprof.replay.verification.Engine` every backend shares.
+class CandidateEngine(abc.ABC):
+    """`mpprof.replay.verification.Engine` for a Keras model, the part every
+    backend shares: the candidate's policies, its scaled inputs, the trial
+    (`train`: a fresh optimizer swapped in, the policies applied, repeatable
+    random draws, steps the loss scale skips retried) and the captured state
+    put back after. A backend completes it with two framework methods:
+
+    - `run_pass(candidate, batch, loss_scale)`: one watched forward and
+      backward pass (`verification.Engine.run_pass`); `self.policies`,
+      `self.pass_data` and `repeatable_random_draws` give it the candidate's
+      policies and batch.
+    - `trial_step(optimizer)`: called once per trial, inside its context (the
+      candidate's policies set, `optimizer` as `model.optimizer`, built):
+      returns `step(batch) -> float | None`, which applies one update of the
+      model's own `train_step` (compiled anew: traced with these policies and
+      this optimizer) and returns its loss (`trial_loss` of its logs), or None
+      where the loss scale skipped it.
 
     Args:
         model: the model, its captured weights loaded.
         batches: the captured batches, as the step receives them.
         loss_scale: the run's loss scale at the capture (1.0: none).
+
+    Example:
+        class Engine(CandidateEngine):
+            def run_pass(self, candidate, batch, loss_scale): ...
+            def trial_step(self, optimizer): ...
+
+        verification.Verifier(Engine(model, batches, 2.0**15)).verify(candidate)
     """
+
+    # A model whose own train_step uses optimizers of its own (a GAN's,
+    # `model.optimizer` unset): the trial runs them from their captured state.
+    uses_own_optimizers = False
 
     def __init__(self, model, batches: list, loss_scale: float):
         self.model = model
@@ -203,24 +233,57 @@ class CandidateEngine:
         self._variables = [*model.trainable_variables, *model.non_trainable_variables]
         self._initial = [np.array(keras.ops.convert_to_numpy(v)) for v in self._variables]
 
+    @abc.abstractmethod
+    def run_pass(self, candidate: Candidate, batch: int, loss_scale: float) -> PassResult:
+        """`verification.Engine.run_pass`, the framework's way."""
+
+    @abc.abstractmethod
+    def trial_step(self, optimizer) -> Callable[[object], float | None]:
+        """The trial's update function (see the class docstring); `optimizer`
+        is None for a model with optimizers of its own."""
+
     def policies(self, candidate: Candidate) -> dict[str, str]:
         return verification.effective_policies(candidate, self.run_policies)
+
+    def pass_data(self, candidate: Candidate, batch: int):
+        """Captured batch `batch` with the candidate's input change."""
+        return scale_inputs(self.batches[batch], candidate.input_scale)
 
     def trial_optimizer(self, candidate: Candidate, loss_scale: float | None = None):
         """A fresh optimizer of the run's config for the candidate's trial
         (`trial_optimizer`), a LossScaleOptimizer's initial scale
         `loss_scale` (None: the run's, or Keras' default without one). None
-        for a model whose own train_step uses optimizers of its own (a GAN,
-        `model.optimizer` unset): the trial then runs them from their
-        captured state."""
-        if getattr(self.model, "optimizer", None) is None and getattr(
-                self, "uses_own_optimizers", False):
+        for a model with optimizers of its own (`uses_own_optimizers`)."""
+        if getattr(self.model, "optimizer", None) is None and self.uses_own_optimizers:
             return None
         dtype = verification.candidate_dtype(candidate, self.run_policies)
         if loss_scale is None:
             loss_scale = (self.loss_scale if self.loss_scale > 1
                           else verification.DEFAULT_LOSS_SCALE)
-        return trial_optimizer(self.model, dtype, loss_scale)
+        return trial_optimizer(self.model, dtype, loss_scale, run_scaled=self.loss_scale > 1)
+
+    def train(self, candidate: Candidate, steps: int,
+              loss_scale: float | None = None) -> list[float]:
+        """`verification.Engine.train`: `steps` updates from the captured
+        state, through `trial_step`; the model is left as it was."""
+        model = self.model
+        optimizer = self.trial_optimizer(candidate, loss_scale)
+        batches = [scale_inputs(b, candidate.input_scale) for b in self.batches]
+        losses: list[float] = []
+        calls = 0
+        with self.swapped_optimizer(optimizer), policies_applied(
+                model, self.tree, self.policies(candidate), candidate.default_policy), \
+                repeatable_random_draws(self.tree):
+            if optimizer is not None:
+                optimizer.build(model.trainable_variables)
+            step = self.trial_step(optimizer)
+            while len(losses) < steps and calls < steps + verification.TRIAL_MAX_SKIPS:
+                loss = step(batches[calls % len(batches)])
+                calls += 1
+                if loss is not None:
+                    losses.append(loss)
+        self.skipped_steps = calls - len(losses)
+        return losses
 
     def restore(self) -> None:
         """The captured state back in the model's variables."""

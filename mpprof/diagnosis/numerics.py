@@ -11,17 +11,15 @@ import numpy as np
 from mpprof.diagnosis.core import REGISTRY, NotApplicable, NotMeasured, finding, rule
 from mpprof.diagnosis.nonfinite import first_unskipped_nonfinite_loss
 from mpprof.diagnosis.view import RunView, backward_overflow_mask, forward_overflow_mask
-from mpprof.dtypes import DTYPE_MAX, HALF_DTYPES
+from mpprof.dtypes import DTYPE_MAX, HALF_DTYPES, HEADROOM_FACTOR
 from mpprof.records.schema import LOSS_SCALE_EVENT_COLUMN
+
+# MP004: activations whose largest magnitude is within HEADROOM_FACTOR
+# (mpprof.dtypes, declared with the ranges) of their dtype's largest value.
 
 # How many layers a rule names one by one before summarising the rest.
 MAX_LAYER_FINDINGS = 10
 
-# MP004: activations whose largest magnitude is within this factor of their
-# dtype's largest finite value. 16 = four doublings of headroom: weights
-# that grow during training can double an activation's range in a few hundred
-# steps.
-HEADROOM_FACTOR = 16.0
 
 # MP005: share of ALL of a float16 gradient's values (zeros included) that
 # are non-zero and below float16's smallest normal (2**-14 = 6.1e-5): they keep

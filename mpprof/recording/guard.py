@@ -10,11 +10,14 @@ reach `fit`'s caller unchanged.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 from mpprof.backends.traced_guard import describe_error
+
+logger = logging.getLogger(__name__)
 
 
 class Guard:
@@ -142,6 +145,21 @@ class GuardedWriter:
             mark(fit_state, step, self._guard.failures.get(self.COLLECTOR))
         except Exception:  # noqa: BLE001 - nothing left to write with
             pass
+
+    def write_digest(self) -> None:
+        """Writes the run's digest (`mpprof.display.run_digest`: the run
+        list's row, so that the first read of a sweep reads no records),
+        once the records are closed; nothing where the recording stopped
+        (a full disk, a store that did not answer is not asked again)."""
+        run_dir = getattr(self._writer, "run_dir", None)
+        if run_dir is None or self.COLLECTOR in self._guard.failures:
+            return
+        try:
+            from mpprof.display import run_digest  # the diagnosis: at the fit's end only
+
+            run_digest.write(run_dir)
+        except Exception as e:  # noqa: BLE001 - the digest only saves a reader time
+            logger.debug("mpprof: no digest written for %s (%s)", run_dir, e)
 
 
 # How much of a failed fit's error message the run context keeps.

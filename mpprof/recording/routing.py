@@ -77,13 +77,17 @@ class RecordRouting:
             self.worker.flush()
 
     def close(self, fit_state: str | None = None, step: int = 0) -> None:
-        """Closes the writers; with `fit_state`, says in each how the fit ended."""
+        """Closes the writers; with `fit_state`, says in each how the fit
+        ended, then writes the model run's digest (one process only: a
+        worker's run is read with the chief's)."""
         for writer in (self.model, self.worker):
             if writer is None:
                 continue
             writer.close()
             if fit_state is not None:
                 writer.mark_fit_end(fit_state, step)
+        if fit_state is not None and self.worker is None:
+            self.model.write_digest()
 
 
 # What a full disk answers: no space, no quota, a file-size limit (RLIMIT_FSIZE).

@@ -207,7 +207,7 @@ def find_fix(run_unscaled: Callable[[list[str] | None], PassResult], scale: floa
     if not _healthy(last):
         return _fix_result(chosen, tree, paths, False, (
             f"not verified: with {len(chosen)} layers in float32 the replay still "
-            f"overflows ({_describe(last)})"), None)
+            f"overflows ({describe(last)})"), None)
     # The layers added before the last one may no longer be needed: drop
     # them, latest first (the first offender's layer is tried last).
     for candidate in reversed(chosen[:-1]):
@@ -257,7 +257,9 @@ def _healthy(result: PassResult) -> bool:
             and result.gradients_finite)
 
 
-def _describe(result: PassResult) -> str:
+def describe(result: PassResult) -> str:
+    """A pass's fault in words: its offending op, else the non-finite loss or
+    gradients."""
     if result.offender is not None:
         o = result.offender
         return f"{o.phase} {o.op} in {o.layer}: {o.output}"

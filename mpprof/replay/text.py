@@ -100,10 +100,18 @@ def criteria_line(result: dict) -> str | None:
     return (f"verified means: relative error to float32 at most {_number(tolerances.get('loss'))}"
             f" for the loss, {_number(tolerances.get('gradient'))} for each variable's "
             f"gradient and {_number(tolerances.get('output'))} for each layer's output "
-            f"({tolerances.get('dtype')} tolerances), no overflow; and in a "
+            f"({tolerances.get('dtype')} tolerances), no overflow"
+            f"{_headroom(tolerances.get('headroom'))}; and in a "
             f"{band.get('steps')}-step trial from the captured weights, at least "
             f"{_percent(band.get('min_progress'))} of float32's loss decrease and a mean loss "
             f"within {_percent(band.get('mean_band'))} of float32's")
+
+
+def _headroom(factor) -> str:
+    """The headroom clause (absent from results saved before it existed)."""
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool):
+        return ""
+    return f", every half-precision layer's output at least {factor:g}x under its dtype's max"
 
 
 def _percent(value) -> str:

@@ -1,11 +1,12 @@
 """mpprof on keras-io examples (code nobody here wrote), Keras 3 on JAX.
 
 The twin of tests/keras_io/test_keras_io.py: the MNIST convnet (healthy, raw
-16-bit inputs) and the Keras guide's JAX custom
-`train_step` ("Customizing what happens in fit() with JAX",
-guides/custom_train_step_in_jax.py), which never calls `scale_loss`. JAX's
-CPU has no float16 attention (docs/FACTS): the Transformer examples are
-tried on TensorFlow.
+16-bit inputs, whose replayed fixes are retrained from the start), the
+bidirectional LSTM (its published float16 head, and a float32 one), the text
+Transformer and the Keras guide's JAX custom `train_step` ("Customizing what
+happens in fit() with JAX", guides/custom_train_step_in_jax.py), which never
+calls `scale_loss`. JAX's CPU has no float16 attention (docs/FACTS): the
+Transformer trains under mixed_bfloat16 here (a GPU runs float16).
 """
 
 from __future__ import annotations
@@ -21,9 +22,18 @@ import pytest
 import mpprof
 from mpprof import diagnosis
 from mpprof.reader import read_logdir
+from mpprof.replay import replay, verification
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "keras_io"))
-from keras_io_examples import mnist_convnet, mnist_data
+from keras_io_examples import (
+    bidirectional_lstm,
+    imdb_data,
+    mnist_convnet,
+    mnist_data,
+    mnist_retrained_losses,
+    text_data,
+    text_transformer,
+)
 
 BATCH = 32
 
@@ -70,6 +80,77 @@ def test_mnist_on_jax(mnist_runs):
     assert "MP003" in codes and "MP004" not in codes
     assert codes <= {"MP003", "MP002", "MP011", "MP019", "MP013"}
     assert _only(raw, "MP003").layer == "conv2d"
+
+
+def test_mnist_raw_units_fixes_on_jax_retrain_as_their_verdicts_say(mnist_runs):
+    """The replay on JAX (the step's jaxpr): bounding the inputs leads,
+    verified, and retrained from the start it trains like float32 within the
+    stated band; the float32 conv2d map leaves its float16 layers at raw-unit
+    magnitudes, is not verified (the headroom), and retrained it does not
+    train like float32."""
+    result = replay(os.path.dirname(mnist_runs["raw_units"].path))
+    fixes = {fix["kind"]: fix for fix in result["fixes"]}
+    lead = fixes["bound_inputs"]
+    assert result["lead_fix"] == "bound_inputs"
+    assert lead["verified"] is True, lead["verified_detail"]
+    assert lead["scale_text"] == "1 / 65535"
+    alternative = fixes["float32_layers"]
+    assert alternative["float32_layers"] == ["conv2d"] and alternative["verified"] is False
+    check = alternative["verification"]["step"][0]
+    assert check["overflow"] is None and check["failed"] == "headroom"
+    assert check["headroom"]["factor"] < verification.HEADROOM_FACTOR
+    x, y = mnist_data(BATCH * 2, raw_units=True)
+    scale = lead["scale"]
+    bounded = verification.judge_trial(
+        mnist_retrained_losses("mixed_float16", scale, x, y, BATCH),
+        mnist_retrained_losses("float32", scale, x, y, BATCH))
+    assert bounded.passed, bounded.reason
+    mapped = verification.judge_trial(
+        mnist_retrained_losses("mixed_float16", 1.0, x, y, BATCH, first_conv_dtype="float32"),
+        mnist_retrained_losses("float32", 1.0, x, y, BATCH))
+    assert not mapped.passed, mapped.reason
+
+
+# ---------------------------------------------------------------------------
+# examples/nlp/bidirectional_lstm_imdb.py and the text Transformer
+
+
+@pytest.fixture(scope="module")
+def text_runs(tmp_path_factory):
+    runs = {}
+    for name, build, data, policy in (("bilstm", bidirectional_lstm, imdb_data, "mixed_float16"),
+                                      ("transformer", text_transformer, text_data,
+                                       "mixed_bfloat16")):
+        for head in (None, "float32"):
+            _policy(policy)
+            x, y = data(BATCH * 2)
+            key = f"{name}_{'healthy' if head else 'published'}"
+            runs[key] = _fit(tmp_path_factory.mktemp(key), build(head), x, y)
+    keras.mixed_precision.set_dtype_policy("float32")
+    return runs
+
+
+def test_bilstm_on_jax(text_runs):
+    """The published sigmoid head outputs float16 (MP006 on it); with a
+    float32 head only the CPU finding. Projected on a GPU nothing more: the
+    1-unit head is the task's, the LSTMs' 8 units a multiple of 8."""
+    assert _codes(text_runs["bilstm_healthy"]) == {"MP011"}
+    assert _codes(text_runs["bilstm_published"]) == {"MP006", "MP011"}
+    assert _only(text_runs["bilstm_published"], "MP006").layer == "dense"
+    for run in (text_runs["bilstm_healthy"], text_runs["bilstm_published"]):
+        assert "MP007" not in _codes(run, assume_gpu=True)
+
+
+def test_text_transformer_on_jax_in_bfloat16(text_runs):
+    """Under mixed_bfloat16 the published softmax head outputs bfloat16
+    (MP006); with a float32 head nothing fires: MP011 is float16's (a CPU
+    has no float16 Tensor Cores), and a GPU projection adds no MP007."""
+    assert _codes(text_runs["transformer_healthy"]) == set()
+    finding = _only(text_runs["transformer_published"], "MP006")
+    assert finding.evidence["loss_input_dtypes"] == ["bfloat16"]
+    assert _codes(text_runs["transformer_published"]) == {"MP006"}
+    for run in (text_runs["transformer_healthy"], text_runs["transformer_published"]):
+        assert "MP007" not in _codes(run, assume_gpu=True)
 
 
 # The guide's first CustomModel, as published: gradients of the loss that

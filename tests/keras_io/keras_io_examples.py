@@ -64,6 +64,26 @@ def mnist_data(samples: int, raw_units: bool = False, seed: int = 0):
     return x, y
 
 
+def mnist_retrained_losses(policy: str, scale: float, x, y, batch_size: int, steps: int = 30,
+                           first_conv_dtype=None) -> list[float]:
+    """How both suites retrain a replay's fix: the loss of each step of the
+    published convnet (float32 head) under `policy`, trained `steps` steps
+    on the batches of (x * scale, y), cycled, from the seeded initial
+    weights (as verification's trial trains); `first_conv_dtype` applies a
+    float32 map."""
+    keras.backend.clear_session()  # layer names from 1 again: conv2d, dense...
+    keras.utils.set_random_seed(0)
+    keras.mixed_precision.set_dtype_policy(policy)
+    model = mnist_convnet("float32", first_conv_dtype)
+    batches = len(x) // batch_size
+    losses = [float(model.train_on_batch(x[i * batch_size:(i + 1) * batch_size] * scale,
+                                         y[i * batch_size:(i + 1) * batch_size],
+                                         return_dict=True)["loss"])
+              for i in (step % batches for step in range(steps))]
+    keras.mixed_precision.set_dtype_policy("float32")
+    return losses
+
+
 # ---------------------------------------------------------------------------
 # examples/nlp/text_classification_with_transformer.py (Apoorv Nandan, Keras 3
 # version): the blocks as published; vocab_size and maxlen shrunk.
@@ -140,6 +160,41 @@ def text_data(samples: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     x = rng.integers(0, TEXT_VOCAB, size=(samples, TEXT_MAXLEN))
     return x, rng.integers(0, 2, size=samples)
+
+
+# ---------------------------------------------------------------------------
+# examples/nlp/bidirectional_lstm_imdb.py (fchollet): the model as published;
+# max_features, maxlen and the widths shrunk.
+
+BILSTM_VOCAB, BILSTM_MAXLEN = 200, 16  # published: 20000, 200
+
+
+def bidirectional_lstm(head_dtype=None) -> keras.Model:
+    """The published two-layer bidirectional LSTM classifier (Embedding 128
+    and LSTM 64 as published, here 16 and 8); its sigmoid head outputs
+    float16 under mixed_float16 as published (`head_dtype`)."""
+    max_features = BILSTM_VOCAB  # Only consider the top words
+    # Input for variable-length sequences of integers
+    inputs = keras.Input(shape=(None,), dtype="int32")
+    # Embed each integer in a 16-dimensional vector
+    x = layers.Embedding(max_features, 16)(inputs)
+    # Add 2 bidirectional LSTMs
+    x = layers.Bidirectional(layers.LSTM(8, return_sequences=True))(x)
+    x = layers.Bidirectional(layers.LSTM(8))(x)
+    # Add a classifier
+    outputs = layers.Dense(1, activation="sigmoid", dtype=head_dtype)(x)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="adam", loss="binary_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def imdb_data(samples: int, seed: int = 0):
+    """Random token sequences; the label says whether token 0 of the
+    vocabulary's first half is more frequent than of its second half."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(1, BILSTM_VOCAB, size=(samples, BILSTM_MAXLEN)).astype("int32")
+    y = (np.mean(x < BILSTM_VOCAB // 2, axis=1) > 0.5).astype("float32")
+    return x, y
 
 
 # ---------------------------------------------------------------------------

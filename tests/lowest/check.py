@@ -1,14 +1,17 @@
 """mpprof at the lowest versions it allows: run by `make test-lowest` in
-.venv-lowest, where `pip install ".[jax]"` installed the pins of
-tests/lowest/constraints-jax.txt (each a lower bound of pyproject.toml).
+.venv-lowest (`pip install ".[jax]"` with the pins of
+tests/lowest/constraints-jax.txt) and .venv-lowest-tf (`pip install
+".[tensorflow,tf-keras]"` with those of tests/lowest/constraints-tensorflow.txt),
+each pin a lower bound of pyproject.toml.
 
-Trains a few steps on Keras 3's JAX backend with the callback (loss scale,
-sampled numerics, a replay capture, an XProf window), then, as a user would,
-runs the CLI on the logdir (summary, diagnose, replay, report) and serves it
-with `tensorboard --logdir`, asking the tab for its runs and findings.
-Exits 1 with what failed; prints the versions it ran with.
+Trains a few steps with the callback (loss scale, sampled numerics, a replay
+capture, an XProf window) on the backend named: Keras 3 on JAX (`jax`), on
+TensorFlow (`tensorflow`), or tf-keras (`tf_keras`, Keras 2); then, as a
+user would, runs the CLI on the logdir (summary, diagnose, replay, report)
+and serves it with `tensorboard --logdir`, asking the tab for its runs and
+findings. Exits 1 with what failed; prints the versions it ran with.
 
-Usage: python tests/lowest/check.py WORKDIR
+Usage: python tests/lowest/check.py WORKDIR [jax|tensorflow|tf_keras]
 """
 
 from __future__ import annotations
@@ -23,28 +26,43 @@ import sys
 import time
 import urllib.request
 
-os.environ["KERAS_BACKEND"] = "jax"
+BACKEND = sys.argv[2] if len(sys.argv) > 2 else "jax"
+if BACKEND == "tf_keras":
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+else:
+    os.environ["KERAS_BACKEND"] = BACKEND
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
-import keras
-import numpy as np
+if BACKEND == "tf_keras":
+    import tf_keras as keras
+else:
+    import keras
+import numpy as np  # noqa: E402 - after the backend is chosen
 
-import mpprof
+import mpprof  # noqa: E402
 
-PACKAGES = ("keras", "jax", "jaxlib", "tensorboard", "xprof", "plotly", "numpy", "nvidia-ml-py",
-            "google-crc32c", "fsspec")
+FRAMEWORKS = {"jax": ("jax", "jaxlib"), "tensorflow": ("tensorflow",),
+              "tf_keras": ("tensorflow", "tf-keras")}
+PACKAGES = ("keras", *FRAMEWORKS[BACKEND], "tensorboard", "xprof", "plotly", "numpy",
+            "nvidia-ml-py", "google-crc32c", "fsspec")
 BIN = pathlib.Path(sys.executable).parent
 
 
 def fit(logdir: pathlib.Path) -> dict:
     """The float16 overflow of tests/jax: kernels of 300 overflow the second
     layer's output on every step, so the sampled steps are captured."""
-    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    if BACKEND == "tf_keras":
+        keras.mixed_precision.set_global_policy("mixed_float16")
+    else:
+        keras.mixed_precision.set_dtype_policy("mixed_float16")
     big = keras.initializers.Constant(300.0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, kernel_initializer=big),
                               keras.layers.Dense(16, kernel_initializer=big, name="second"),
                               keras.layers.Dense(1, dtype="float32", kernel_initializer="ones")])
-    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.0)),
-                  loss="mse")
+    scaler = (keras.mixed_precision.LossScaleOptimizer if BACKEND == "tf_keras"
+              else keras.optimizers.LossScaleOptimizer)
+    model.compile(optimizer=scaler(keras.optimizers.SGD(0.0)), loss="mse")
     model.fit(np.ones((64, 8), "float32"), np.zeros((64, 1), "float32"), batch_size=8,
               verbose=0, callbacks=[mpprof.MixedPrecisionProfiler(
                   str(logdir), gpu_interval=None, numerics_every=2, profile_steps=(3, 4))])
@@ -104,13 +122,15 @@ def main() -> None:
         sys.exit(f"the XProf window failed: {collectors}")
     summary = json.loads(cli("summary", str(logdir), "--format", "json"))
     codes = [f["code"] for f in json.loads(cli("diagnose", str(logdir), "--format", "json"))]
-    replay = json.loads(cli("replay", str(logdir), "--format", "json"))
+    # tf-keras runs are not replayed (docs/replay.md): nothing is captured.
+    replay = (json.loads(cli("replay", str(logdir), "--format", "json"))
+              if BACKEND != "tf_keras" else None)
     cli("report", str(logdir), "-o", str(work / "report.html"), "-q")
     tab = serve(logdir)
     checks = {
         "loss scale followed": summary[0]["loss_scale"]["overflows"] > 0,
         "MP003 diagnosed": "MP003" in codes,
-        "replay names the layer": replay.get("first_layer") == "second"
+        "replay names the layer": replay is None or replay.get("first_layer") == "second"
         or "second" in json.dumps(replay),
         "report written": (work / "report.html").stat().st_size > 100_000,
         "tab enabled": tab["enabled"] is True,

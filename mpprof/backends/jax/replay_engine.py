@@ -174,52 +174,38 @@ class Engine(replay_candidates.CandidateEngine):
                  loss_scale: float) -> PassResult:
         with replay_candidates.repeatable_random_draws(self.tree):
             return self._step.run(
-                loss_scale, None,
-                data=replay_candidates.scale_inputs(self.batches[batch],
-                                                    candidate.input_scale),
+                loss_scale, None, data=self.pass_data(candidate, batch),
                 policies=self.policies(candidate), model_policy=candidate.default_policy)
 
-    def train(self, candidate: verification.Candidate, steps: int,
-              loss_scale: float | None = None) -> list[float]:
+    def trial_step(self, optimizer):
         model = self.model
-        optimizer = self.trial_optimizer(candidate, loss_scale)
-        batches = [replay_candidates.scale_inputs(b, candidate.input_scale)
-                   for b in self.batches]
-        losses = []
-        with self.swapped_optimizer(optimizer), replay_candidates.policies_applied(
-                model, self.tree, self.policies(candidate), candidate.default_policy), \
-                replay_candidates.repeatable_random_draws(self.tree):
-            if optimizer is not None:
-                optimizer.build(model.trainable_variables)
-            # A new function: traced with these policies and this optimizer.
-            train_step = jax.jit(model.train_step)
-            fresh_metrics = [jnp.zeros_like(v.value) for v in model.metrics_variables]
-            state = ([v.value for v in model.trainable_variables],
-                     [v.value for v in model.non_trainable_variables],
-                     [v.value for v in optimizer.variables] if optimizer is not None else [],
-                     fresh_metrics)
-            # A skipped step leaves the optimizer's `iterations` as it was; a
-            # custom step, which may use optimizers of its own (a GAN's,
-            # beside an unused model.optimizer), shows it by leaving the
-            # trainable weights as they were.
-            counter = (None if optimizer is None or self.uses_own_optimizers else
-                       [id(v) for v in optimizer.variables].index(id(optimizer.iterations)))
-            calls = 0
-            while len(losses) < steps and calls < steps + verification.TRIAL_MAX_SKIPS:
-                before = state[0] if counter is None else int(state[2][counter])
-                logs, state = train_step(state, batches[calls % len(batches)])
-                calls += 1
-                if counter is None:
-                    applied = any(not bool(jnp.array_equal(old, new))
-                                  for old, new in zip(before, state[0], strict=True))
-                else:
-                    applied = int(state[2][counter]) != before
-                if applied:
-                    losses.append(replay_candidates.trial_loss(logs))
-                # Metrics reset: the next logs hold that step's loss alone.
-                state = (*state[:3], fresh_metrics)
-        self.skipped_steps = calls - len(losses)
-        return losses
+        train_step = jax.jit(model.train_step)
+        fresh_metrics = [jnp.zeros_like(v.value) for v in model.metrics_variables]
+        state = ([v.value for v in model.trainable_variables],
+                 [v.value for v in model.non_trainable_variables],
+                 [v.value for v in optimizer.variables] if optimizer is not None else [],
+                 fresh_metrics)
+        # A skipped step leaves the optimizer's `iterations` as it was; a
+        # custom step, which may use optimizers of its own (a GAN's, beside
+        # an unused model.optimizer), shows it by leaving the trainable
+        # weights as they were.
+        counter = (None if optimizer is None or self.uses_own_optimizers else
+                   [id(v) for v in optimizer.variables].index(id(optimizer.iterations)))
+
+        def step(batch) -> float | None:
+            nonlocal state
+            before = state[0] if counter is None else int(state[2][counter])
+            logs, state = train_step(state, batch)
+            if counter is None:
+                applied = any(not bool(jnp.array_equal(old, new))
+                              for old, new in zip(before, state[0], strict=True))
+            else:
+                applied = int(state[2][counter]) != before
+            # Metrics reset: the next logs hold that step's loss alone.
+            state = (*state[:3], fresh_metrics)
+            return replay_candidates.trial_loss(logs) if applied else None
+
+        return step
 
 
 def run_pass(model, batch, loss_scale: float | None, float32_layers, *,

@@ -108,37 +108,25 @@ class Engine(replay_candidates.CandidateEngine):
     def run_pass(self, candidate: verification.Candidate, batch: int,
                  loss_scale: float) -> search.PassResult:
         with replay_candidates.repeatable_random_draws(self.tree):
-            return run_pass(self.model,
-                            replay_candidates.scale_inputs(self.batches[batch],
-                                                           candidate.input_scale),
-                            loss_scale, None, policies=self.policies(candidate),
+            return run_pass(self.model, self.pass_data(candidate, batch), loss_scale, None,
+                            policies=self.policies(candidate),
                             model_policy=candidate.default_policy)
 
-    def train(self, candidate: verification.Candidate, steps: int,
-              loss_scale: float | None = None) -> list[float]:
+    def trial_step(self, optimizer):
         model = self.model
-        optimizer = self.trial_optimizer(candidate, loss_scale)
-        batches = [replay_candidates.scale_inputs(b, candidate.input_scale)
-                   for b in self.batches]
-        losses = []
-        with self.swapped_optimizer(optimizer), replay_candidates.policies_applied(
-                model, self.tree, self.policies(candidate), candidate.default_policy), \
-                replay_candidates.repeatable_random_draws(self.tree):
-            optimizer.build(model.trainable_variables)
-            # A new function: traced with these policies and this optimizer.
-            train_step = tf.function(model.train_step)
-            calls = 0
-            while len(losses) < steps and calls < steps + verification.TRIAL_MAX_SKIPS:
-                for metric in model.metrics:
-                    metric.reset_state()
-                before = int(optimizer.iterations.numpy())
-                logs = train_step(batches[calls % len(batches)])
-                calls += 1
-                # A skipped step leaves `iterations` as it was.
-                if int(optimizer.iterations.numpy()) != before:
-                    losses.append(replay_candidates.trial_loss(logs))
-        self.skipped_steps = calls - len(losses)
-        return losses
+        train_step = tf.function(model.train_step)
+
+        def step(batch) -> float | None:
+            for metric in model.metrics:
+                metric.reset_state()
+            before = int(optimizer.iterations.numpy())
+            logs = train_step(batch)
+            # A skipped step leaves `iterations` as it was.
+            if int(optimizer.iterations.numpy()) == before:
+                return None
+            return replay_candidates.trial_loss(logs)
+
+        return step
 
 
 def policy_map_object(result: dict, default_policy: str):

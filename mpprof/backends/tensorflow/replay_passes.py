@@ -25,7 +25,6 @@ from tensorflow.python.framework import op_callbacks
 from mpprof.backends.layer_records import variable_path
 from mpprof.backends.patching import Patches
 from mpprof.backends.replay_candidates import layer_tree, policies_applied
-from mpprof.dtypes import DTYPE_MAX
 
 # A layer's input cast runs in its `__call__`, just before its `call`: an
 # offending Cast right before a layer's call is that layer's.
@@ -34,6 +33,8 @@ from mpprof.replay.search import (
     LOSS,
     Offender,
     PassResult,
+    abs_max,
+    problem,
     subtree,
 )
 
@@ -217,25 +218,9 @@ def _array(tensor) -> np.ndarray:
 
 
 def _abs_max(tensor) -> float | None:
-    values = np.abs(_array(tensor).astype(np.float64))
-    finite = values[np.isfinite(values)]
-    return float(finite.max()) if finite.size else None
+    return abs_max(_array(tensor))
 
 
 def _problem(tensor) -> str | None:
     """What is wrong with an op's output, or None."""
-    if not _is_float(tensor):
-        return None
-    values = _array(tensor)
-    if values.size == 0:
-        return None
-    values = values.astype(np.float64)
-    nan = int(np.isnan(values).sum())
-    inf = int(np.isinf(values).sum())
-    if nan or inf:
-        return f"{inf} inf and {nan} NaN of {values.size} values"
-    limit = DTYPE_MAX.get(tensor.dtype.name)
-    peak = float(np.abs(values).max())
-    if limit is not None and peak > limit:
-        return f"abs max {peak:.6g} beyond {tensor.dtype.name}'s {limit:.6g}"
-    return None
+    return problem(_array(tensor), tensor.dtype.name) if _is_float(tensor) else None

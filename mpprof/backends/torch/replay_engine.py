@@ -93,10 +93,8 @@ class Engine(replay_candidates.CandidateEngine):
     def run_pass(self, candidate: verification.Candidate, batch: int,
                  loss_scale: float) -> search.PassResult:
         with replay_candidates.repeatable_random_draws(self.tree):
-            return run_pass(self.model,
-                            replay_candidates.scale_inputs(self.batches[batch],
-                                                           candidate.input_scale),
-                            loss_scale, None, policies=self.policies(candidate),
+            return run_pass(self.model, self.pass_data(candidate, batch), loss_scale, None,
+                            policies=self.policies(candidate),
                             model_policy=candidate.default_policy)
 
     def trial_step(self, optimizer):
@@ -118,28 +116,8 @@ class Engine(replay_candidates.CandidateEngine):
 
     def train(self, candidate: verification.Candidate, steps: int,
               loss_scale: float | None = None) -> list[float]:
-        # The trial's loop, as the verification rework (branch i36a) moves it
-        # into `CandidateEngine.train` over `trial_step`: once that is merged,
-        # this method is `super().train(...)` inside `seeded_global_rng()`.
+        # PyTorch's global generator seeded for the trial (unseeded dropout
+        # draws from it): float32's and the candidate's trials see the same
+        # masks, and the caller's generator is put back.
         with seeded_global_rng():
-            return self._train(candidate, steps, loss_scale)
-
-    def _train(self, candidate: verification.Candidate, steps: int,
-               loss_scale: float | None) -> list[float]:
-        optimizer = self.trial_optimizer(candidate, loss_scale)
-        batches = [replay_candidates.scale_inputs(b, candidate.input_scale)
-                   for b in self.batches]
-        losses: list[float] = []
-        calls = 0
-        with self.swapped_optimizer(optimizer), replay_candidates.policies_applied(
-                self.model, self.tree, self.policies(candidate), candidate.default_policy), \
-                replay_candidates.repeatable_random_draws(self.tree):
-            optimizer.build(self.model.trainable_variables)
-            step = self.trial_step(optimizer)
-            while len(losses) < steps and calls < steps + verification.TRIAL_MAX_SKIPS:
-                loss = step(batches[calls % len(batches)])
-                calls += 1
-                if loss is not None:
-                    losses.append(loss)
-        self.skipped_steps = calls - len(losses)
-        return losses
+            return super().train(candidate, steps, loss_scale)
