@@ -233,3 +233,34 @@ def test_an_unseeded_dropout_replays_to_the_same_verdict_twice(tmp_path):
     assert first["verified"] is True, first["verified_detail"]
     assert (first["loss"], first["verified_detail"]) == (second["loss"],
                                                          second["verified_detail"])
+
+
+def test_advise_verify_runs_on_the_torch_engine(tmp_path, capsys):
+    """`advise_batches=2` keeps two of the fit's own sampled batches on
+    PyTorch (spread across it), and `mpprof advise --verify` replays the plan
+    on them with the PyTorch engine; a run without kept batches (the
+    look-alike) is labelled unverified."""
+    from mpprof import cli
+
+    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((128, 16), dtype=np.float32), rng.integers(0, 4, 128)
+    for name, kept in (("kept", 2), ("none", 0)):
+        model = keras.Sequential([
+            keras.layers.Input((16,)), keras.layers.Dense(32, activation="relu", name="h"),
+            keras.layers.Dense(4, dtype="float32", name="o")])
+        model.compile(optimizer="adam",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[
+            mpprof.MixedPrecisionProfiler(str(tmp_path / name), numerics_every=2,
+                                          gpu_interval=None, advise_batches=kept)])
+    context = reader.read_run(str(tmp_path / "kept"), "train").context
+    advise = context["collectors"]["replay_capture"]["advise_batches"]
+    assert [entry["step"] for entry in advise["kept"]] == [4, 12]
+    assert cli.main(["advise", str(tmp_path / "kept"), "--verify"]) == 0
+    shown = capsys.readouterr().out
+    assert "verification: verified: on 2 captured batches" in shown
+    assert cli.main(["advise", str(tmp_path / "none"), "--verify"]) == 0
+    shown = capsys.readouterr().out
+    assert "verification: verified" not in shown and "advise_batches=4" in shown
