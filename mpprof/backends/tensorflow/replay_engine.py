@@ -113,20 +113,9 @@ class Engine(replay_candidates.CandidateEngine):
                             model_policy=candidate.default_policy)
 
     def trial_step(self, optimizer):
-        model = self.model
-        train_step = tf.function(model.train_step)
-
-        def step(batch) -> float | None:
-            for metric in model.metrics:
-                metric.reset_state()
-            before = int(optimizer.iterations.numpy())
-            logs = train_step(batch)
-            # A skipped step leaves `iterations` as it was.
-            if int(optimizer.iterations.numpy()) == before:
-                return None
-            return replay_candidates.trial_loss(logs)
-
-        return step
+        # A new function: traced with the trial's policies and optimizer.
+        return replay_candidates.counted_trial_step(self.model, optimizer,
+                                                    tf.function(self.model.train_step))
 
 
 def policy_map_object(result: dict, default_policy: str):

@@ -30,7 +30,6 @@ import keras
 from mpprof.backends import keras_capture, replay_candidates
 from mpprof.backends.torch.custom_step import overrides_train_step
 from mpprof.backends.torch.replay_passes import as_tensors, run_pass, seeded_global_rng
-from mpprof.backends.torch.step_state import host_array
 from mpprof.replay import files, search, verification
 from mpprof.replay.files import ReplayError
 
@@ -102,17 +101,8 @@ class Engine(replay_candidates.CandidateEngine):
         PyTorch `fit` runs it (jit_compile=False); its loss, or None where
         the loss scale skipped it (`iterations` left as it was)."""
         model = self.model
-
-        def step(batch) -> float | None:
-            for metric in model.metrics:
-                metric.reset_state()
-            before = int(host_array(optimizer.iterations))
-            logs = model.train_step(as_tensors(batch))
-            if int(host_array(optimizer.iterations)) == before:
-                return None
-            return replay_candidates.trial_loss(logs)
-
-        return step
+        return replay_candidates.counted_trial_step(
+            model, optimizer, lambda batch: model.train_step(as_tensors(batch)))
 
     def train(self, candidate: verification.Candidate, steps: int,
               loss_scale: float | None = None) -> list[float]:
