@@ -36,13 +36,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mpprof.backends.layer_records import called_method, variable_path
-from mpprof.backends.patching import Patches
+from mpprof.backends.layer_records import variable_path
 from mpprof.backends.replay_candidates import REPLAY_SEED, layer_tree, policies_applied
+from mpprof.backends.replay_watch import LayerWatch, pass_policies
 from mpprof.backends.torch.step_state import host_array
 from mpprof.dtypes import DTYPE_MAX
 from mpprof.replay import search
-from mpprof.replay.search import BETWEEN_LAYERS, LOSS, Offender, PassResult, subtree
+from mpprof.replay.search import BETWEEN_LAYERS, LOSS, PassResult
 
 # The aten op of a dtype cast (`ops.cast` on PyTorch is `Tensor.to`).
 _CAST_OPS = {"_to_copy", "to", "convert_element_type"}
@@ -83,19 +83,17 @@ def run_pass(model, batch, loss_scale: float, float32_layers: Iterable[str] | No
     sample_weight); `float32_layers` each with its sublayers in float32;
     `policies` a verification candidate's, after them)."""
     tree = layer_tree(model)
-    wanted = {n: "float32" for name in (float32_layers or ()) for n in subtree(tree, name)}
-    wanted.update(policies or {})
-    if all_float32:
-        wanted, model_policy = dict.fromkeys(tree, "float32"), "float32"
+    wanted, model_policy = pass_policies(tree, float32_layers, policies, all_float32,
+                                         model_policy)
     with torch.no_grad():
         state = [(v, v.value.detach().clone()) for v in model.non_trainable_variables]
     watch = _Watch(tree)
     try:
         with policies_applied(model, tree, wanted, model_policy), seeded_global_rng():
-            watch.install()
+            watch.install_layers()
             return watch.run(model, as_tensors(batch), loss_scale)
     finally:
-        watch.remove()
+        watch.remove_layers()
         for variable, value in state:
             variable.assign(value)
         for metric in model.metrics:
@@ -116,31 +114,8 @@ class _OpWatch(TorchDispatchMode):
         return outputs
 
 
-class _Watch:
+class _Watch(LayerWatch):
     """The layer wrappers, tensor hooks and op watch of one pass."""
-
-    def __init__(self, tree: dict[str, object]):
-        self._tree = tree
-        self._stack: list[str] = []
-        self._backward_layer = LOSS
-        self._phase = "forward"
-        self._calls: dict[str, int] = {}
-        self.forward: dict = {}
-        self.backward: dict = {}
-        self.offenders: dict[str, Offender] = {}
-        self._inside = False  # mpprof's own ops (the taps) run
-        self._outside = LOSS
-        self._cast_offended = False
-        self._cast_stack: tuple[str, ...] = ()
-        self._patches = Patches()
-
-    def install(self) -> None:
-        for name, layer in self._tree.items():
-            method = called_method(layer)
-            self._patches.set(layer, method, self._wrap(name, getattr(layer, method)))
-
-    def remove(self) -> None:
-        self._patches.restore()
 
     def run(self, model, batch, loss_scale: float) -> PassResult:
         x, y, sample_weight = batch
@@ -157,94 +132,53 @@ class _Watch:
                                             allow_unused=True)
             self._phase = "done"
         by_path = {variable_path(v): host_array(g) for v, g in zip(variables, gradients,
-                                                                 strict=True)
+                                                                     strict=True)
                    if g is not None}
-        finite = all(bool(np.all(np.isfinite(g))) for g in by_path.values())
-        return PassResult(
-            forward=self.forward, backward=self.backward,
-            offender=self.offenders.get("forward") or self.offenders.get("backward"),
-            forward_clean="forward" not in self.offenders,
-            loss=float(host_array(loss).astype(np.float64).sum()), gradients_finite=finite,
-            gradients=by_path,
-        )
+        return self.result(float(host_array(loss).astype(np.float64).sum()), by_path)
 
-    def _wrap(self, name: str, call):
-        watch = self
-
-        def watched_call(*args, **kwargs):
-            watch._claim_input_cast(name)
-            index = watch._calls.get(name, 0)
-            watch._calls[name] = index + 1
-            watch._stack.append(name)
-            try:
-                outputs = call(*args, **kwargs)
-            finally:
-                watch._stack.pop()
-            watch._tap(name, index, outputs)
-            return outputs
-
-        return watched_call
-
-    def _tap(self, name: str, index: int, outputs) -> None:
+    def tap(self, name: str, index: int, outputs):
         """Keeps the layer's first floating output and hooks the gradient
         flowing into it."""
         output = next((t for t in keras.tree.flatten(outputs)
                        if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
         if output is None:
-            return
+            return outputs
         key = (name, index)
         self._inside = True
         try:
             self.forward[key] = host_array(output).astype(np.float64)
         finally:
             self._inside = False
-        if not output.requires_grad:
-            return
+        if output.requires_grad:
 
-        def on_gradient(gradient):
-            self._backward_layer = name
-            self._inside = True
-            try:
-                self.backward[key] = host_array(gradient).astype(np.float64)
-            finally:
-                self._inside = False
+            def on_gradient(gradient):
+                self._backward_layer = name
+                self._inside = True
+                try:
+                    self.backward[key] = host_array(gradient).astype(np.float64)
+                finally:
+                    self._inside = False
 
-        output.register_hook(on_gradient)
-
-    def _claim_input_cast(self, name: str) -> None:
-        """A layer's call begins: an offending cast just before it, in the
-        caller's frame (not the last op of a sibling's call), was its input
-        cast (Keras casts a layer's inputs in `Layer.__call__`)."""
-        if self._cast_offended and tuple(self._stack) == self._cast_stack:
-            self.offenders["forward"].layer = name
-            self._cast_offended = False
+            output.register_hook(on_gradient)
+        return outputs
 
     def on_op(self, func, args, outputs) -> None:
-        if self._inside or func.overloadpacket.__name__ in _UNINITIALISED:
+        op = func.overloadpacket.__name__
+        if self._inside or op in _UNINITIALISED:
             return
-        self._cast_offended = False
-        phase = self._phase
-        if phase == "done" or phase in self.offenders:
+        phase = self.judged_phase()
+        if phase is None:
             return
         for output in tree_flatten(outputs)[0]:
             if not _is_float(output) or _in_range(output):
                 continue
-            values = host_array(output)
             dtype = _dtype_name(output)
-            problem = search.problem(values, dtype)
+            problem = search.problem(host_array(output), dtype)
             if problem is None:
                 continue
-            op = func.overloadpacket.__name__
-            layer = (self._stack[-1] if self._stack else self._outside) \
-                if phase == "forward" else self._backward_layer
             inputs = [t for t in tree_flatten(args)[0] if _is_float(t)]
-            self.offenders[phase] = Offender(
-                layer=layer, op=op, phase=phase,
-                input_abs_max=[search.abs_max(host_array(t)) for t in inputs],
-                output=problem, dtype=dtype,
-            )
-            self._cast_offended = phase == "forward" and op in _CAST_OPS
-            self._cast_stack = tuple(self._stack)
+            self.offend(phase, op, [search.abs_max(host_array(t)) for t in inputs],
+                        problem, dtype, cast=op in _CAST_OPS)
             return
 
 
