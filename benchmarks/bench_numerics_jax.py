@@ -40,9 +40,9 @@ import numpy as np
 import tiny  # benchmarks/, on the path when run as a script
 from jax.experimental import checkify
 
-from mpprof.backends.jax.layer_calls import LayerCallPatch
 from mpprof.backends.jax.numerics_taps import NumericsTaps
 from mpprof.backends.jax.tensor_statistics import raw_statistics
+from mpprof.backends.layer_casts import LayerCallPatch
 from mpprof.backends.patching import Patches
 
 BATCH_SIZE = 128

@@ -38,9 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax
 import keras
 import numpy as np
+from bench_models import small_transformer
+from device_checks import column_medians, diagnose
 
 import mpprof
-from mpprof import cli
 from mpprof.records import reader
 
 
@@ -50,17 +51,6 @@ def seed_model() -> keras.Model:
         keras.layers.Dense(256, activation="relu", name="dense"),
         keras.layers.Dense(10, dtype="float32", name="logits"),
     ])
-
-
-def small_transformer(sequence: int, vocabulary: int, width: int) -> keras.Model:
-    tokens = keras.Input((sequence,), dtype="int32")
-    x = keras.layers.Embedding(vocabulary, width)(tokens)
-    attended = keras.layers.MultiHeadAttention(4, width // 4)(x, x)
-    x = keras.layers.LayerNormalization()(x + attended)
-    hidden = keras.layers.Dense(4 * width, activation="gelu")(x)
-    x = keras.layers.LayerNormalization()(x + keras.layers.Dense(width)(hidden))
-    x = keras.layers.GlobalAveragePooling1D()(x)
-    return keras.Model(tokens, keras.layers.Dense(10, dtype="float32", name="logits")(x))
 
 
 def _data(name: str, samples: int, sequence: int, vocabulary: int):
@@ -201,27 +191,6 @@ def xprof_beside_nvml(run, window: tuple[int, int]) -> dict:
         figures.update({f"nvml_{column}_in_window_median": value
                         for column, value in medians.items()})
     return figures
-
-
-def column_medians(gpu, columns: tuple[str, ...], rows=slice(None)) -> dict:
-    """The median of each NVML column's finite values in `rows` (None: no
-    value), for the columns this run's samples have."""
-    medians = {}
-    for column in columns:
-        try:
-            values = gpu.column(column)[rows]
-        except ValueError:
-            continue
-        values = values[np.isfinite(values)]
-        medians[column] = float(np.median(values)) if len(values) else None
-    return medians
-
-
-def diagnose(log_dir: str) -> list:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli.main(["diagnose", log_dir, "--format", "json"])
-    return {"exit": code, "findings": json.loads(out.getvalue())}
 
 
 def main() -> int:

@@ -446,7 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     diagnose.add_argument(
         "--replay", action="store_true",
         help="replay captured steps that have no replay result yet (imports Keras and the "
-             "framework that trained each run: mpprof[tensorflow] or mpprof[jax])",
+             "framework that trained each run: mpprof[tensorflow], mpprof[jax] or "
+             "mpprof[torch])",
     )
     diagnose.set_defaults(handler=_diagnose)
     report = command("report", "write one self-contained HTML report of LOGDIR's runs")

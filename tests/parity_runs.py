@@ -3,7 +3,7 @@ as JSON (findings, the loss-scale events, the numerics the findings rest
 on), for tests/test_backend_parity.py to compare across TensorFlow, JAX and
 PyTorch.
 
-    KERAS_BACKEND=jax python tests/parity_runs.py OUT_DIR
+    KERAS_BACKEND=jax python tests/parity_runs.py OUT_DIR [SCENARIO ...]
 
 The recipes are tests/jax/jax_runs.py's (Keras 3 only): constant kernels or
 fixed data where a value is compared, so that both backends compute the
@@ -23,6 +23,7 @@ import keras
 import numpy as np
 from float8_runs import compiled_float8_model, float8_data
 
+import mpprof
 from mpprof import diagnosis
 
 
@@ -36,6 +37,12 @@ def _inf_in_batch_5():
     x, y = jax_runs.classes()
     x[5 * 8 + 3, 0] = np.inf
     return x, y
+
+
+# Scenarios whose first capture is replayed (`mpprof.replay.replay`, each
+# backend's engine): the verdict, not the op's name, which is each
+# framework's own (MatMul, dot_general, mm).
+REPLAYED = ("forward_overflow",)
 
 
 # Float8 scenarios start from random kernels, which the two backends draw
@@ -101,11 +108,24 @@ def _summary(run, values: bool = True) -> dict:
     return summary
 
 
+def _replay_summary(log_dir: str) -> dict:
+    result = mpprof.replay.replay(log_dir, save=False)
+    first = result["first_op"] or {}
+    return {"first_op": [first.get("layer"), first.get("phase"), first.get("dtype")],
+            **{key: result.get(key) for key in ("float32_layers", "policy_map", "verified",
+                                                "float32_clean")}}
+
+
 def main(out_dir: str) -> None:
     summaries = {}
     for name, (make, (x, y), profiler) in _scenarios().items():
-        run = jax_runs.fit(os.path.join(out_dir, name), make(), x, y, **profiler)
+        if len(sys.argv) > 2 and name not in sys.argv[2:]:
+            continue
+        log_dir = os.path.join(out_dir, name)
+        run = jax_runs.fit(log_dir, make(), x, y, **profiler)
         summaries[name] = _summary(run, values=name not in FLOAT8)
+        if name in REPLAYED:
+            summaries[name]["replay"] = _replay_summary(log_dir)
     summaries["backend"] = keras.backend.backend()
     with open(os.path.join(out_dir, "summaries.json"), "w") as f:
         json.dump(summaries, f, default=str)

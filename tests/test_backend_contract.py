@@ -12,6 +12,7 @@ each backend does with real training on CPU.
 import glob
 import os
 import re
+import sys
 
 import keras
 import numpy as np
@@ -26,6 +27,10 @@ from mpprof.backends.patching import Patches
 from mpprof.recording.nvml.sampler import GpuSampler
 from mpprof.records import reader, schema
 from mpprof.records.run_context import RunContext
+
+# The replay's seed overflow model, the device checks' too (benchmarks/).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+from bench_models import third_dense_model
 
 BACKEND = keras.backend.backend()
 REGISTERED = backends.registration(BACKEND)
@@ -91,7 +96,8 @@ def test_this_process_backend_is_registered_with_its_code():
     assert REGISTERED is not None and REGISTERED.name == BACKEND
     assert callable(backends.load(REGISTERED.backend))
     if REGISTERED.replay_engine is not None:
-        assert callable(backends.load(REGISTERED.replay_engine).replay)
+        engine = backends.load(REGISTERED.replay_engine)
+        assert callable(engine.replay) and callable(engine.engine_for)
     if REGISTERED.op_names is not None:
         op_names = backends.load(REGISTERED.op_names)
         assert op_names.layer_of("MatMul") in (None, "")  # no scope: no layer to name
@@ -120,6 +126,13 @@ def test_a_fit_runs_every_collector_the_backend_made(fitted):
         assert kernels["state"] == "unavailable" and REGISTERED.framework in kernels["reason"]
     else:
         assert kernels["state"] == "ok", kernels
+    # A backend with a replay engine captures the sampled steps that go
+    # wrong (none in this healthy fit); one without says why it does not.
+    capture = collectors["replay_capture"]
+    if REGISTERED.replay_engine is not None:
+        assert capture == {"state": "ok", "budget": 2, "captures": []}, capture
+    else:
+        assert capture["state"] == "unavailable" and REGISTERED.framework in capture["reason"]
     assert fitted.inventory["layers"]
     assert len(fitted.loss_scale.progress) > 0  # the scale, step by step
     # Sampled every 2 calls: steps 2 and 4 of 0-5 (the first call traces the plain step).
@@ -184,6 +197,31 @@ def test_with_no_counter_the_call_alarm_never_rings():
     assert alarm.hold(None, 0, 0, wait=True) == []
     assert alarm.drain() is None
     patches.restore()
+
+
+def test_a_captured_overflow_replays_to_the_same_verified_fix(tmp_path):
+    """A backend with a replay engine captures the sampled step that
+    overflowed, and its engine names the same layer and verifies the same
+    map as every other backend's; the op is the framework's own (MatMul,
+    dot_general, or on a CPU PyTorch's cast of Keras' float32 product)."""
+    if REGISTERED.replay_engine is None:
+        pytest.skip(f"{REGISTERED.framework} has no replay engine registered")
+    ones = np.ones((32, 8), "float32")
+    third_dense_model().fit(ones, ones[:, :1], batch_size=8, epochs=1, verbose=0, shuffle=False,
+                      callbacks=[mpprof.MixedPrecisionProfiler(
+                          str(tmp_path), gpu_interval=None, numerics_every=2)])
+    capture = reader.read_run(str(tmp_path), schema.TRAIN_RUN).context["collectors"][
+        "replay_capture"]
+    assert capture["state"] == "ok" and capture["captures"], capture
+    result = mpprof.replay.replay(str(tmp_path), save=False)
+    first = result["first_op"]
+    assert (first["layer"], first["phase"], first["dtype"]) == ("d3", "forward", "float16")
+    assert first["op"] and "inf" in first["output"]
+    assert result["divergence"][0]["layer"] == "d3"
+    assert result["float32_layers"] == ["d3"]
+    assert result["policy_map"] == {"third_dense/d3": "float32"}
+    assert result["verified"] is True, result["verified_detail"]
+    assert result["backend"] == BACKEND
 
 
 def sessions(run_dir) -> list[str]:

@@ -7,8 +7,10 @@ float32-island look-alike, a gradient underflow and its scaled look-alike,
 float8 layers that saturate or underflow and their healthy look-alike)
 in one process per backend; here each scenario's summary (findings with
 their layer and step, every rule's status, the loss-scale events, the loss
-health, the per-layer numerics the findings rest on) must be equal across
-the three, and the findings those the scenario was built to show.
+health, the per-layer numerics the findings rest on; for the forward
+overflow, its capture replayed by the backend's engine: the first op's
+layer, the float32 layers, the map and whether it is verified) must be equal
+across the three, and the findings those the scenario was built to show.
 """
 
 import json

@@ -18,7 +18,7 @@ import sys
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 # Modules of the benchmarks, not benchmarks.
-LIBRARIES = {"tiny", "bench_models"}
+LIBRARIES = {"tiny", "bench_models", "device_checks"}
 # Smoke-tested elsewhere, with its output checked: tests/jax/test_jax_backend.py.
 TESTED_ELSEWHERE = {"gpu_check_jax"}
 SCRIPTS = sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem not in LIBRARIES)

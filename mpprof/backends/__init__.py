@@ -57,10 +57,9 @@ REGISTRY: dict[str, Registration] = {r.name: r for r in (
                  "mpprof.backends.tensorflow.op_names", "tensorflow"),
     Registration("jax", "JAX", "mpprof.backends.jax.backend:JaxBackend",
                  "mpprof.backends.jax.replay_engine", "mpprof.backends.jax.op_names", "jax"),
-    # No replay engine nor XProf window yet (`backends/torch/replay_capture.py`,
-    # `kernels.py` say so in the run context).
+    # No XProf window yet (`backends/torch/kernels.py` says so in the run context).
     Registration("torch", "PyTorch", "mpprof.backends.torch.backend:TorchBackend",
-                 None, None, "torch"),
+                 "mpprof.backends.torch.replay_engine", None, "torch"),
 )}
 
 # tf-keras (Keras 2) is a flavour, not a backend: its models train on

@@ -17,16 +17,19 @@ import platform
 import posixpath
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import keras
 import numpy as np
 
 from mpprof._version import __version__
-from mpprof.backends.layer_records import variable_path, walk_layers
+from mpprof.backends.collector import Collector
+from mpprof.backends.layer_records import called_method, variable_path, walk_layers
 from mpprof.jsonsafe import json_safe
 from mpprof.records import schema
-from mpprof.replay import files
+from mpprof.replay import files, fixes, search, verification
 from mpprof.replay.files import ReplayError
+from mpprof.replay.search import PassResult
 
 
 def model_config(model) -> tuple[dict | None, str]:
@@ -213,6 +216,129 @@ class AdviseBatches:
         return {"wanted": self.wanted, "kept": self.kept, "targets": self.targets}
 
 
+class SampledStepCapture(Collector):
+    """The replay capture of a backend whose train functions hand it each
+    sampled step (JAX, PyTorch): what they share. The backend's subclass
+    gathers the step's values (`before_sampled`, `after_sampled`, called by
+    its train functions) and writes them; this class registers it with the
+    backend (`keras_api.replay`), says when captures are off, and decides
+    what a sampled step that ran gets (`decide`).
+
+    Args:
+        budget: captures this fit may write (0: off).
+        keras_api: the fit's `Backend` (its train functions find the
+            collector at `keras_api.replay`).
+        health: the `RunHealth` (whether the step's loss is watched).
+        advise_batches: how many of the fit's own sampled batches to keep for
+            the precision advisor (`AdviseBatches`; 0: none).
+        fit_params: the callback's `params` (how many steps the fit runs).
+
+    Example:
+        class ReplayCapture(SampledStepCapture):
+            def overrides_train_step(self, model): ...
+            def after_sample(self, fit):
+                decided = self.decide(step, skipped, loss_finite, applied_before)
+                ...
+    """
+
+    name = "replay_capture"
+
+    def __init__(self, budget: int, keras_api, health, advise_batches: int = 0,
+                 fit_params: dict | None = None):
+        self.budget = budget
+        self.advise_batches = advise_batches
+        self._fit_params = fit_params
+        self._advise: AdviseBatches | None = None
+        self._api = keras_api
+        self._health = health
+        self._unavailable: str | None = None
+        self._config: tuple = (None, "")
+        self._custom_step = False
+        self.model: Any = None  # the fit's, once it begins
+        self.captured: list[dict] = []
+        self.initial_descent_skipped = 0
+
+    def overrides_train_step(self, model) -> bool:
+        """Whether the model's `train_step` is its own (the backend's test)."""
+        raise NotImplementedError
+
+    def unavailable_on_backend(self, model) -> str | None:
+        """Why this backend takes no capture of this model's fit (None: it does)."""
+        return None
+
+    def wrap_train_step(self, fit, patches) -> None:
+        """Registers with the backend, whose train functions hand over each
+        sampled step."""
+        self.model = fit.model
+        self._unavailable = self._why_unavailable(fit.model, fit.schedule.every)
+        self._custom_step = self.overrides_train_step(fit.model)
+        if self._unavailable is None:
+            if self.advise_batches:
+                self._advise = AdviseBatches(self.advise_batches, self._fit_params, fit.step)
+            self._api.replay = self
+            # Now: during an epoch Keras' JAX fit keeps the state outside the
+            # variables, and serializing reads some of them.
+            self._config = model_config(fit.model)
+
+    def _why_unavailable(self, model, sample_every: int | None) -> str | None:
+        if self.budget == 0 and not self.advise_batches:
+            return "replay_budget=0"
+        if sample_every is None:
+            return "numerics_every=None: only sampled (instrumented) steps are captured"
+        return self.unavailable_on_backend(model)
+
+    def wanted(self) -> bool:
+        """Whether the next sampled step may be written (a capture left in the
+        budget, or an advisor's batch still wanted)."""
+        advising = self._advise is not None and len(self._advise.kept) < self._advise.wanted
+        return len(self.captured) < self.budget or advising
+
+    def decide(self, step: int, skipped: int, loss_finite: bool | None,
+               applied_before: int) -> tuple[list[str], str, list[dict]] | None:
+        """What a sampled step that ran gets: (reasons, folder, the list the
+        capture is noted in), or None (nothing written).
+
+        Args:
+            step: the step.
+            skipped: steps the loss scale skipped during it.
+            loss_finite: whether its loss was finite (None: not watched).
+            applied_before: updates the primary optimizer applied before it.
+        """
+        if skipped == 0 and loss_finite is not False:
+            if self._advise is not None and self._advise.due(step):
+                return (["advise: one of the run's own batches"], files.ADVISE_FOLDER,
+                        self._advise.kept)
+            return None
+        if len(self.captured) >= self.budget:
+            return None
+        if loss_finite and skipped and applied_before == 0:
+            # The loss scale's initial descent: halving handles it.
+            self.initial_descent_skipped += 1
+            return None
+        reasons = []
+        if skipped:
+            reasons.append("overflow: the loss scale skipped the step")
+        if loss_finite is False:
+            reasons.append("non-finite loss")
+        return reasons, files.REPLAY_FOLDER, self.captured
+
+    def end(self, fit) -> None:
+        if self._api.replay is self:
+            self._api.replay = None
+
+    def context(self) -> dict:
+        if self._unavailable is not None:
+            off = self.budget == 0 or self._unavailable.startswith("numerics_every")
+            return {"state": "off" if off else "unavailable", "reason": self._unavailable,
+                    "budget": self.budget}
+        entry = {"state": "ok", "budget": self.budget, "captures": self.captured}
+        if self._advise is not None:
+            entry["advise_batches"] = self._advise.context()
+        if self.initial_descent_skipped:
+            entry["initial_descent_not_captured"] = self.initial_descent_skipped
+        return entry
+
+
 def load_weights(model, capture: files.Capture) -> None:
     """Sets the model's variables to the capture's.
 
@@ -259,6 +385,18 @@ def load_weights(model, capture: files.Capture) -> None:
            if not _finite(v)]
     if bad:
         raise _non_finite_weights_error(capture, bad, len(variables))
+
+
+def captured_policies(model, capture: files.Capture) -> None:
+    """Gives each layer the policy it trained with: a subclassed model
+    rebuilt from its config makes its layers in `__init__` under this
+    process's global policy, not the one it was trained under (a layer
+    whose policy is already the captured one is left as it is)."""
+    captured = capture.manifest.get("layer_policies") or {}
+    for name, layer, _ in walk_layers(model):
+        policy = captured.get(name)
+        if policy and layer.dtype_policy.name != policy:
+            layer.dtype_policy = policy
 
 
 def _non_finite_weights_error(capture: files.Capture, bad: list[str],
@@ -363,3 +501,60 @@ def rebuild(capture: files.Capture):
             f"({type(e).__name__}: {e}); import the module defining its custom layers "
             "first, or replay in-process: mpprof.replay.replay(model, logdir=...)"
         ) from e
+
+
+def refuse_quantized(model, why: str = "float8 replays are not supported") -> None:
+    """Raises `ReplayError` when the model has layers that run
+    `quantized_call` (float8), saying `why` they are not replayed.
+
+    Raises:
+        ReplayError: the model has quantized layers.
+    """
+    quantized = [name for name, layer, _ in walk_layers(model)
+                 if called_method(layer) == "quantized_call"]
+    if quantized:
+        raise ReplayError(
+            f"the model has quantized layers ({', '.join(quantized[:5])}): {why}; the "
+            "float8 findings (MP015-MP017) and the numerics cover them")
+
+
+def replay_result(model, capture: files.Capture, *, scale: float, run_policy: PassResult,
+                  reference: PassResult, engine: verification.Engine,
+                  run_unscaled: Callable[[list[str] | None], PassResult], inputs: list,
+                  backend: str, **extra) -> dict:
+    """Every engine's result from its two passes: the layers ranked float16
+    against float32, the fixes found and verified (`mpprof.replay.fixes`,
+    through `engine`), and the result's common keys.
+
+    Args:
+        scale: the loss scale the passes ran with.
+        run_policy, reference: the passes with the run's policies and all in
+            float32.
+        run_unscaled: one pass without loss scaling, those layers in float32.
+        inputs: the captured batch's model inputs, flattened.
+        backend: the registered backend, for the fix's code and the result.
+        extra: the engine's own keys ("replayed_as", "notes").
+    """
+    tree = {name: layer for name, layer, _ in walk_layers(model)}
+    divergence = search.divergence(run_policy, reference, tree)
+    fix = fixes.find_fixes(
+        verifier=verification.Verifier(engine), run_unscaled=run_unscaled, scale=scale,
+        run_policy=run_policy, reference=reference, divergence=divergence, tree=tree,
+        paths=capture.manifest.get("layer_paths", {}), inputs=inputs, backend=backend)
+    offender = run_policy.offender
+    return {
+        "run": capture.run,
+        "step": capture.step,
+        "capture_reasons": capture.manifest.get("reasons", []),
+        "loss_scale": scale,
+        "first_op": offender.to_dict() if offender else None,
+        "loss": {"run_policy": run_policy.loss, "float32": reference.loss},
+        "float32_clean": reference.forward_clean and reference.gradients_finite,
+        "divergence": divergence,
+        **fix,
+        "weights_are_the_steps": capture.manifest.get("weights_are_the_steps"),
+        "replayed_eagerly": True,
+        **extra,
+        "backend": backend,
+        "versions": capture.manifest.get("versions", {}),
+    }

@@ -308,6 +308,26 @@ class CandidateEngine(abc.ABC):
                 metric.reset_state()
 
 
+def counted_trial_step(model, optimizer, train_step: Callable[[object], dict]
+                       ) -> Callable[[object], float | None]:
+    """`CandidateEngine.trial_step`'s update for a backend whose train step
+    updates the variables in place (TensorFlow, PyTorch): `train_step(batch)`
+    (the model's own, run as the backend's fit runs it) after a reset of the
+    metrics; its loss, or None where the loss scale skipped it (a skipped
+    step leaves `optimizer.iterations` as it was)."""
+
+    def step(batch) -> float | None:
+        for metric in model.metrics:
+            metric.reset_state()
+        before = int(optimizer.iterations.value)
+        logs = train_step(batch)
+        if int(optimizer.iterations.value) == before:
+            return None
+        return trial_loss(logs)
+
+    return step
+
+
 def trial_loss(logs) -> float:
     """The step's loss from its logs (metrics reset before the step): its
     "loss", else the sum of its "..._loss" entries (a custom step's)."""

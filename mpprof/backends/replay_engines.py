@@ -101,13 +101,12 @@ def advise_model(captures: list):
             backend in this process.
     """
     backend = capture_backend(captures[0].manifest)
-    module = _engine(backend)  # refuses a process whose Keras runs on another backend
+    _engine(backend)  # refuses a process whose Keras runs on another backend
     from mpprof.backends import keras_capture
 
     model = keras_capture.rebuild(captures[-1])
     keras_capture.load_weights(model, captures[-1])
-    if backend == "jax":
-        # A subclassed model rebuilt here makes its layers under this
-        # process's global policy: give them the ones they trained with.
-        module._captured_policies(model, captures[-1])
+    # A subclassed model rebuilt here makes its layers under this process's
+    # global policy: give them the ones they trained with.
+    keras_capture.captured_policies(model, captures[-1])
     return model, float(captures[-1].manifest.get("loss_scale") or 1.0)

@@ -99,7 +99,7 @@ def code_lines(scale_text: str, backend: str | None, keras_flavor: str | None) -
         f'{layers}.Rescaling({scale_text}, dtype="float32")  # as the model\'s first '
         "layer, right after its Input",
     ]
-    if backend == "jax":
+    if backend not in (None, "tensorflow"):  # JAX, PyTorch: NumPy arrays given to fit
         lines.append(f"x = x.astype(\"float32\") * ({scale_text})  # or in the input "
                      "pipeline (NumPy), before model.fit")
     else:

@@ -227,8 +227,8 @@ def test_unavailable_collectors_say_why(tmp_path):
     run = jax_runs.fit(tmp_path, jax_runs.classifier("mixed_float16"), x, y,
                        profile_steps=(2, 3))
     collectors = run.context["collectors"]
-    assert collectors["replay_capture"]["state"] == "unavailable"
-    assert "PyTorch" in collectors["replay_capture"]["reason"]
+    # Replay captures are taken (tests/torch/test_torch_replay.py): none here.
+    assert collectors["replay_capture"] == {"state": "ok", "budget": 2, "captures": []}
     assert "PyTorch" in json_text(run.context.get("kernels") or collectors.get("kernels"))
 
 

@@ -39,16 +39,16 @@ from mpprof.backends.jax import (
     replay_capture,
 )
 from mpprof.backends.jax.custom_step import overrides_train_step
-from mpprof.backends.jax.layer_calls import LayerCallPatch
-from mpprof.backends.jax.loss_scale_series import LossScaleSeries
-from mpprof.backends.jax.loss_scales import LossScales
 from mpprof.backends.jax.numerics_callbacks import CallbackTaps
 from mpprof.backends.jax.numerics_taps import NumericsTaps
 from mpprof.backends.jax.precision_tracer import PrecisionTracer
-from mpprof.backends.jax.run_health import LossWatch, RunHealth
 from mpprof.backends.jax.step_state import StepState
 from mpprof.backends.jax.train_functions import TrainFunctions
 from mpprof.backends.keras3 import Keras3Backend
+from mpprof.backends.layer_casts import LayerCallPatch
+from mpprof.backends.step_state_health import LossWatch, RunHealth
+from mpprof.backends.step_state_loss_scales import LossScales
+from mpprof.backends.step_state_series import LossScaleSeries
 from mpprof.backends.worker_role import SingleProcess, WorkerRole
 
 

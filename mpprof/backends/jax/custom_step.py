@@ -8,13 +8,11 @@ keras.io-style step then gives to its loss metrics (`Mean` trackers named
 "loss" or "..._loss", updated through `stateless_update_state`, which calls
 `update_state`). mpprof wraps those metrics' `update_state` and checks the
 values they receive, in the step, as it checks Keras' own loss: exact to the
-step. A step that updates no such metric leaves its loss unwatched (the run
-context says so).
+step (`mpprof.backends.loss_metrics`, shared with PyTorch). A step that
+updates no such metric leaves its loss unwatched (the run context says so).
 """
 
 from __future__ import annotations
-
-from mpprof.backends.patching import Patches
 
 
 def overrides_train_step(model) -> bool:
@@ -22,26 +20,3 @@ def overrides_train_step(model) -> bool:
     from keras.src.backend.jax.trainer import JAXTrainer
 
     return type(model).train_step is not JAXTrainer.train_step
-
-
-def loss_metrics(model) -> list:
-    """The model's metrics that track a loss, by Keras' naming."""
-    return [m for m in model.metrics
-            if m.name == "loss" or m.name.endswith("_loss")]
-
-
-def watch_loss_metrics(model, step_state, patches: Patches) -> list[str]:
-    """Wraps each loss metric's `update_state` so that the value it gets
-    while the step is traced reaches `step_state.capture_loss`; returns the
-    metrics' names."""
-    names = []
-    for metric in loss_metrics(model):
-        update_state = metric.update_state
-
-        def watched(values, *args, _update_state=update_state, **kwargs):
-            step_state.capture_loss(values)
-            return _update_state(values, *args, **kwargs)
-
-        patches.set(metric, "update_state", watched)
-        names.append(metric.name)
-    return names

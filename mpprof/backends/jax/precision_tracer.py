@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import jax
 
-from mpprof.backends.jax.layer_calls import cast_source
+from mpprof.backends.layer_casts import cast_source
 from mpprof.backends.layer_records import InventoryBuilder
 
 

@@ -35,13 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpprof.backends import keras_capture
-from mpprof.backends.collector import Collector
 from mpprof.backends.jax.custom_step import overrides_train_step
 from mpprof.backends.jax.step_state import LAST_LOSS, LOSS_ROW
 from mpprof.replay import files
 
 
-class ReplayCapture(Collector):
+class ReplayCapture(keras_capture.SampledStepCapture):
     """Saves up to `budget` steps per fit that overflowed or lost the loss.
 
     Args:
@@ -56,43 +55,16 @@ class ReplayCapture(Collector):
         fit_params: the callback's `params` (how many steps the fit runs).
     """
 
-    name = "replay_capture"
-
     def __init__(self, budget: int, keras_api, loss_scales, health, instrumenting,
                  advise_batches: int = 0, fit_params: dict | None = None):
-        self.budget = budget
-        self.advise_batches = advise_batches
-        self._fit_params = fit_params
-        self._advise: keras_capture.AdviseBatches | None = None
-        self._api = keras_api
-        self._health = health
-        self._unavailable: str | None = None
+        super().__init__(budget, keras_api, health, advise_batches, fit_params)
         self._before: Any = None
         self._after: Any = None
-        self._config: tuple = (None, "")
-        self._custom_step = False
-        self.captured: list[dict] = []
-        self.initial_descent_skipped = 0
 
-    def wrap_train_step(self, fit, patches) -> None:
-        """Registers with the backend, whose train functions call
-        `before_sampled` and `after_sampled` around each sampled step."""
-        self._unavailable = self._why_unavailable(fit.model, fit.schedule.every)
-        self._custom_step = overrides_train_step(fit.model)
-        if self._unavailable is None:
-            if self.advise_batches:
-                self._advise = keras_capture.AdviseBatches(
-                    self.advise_batches, self._fit_params, fit.step)
-            self._api.replay = self
-            # Now: during an epoch Keras' JAX fit keeps the state outside the
-            # variables, and serializing reads some of them.
-            self._config = keras_capture.model_config(fit.model)
+    def overrides_train_step(self, model) -> bool:
+        return overrides_train_step(model)
 
-    def _why_unavailable(self, model, sample_every: int | None) -> str | None:
-        if self.budget == 0 and not self.advise_batches:
-            return "replay_budget=0"
-        if sample_every is None:
-            return "numerics_every=None: only sampled (instrumented) steps are captured"
+    def unavailable_on_backend(self, model) -> str | None:
         spe = int(getattr(model, "steps_per_execution", 1) or 1)
         if spe > 1:
             return (f"steps_per_execution={spe}: on JAX the sampled step is a call's first "
@@ -106,9 +78,7 @@ class ReplayCapture(Collector):
         on an earlier, overflowed step's batch (a forensic sample; the state
         is then the current one); None: the step the table says."""
         self._after = None
-        advising = self._advise is not None and len(self._advise.kept) < self._advise.wanted
-        if ((len(self.captured) >= self.budget and not advising)
-                or self._api.step_state is None):
+        if not self.wanted() or self._api.step_state is None:
             self._before = None
             return
         # Device copies, made before the step donates what they copy. A
@@ -147,28 +117,15 @@ class ReplayCapture(Collector):
         applied_before, skipped_before, scale = state.primary_in(table_before)
         if step is None:
             step = applied_before + skipped_before
-        if skipped == 0 and loss_finite is not False:
-            if self._advise is not None and self._advise.due(step):
-                after = (trainable_before, *after[1:]) if trainable_before is not None else after
-                self._write(fit, step, data, after, non_trainable_before,
-                            ["advise: one of the run's own batches"], False, loss, scale,
-                            trainable_before is not None, folder=files.ADVISE_FOLDER,
-                            captured=self._advise.kept)
+        decided = self.decide(step, skipped, loss_finite, applied_before)
+        if decided is None:
             return
-        if len(self.captured) >= self.budget:
-            return
-        if loss_finite and skipped and applied_before == 0:
-            self.initial_descent_skipped += 1
-            return
-        reasons = []
-        if skipped:
-            reasons.append("overflow: the loss scale skipped the step")
-        if loss_finite is False:
-            reasons.append("non-finite loss")
+        reasons, folder, captured = decided
         if trainable_before is not None:
             after = (trainable_before, *after[1:])
         self._write(fit, step, data, after, non_trainable_before, reasons, skipped > 0,
-                    loss, scale, trainable_before is not None)
+                    loss, scale, trainable_before is not None, folder=folder,
+                    captured=captured)
 
     def _write(self, fit, step: int, data, state, non_trainable_before, reasons: list[str],
                skipped: bool, loss: float, scale: float, weights_before: bool,
@@ -196,20 +153,7 @@ class ReplayCapture(Collector):
 
     def end(self, fit) -> None:
         self._before = self._after = None
-        if self._api.replay is self:
-            self._api.replay = None
-
-    def context(self) -> dict:
-        if self._unavailable is not None:
-            off = self.budget == 0 or self._unavailable.startswith("numerics_every")
-            return {"state": "off" if off else "unavailable", "reason": self._unavailable,
-                    "budget": self.budget}
-        entry = {"state": "ok", "budget": self.budget, "captures": self.captured}
-        if self._advise is not None:
-            entry["advise_batches"] = self._advise.context()
-        if self.initial_descent_skipped:
-            entry["initial_descent_not_captured"] = self.initial_descent_skipped
-        return entry
+        super().end(fit)
 
 
 def process_rows(array) -> np.ndarray:

@@ -40,7 +40,7 @@ from mpprof.backends.jax.jaxpr_eval import MODEL_SCOPE, Evaluator, scoped_layer_
 from mpprof.backends.layer_records import called_method, variable_path, walk_layers
 from mpprof.backends.patching import Patches
 from mpprof.backends.replay_candidates import layer_tree, policies_applied
-from mpprof.replay import files, fixes, search, verification
+from mpprof.replay import files, verification
 from mpprof.replay.files import ReplayError
 from mpprof.replay.search import PassResult, subtree
 
@@ -54,14 +54,9 @@ def replay(logdir_or_model, run: str | None = None, step: int | None = None, *,
 
 
 def _replay_with_weights(model, capture: files.Capture) -> dict:
-    quantized = [name for name, layer, _ in walk_layers(model)
-                 if called_method(layer) == "quantized_call"]
-    if quantized:
-        raise ReplayError(
-            f"the model has quantized layers ({', '.join(quantized[:5])}): float8 "
-            "replays are not supported; the float8 findings and the numerics cover them")
+    keras_capture.refuse_quantized(model)
     keras_capture.load_weights(model, capture)
-    _captured_policies(model, capture)
+    keras_capture.captured_policies(model, capture)
     captured_scale = float(capture.manifest.get("loss_scale") or 1.0)
     step = _step_for(model, capture.batch(), captured_scale)
     try:
@@ -70,35 +65,16 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
         raise ReplayError(f"the step could not be traced as {step.what} for the replay "
                           f"({type(e).__name__}: {str(e)[:300]})") from e
     notes = step.notes() + keras_capture.shard_notes(capture.manifest)
-    reference = step.run(None, None, all_float32=True)
-    tree = layer_tree(model)
-    divergence = search.divergence(run_policy, reference, tree)
     data = capture.batch()
-    fix = fixes.find_fixes(
-        verifier=verification.Verifier(Engine(model, step, [data], step.scale)),
+    return keras_capture.replay_result(
+        model, capture, scale=step.scale, run_policy=run_policy,
+        reference=step.run(None, None, all_float32=True),
+        engine=Engine(model, step, [data], step.scale),
         run_unscaled=lambda float32_layers: step.run(1.0, float32_layers),
-        scale=step.scale, run_policy=run_policy, reference=reference,
-        divergence=divergence, tree=tree, paths=capture.manifest.get("layer_paths", {}),
         inputs=keras.tree.flatten(keras.utils.unpack_x_y_sample_weight(data)[0]),
-        backend="jax")
-    offender = run_policy.offender
-    return {
-        "run": capture.run,
-        "step": capture.step,
-        "capture_reasons": capture.manifest.get("reasons", []),
-        "loss_scale": step.scale,
-        "first_op": offender.to_dict() if offender else None,
-        "loss": {"run_policy": run_policy.loss, "float32": reference.loss},
-        "float32_clean": reference.forward_clean and reference.gradients_finite,
-        "divergence": divergence,
-        **fix,
-        "weights_are_the_steps": capture.manifest.get("weights_are_the_steps"),
-        "replayed_eagerly": True,
-        "replayed_as": f"{step.what}: a jaxpr, equation by equation (jax.make_jaxpr)",
-        **({"notes": notes} if notes else {}),
-        "backend": "jax",
-        "versions": capture.manifest.get("versions", {}),
-    }
+        backend="jax",
+        replayed_as=f"{step.what}: a jaxpr, equation by equation (jax.make_jaxpr)",
+        **({"notes": notes} if notes else {}))
 
 
 def _step_for(model, data, scale: float):
@@ -230,17 +206,6 @@ class Engine(replay_candidates.CandidateEngine):
             return replay_candidates.trial_loss(logs) if applied else None
 
         return step
-
-
-def _captured_policies(model, capture: files.Capture) -> None:
-    """Gives each layer the policy it trained with: a subclassed model
-    rebuilt from its config makes its layers in `__init__` under this
-    process's global policy, not the one it was trained under."""
-    captured = capture.manifest.get("layer_policies") or {}
-    for name, layer, _ in walk_layers(model):
-        policy = captured.get(name)
-        if policy and layer.dtype_policy.name != policy:
-            layer.dtype_policy = policy
 
 
 def run_pass(model, batch, loss_scale: float | None, float32_layers, *,

@@ -34,7 +34,6 @@ import keras
 import numpy as np
 
 from mpprof.backends.jax.backend import JaxBackend
-from mpprof.backends.jax.custom_step import loss_metrics
 from mpprof.backends.jax.jaxpr_eval import (
     MODEL_SCOPE,
     OPTIMIZER_SCOPE,
@@ -42,6 +41,7 @@ from mpprof.backends.jax.jaxpr_eval import (
     scoped_layer_call,
 )
 from mpprof.backends.layer_records import called_method
+from mpprof.backends.loss_metrics import loss_metrics
 from mpprof.backends.patching import Patches
 from mpprof.replay.search import PassResult
 

@@ -35,8 +35,9 @@ from typing import Any
 
 import jax
 
-from mpprof.backends.jax.custom_step import overrides_train_step, watch_loss_metrics
+from mpprof.backends.jax.custom_step import overrides_train_step
 from mpprof.backends.jax.numerics_taps import SAMPLE_KEY
+from mpprof.backends.loss_metrics import watch_loss_metrics
 from mpprof.backends.patching import Patches
 from mpprof.backends.traced_guard import describe_error
 

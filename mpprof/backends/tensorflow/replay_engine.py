@@ -25,9 +25,8 @@ import keras
 import tensorflow as tf
 
 from mpprof.backends import keras_capture, replay_candidates
-from mpprof.backends.tensorflow.layer_calls import called_method, walk_layers
-from mpprof.backends.tensorflow.replay_passes import layer_tree, run_pass
-from mpprof.replay import files, fixes, search, verification
+from mpprof.backends.tensorflow.replay_passes import run_pass
+from mpprof.replay import files, search, verification
 from mpprof.replay.files import ReplayError
 
 
@@ -60,17 +59,12 @@ def replay(logdir_or_model, run: str | None = None, step: int | None = None, *,
 
 
 def _replay_with_weights(model, capture: files.Capture) -> dict:
-    quantized = [name for name, layer, _ in walk_layers(model)
-                 if called_method(layer) == "quantized_call"]
-    if quantized:
-        # Keras 3's float8 Dense fails under an eager GradientTape ("too
-        # many values to unpack" in its custom gradient), so the backward
-        # pass cannot run op by op.
-        raise ReplayError(
-            f"the model has quantized layers ({', '.join(quantized[:5])}): their "
-            "custom gradients do not run eagerly, so the step cannot be replayed op by "
-            "op; the float8 findings (MP015-MP017) and the numerics cover them"
-        )
+    # Keras 3's float8 Dense fails under an eager GradientTape ("too many
+    # values to unpack" in its custom gradient), so the backward pass cannot
+    # run op by op.
+    keras_capture.refuse_quantized(
+        model, "their custom gradients do not run eagerly, so the step cannot be "
+        "replayed op by op")
     keras_capture.load_weights(model, capture)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(capture.batch())
     batch = (x, y, sample_weight)
@@ -83,31 +77,12 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
             f"model.compute_loss ({type(e).__name__}: {str(e)[:300]}); a model whose "
             "train_step computes its loss otherwise cannot be replayed yet"
         ) from e
-    reference = run_pass(model, batch, scale, None, all_float32=True)
-    tree = layer_tree(model)
-    divergence = search.divergence(run_policy, reference, tree)
-    engine = Engine(model, [batch], scale)
-    fix = fixes.find_fixes(
-        verifier=verification.Verifier(engine),
+    return keras_capture.replay_result(
+        model, capture, scale=scale, run_policy=run_policy,
+        reference=run_pass(model, batch, scale, None, all_float32=True),
+        engine=Engine(model, [batch], scale),
         run_unscaled=lambda float32_layers: run_pass(model, batch, 1.0, float32_layers),
-        scale=scale, run_policy=run_policy, reference=reference, divergence=divergence,
-        tree=tree, paths=capture.manifest.get("layer_paths", {}),
         inputs=keras.tree.flatten(x), backend="tensorflow")
-    offender = run_policy.offender
-    return {
-        "run": capture.run,
-        "step": capture.step,
-        "capture_reasons": capture.manifest.get("reasons", []),
-        "loss_scale": scale,
-        "first_op": offender.to_dict() if offender else None,
-        "loss": {"run_policy": run_policy.loss, "float32": reference.loss},
-        "float32_clean": reference.forward_clean and reference.gradients_finite,
-        "divergence": divergence,
-        **fix,
-        "weights_are_the_steps": capture.manifest.get("weights_are_the_steps"),
-        "replayed_eagerly": True,
-        "versions": capture.manifest.get("versions", {}),
-    }
 
 
 def engine_for(model, batches: list, loss_scale: float = 1.0) -> Engine:
@@ -138,20 +113,9 @@ class Engine(replay_candidates.CandidateEngine):
                             model_policy=candidate.default_policy)
 
     def trial_step(self, optimizer):
-        model = self.model
-        train_step = tf.function(model.train_step)
-
-        def step(batch) -> float | None:
-            for metric in model.metrics:
-                metric.reset_state()
-            before = int(optimizer.iterations.numpy())
-            logs = train_step(batch)
-            # A skipped step leaves `iterations` as it was.
-            if int(optimizer.iterations.numpy()) == before:
-                return None
-            return replay_candidates.trial_loss(logs)
-
-        return step
+        # A new function: traced with the trial's policies and optimizer.
+        return replay_candidates.counted_trial_step(self.model, optimizer,
+                                                    tf.function(self.model.train_step))
 
 
 def policy_map_object(result: dict, default_policy: str):

@@ -23,20 +23,13 @@ import tensorflow as tf
 from tensorflow.python.framework import op_callbacks
 
 from mpprof.backends.layer_records import variable_path
-from mpprof.backends.patching import Patches
 from mpprof.backends.replay_candidates import layer_tree, policies_applied
 
 # A layer's input cast runs in its `__call__`, just before its `call`: an
-# offending Cast right before a layer's call is that layer's.
-from mpprof.replay.search import (
-    BETWEEN_LAYERS,
-    LOSS,
-    Offender,
-    PassResult,
-    abs_max,
-    problem,
-    subtree,
-)
+# offending Cast right before a layer's call is that layer's
+# (`mpprof.backends.replay_watch.LayerWatch`).
+from mpprof.backends.replay_watch import LayerWatch, pass_policies
+from mpprof.replay.search import BETWEEN_LAYERS, LOSS, PassResult, abs_max, problem
 
 # Ops mpprof's own taps run: never the offender.
 _OWN_OPS = {"Identity", "IdentityN"}
@@ -60,10 +53,8 @@ def run_pass(model, batch, loss_scale: float, float32_layers: Iterable[str] | No
         model_policy: the model's own policy for this pass.
     """
     tree = layer_tree(model)
-    wanted = {n: "float32" for name in (float32_layers or ()) for n in subtree(tree, name)}
-    wanted.update(policies or {})
-    if all_float32:
-        wanted, model_policy = dict.fromkeys(tree, "float32"), "float32"
+    wanted, model_policy = pass_policies(tree, float32_layers, policies, all_float32,
+                                         model_policy)
     # What a pass changes besides the weights is put back after it: moving
     # statistics, and the loss trackers `compute_loss` updates (a NaN left
     # there would be read by every later pass; the first pass creates them).
@@ -81,27 +72,15 @@ def run_pass(model, batch, loss_scale: float, float32_layers: Iterable[str] | No
             metric.reset_state()
 
 
-class _Watch:
+class _Watch(LayerWatch):
     """The layer wrappers and the op callback of one pass."""
 
     def __init__(self, tree: dict[str, object]):
-        self._tree = tree
-        self._stack: list[str] = []
-        self._backward_layer = LOSS
-        self._phase = "forward"
-        self._calls: dict[str, int] = {}
-        self.forward: dict = {}
-        self.backward: dict = {}
-        self.offenders: dict[str, Offender] = {}
-        self._inside = False
-        self._outside = LOSS
-        self._cast_offended = False
-        self._patches = Patches()
+        super().__init__(tree)
         self._callback_added = False
 
     def install(self) -> None:
-        for name, layer in self._tree.items():
-            self._patches.set(layer, "call", self._wrap(name, layer.call))
+        self.install_layers()
         op_callbacks.add_op_callback(self._on_op)
         self._callback_added = True
 
@@ -109,7 +88,7 @@ class _Watch:
         if self._callback_added:
             op_callbacks.remove_op_callback(self._on_op)
             self._callback_added = False
-        self._patches.restore()
+        self.remove_layers()
 
     def run(self, model, batch, loss_scale: float) -> PassResult:
         x, y, sample_weight = batch
@@ -127,31 +106,9 @@ class _Watch:
         by_path = {variable_path(v): _array(g) for v, g in zip(variables, gradients,
                                                                  strict=True)
                    if g is not None}
-        finite = all(bool(np.all(np.isfinite(g))) for g in by_path.values())
-        return PassResult(
-            forward=self.forward, backward=self.backward,
-            offender=self.offenders.get("forward") or self.offenders.get("backward"),
-            forward_clean="forward" not in self.offenders,
-            loss=float(_array(loss)), gradients_finite=finite, gradients=by_path,
-        )
+        return self.result(float(_array(loss)), by_path)
 
-    def _wrap(self, name: str, call):
-        watch = self
-
-        def watched_call(*args, **kwargs):
-            watch._claim_input_cast(name)
-            index = watch._calls.get(name, 0)
-            watch._calls[name] = index + 1
-            watch._stack.append(name)
-            try:
-                outputs = call(*args, **kwargs)
-            finally:
-                watch._stack.pop()
-            return watch._tap(name, index, outputs)
-
-        return watched_call
-
-    def _tap(self, name: str, index: int, outputs):
+    def tap(self, name: str, index: int, outputs):
         flat = tf.nest.flatten(outputs)
         position = next((i for i, t in enumerate(flat)
                          if tf.is_tensor(t) and t.dtype.is_floating), None)
@@ -176,35 +133,22 @@ class _Watch:
             self._inside = False
         return tf.nest.pack_sequence_as(outputs, flat)
 
-    def _claim_input_cast(self, name: str) -> None:
-        """A layer's call begins: an offending Cast just before it was its
-        input cast."""
-        if self._cast_offended:
-            self.offenders["forward"].layer = name
-            self._cast_offended = False
-
     def _on_op(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         if graph is not None or self._inside or op_type in _OWN_OPS \
                 or op_type in _OWN_OPS_BYTES:
             return None
-        self._cast_offended = False
-        phase = self._phase
-        if phase == "done" or phase in self.offenders:
+        phase = self.judged_phase()
+        if phase is None:
             return None
         for output in outputs or ():
             problem = _problem(output)
             if problem is None:
                 continue
-            layer = (self._stack[-1] if self._stack else self._outside) \
-                if phase == "forward" else self._backward_layer
             if isinstance(op_type, bytes):
                 op_type = op_type.decode("utf-8", "replace")
-            self.offenders[phase] = Offender(
-                layer=layer, op=op_type, phase=phase,
-                input_abs_max=[_abs_max(t) for t in inputs or () if _is_float(t)],
-                output=problem, dtype=output.dtype.name,
-            )
-            self._cast_offended = phase == "forward" and op_type == "Cast"
+            self.offend(phase, op_type,
+                        [_abs_max(t) for t in inputs or () if _is_float(t)], problem,
+                        output.dtype.name, cast=op_type == "Cast")
             break
         return None
 

@@ -18,9 +18,11 @@ What differs from TensorFlow (`mpprof.backends.tensorflow.backend`) and JAX
   (the precision inventory) and on sampled calls (the per-layer numerics:
   tensor hooks on the layers' outputs, `numerics_taps`);
 - float8 scales and amax histories are read from the variables, which hold
-  them at all times (`float8`); float8 shares, replay captures and the
-  profile window are not taken yet, and the run context says so
-  (`float8_shares`, `replay_capture`, `kernels`).
+  them at all times (`float8`); a sampled step that went wrong is captured
+  for `mpprof replay` (`replay_capture`; the replay engine is
+  `replay_engine`, a `TorchDispatchMode` watching every aten op); float8
+  shares and the profile window are not taken yet, and the run context says
+  so (`float8_shares`, `kernels`).
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ class TorchBackend(Keras3Backend):
         # numerics collector, once made (each registers itself here).
         self.layer_patch: LayerCallPatch | None = None
         self.numerics: NumericsTaps | None = None
+        # The replay capture, while one is on (it registers itself).
+        self.replay: replay_capture.ReplayCapture | None = None
 
     @property
     def numerics_taps(self):

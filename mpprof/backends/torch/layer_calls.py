@@ -1,6 +1,6 @@
 """The wrapping of every layer's call on PyTorch: the shared wrapper
 (`mpprof.backends.layer_call_patch`) with JAX's cast memory
-(`mpprof.backends.jax.layer_calls`, framework-free), switched by `active`.
+(`mpprof.backends.layer_casts`, shared with JAX), switched by `active`.
 On JAX the hooks run while the step is traced, once; on PyTorch every step
 calls the wrappers, so their hooks (and the cast memory) run only while the
 patch is `active` (the first call, which fills the precision inventory, and
@@ -12,15 +12,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from mpprof.backends import layer_call_patch
-from mpprof.backends.jax import layer_calls
-from mpprof.backends.jax.layer_calls import cast_source, clear_casts
+from mpprof.backends import layer_call_patch, layer_casts
+from mpprof.backends.layer_casts import cast_source, clear_casts
 
 __all__ = ["LayerCallPatch", "cast_source", "clear_casts"]
 
 
-class LayerCallPatch(layer_calls.LayerCallPatch):
-    """As `mpprof.backends.jax.layer_calls.LayerCallPatch`, with `active`.
+class LayerCallPatch(layer_casts.LayerCallPatch):
+    """As `mpprof.backends.layer_casts.LayerCallPatch`, with `active`.
 
     Args:
         model: the model.
@@ -43,7 +42,7 @@ class LayerCallPatch(layer_calls.LayerCallPatch):
         if not callable(convert) or id(policy) in self._policies:
             return
         self._policies.add(id(policy))
-        casts = layer_calls._CASTS
+        casts = layer_casts._CASTS
 
         def convert_input(x, *args, **kwargs):
             y = convert(x, *args, **kwargs)

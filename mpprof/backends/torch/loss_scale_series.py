@@ -2,21 +2,21 @@
 
 The step's host counters (`mpprof.backends.torch.step_state`) hold each
 overflow and growth in the optimizer's ring, in the JAX backend's layout, so
-the series is JAX's (`mpprof.backends.jax.loss_scale_series`, which imports
-no framework); only its reads of the variables before the fit's first step
-differ: a PyTorch variable may live on a GPU.
+the series is JAX's (`mpprof.backends.step_state_series`, shared); only its
+reads of the variables before the fit's first step differ: a PyTorch variable
+may live on a GPU.
 """
 
 from __future__ import annotations
 
-from mpprof.backends.jax import loss_scale_series
+from mpprof.backends import step_state_series
 from mpprof.backends.optimizer_usage import applied_steps
 from mpprof.backends.torch.step_state import host_value
 
 
-class LossScaleSeries(loss_scale_series.LossScaleSeries):
+class LossScaleSeries(step_state_series.LossScaleSeries):
     """Records one LossScaleOptimizer's scale from the step's host counters
-    (arguments: as `mpprof.backends.jax.loss_scale_series.LossScaleSeries`)."""
+    (arguments: as `mpprof.backends.step_state_series.LossScaleSeries`)."""
 
     mode = "host_counters"
 

@@ -1,18 +1,18 @@
 """The loss scale of every LossScaleOptimizer a PyTorch train step uses, one
-series each: the JAX backend's collector (`mpprof.backends.jax.loss_scales`,
-which imports no framework), over the step's host counters
+series each: the JAX backend's collector (`mpprof.backends.step_state_loss_scales`,
+shared), over the step's host counters
 (`mpprof.backends.torch.step_state`), whose interface is JAX's step state's.
 """
 
 from __future__ import annotations
 
-from mpprof.backends.jax.loss_scales import LossScales
 from mpprof.backends.optimizer_usage import applied_steps
+from mpprof.backends.step_state_loss_scales import LossScales
 from mpprof.backends.torch.step_state import host_value
 
 
 class TorchLossScales(LossScales):
-    """As `mpprof.backends.jax.loss_scales.LossScales`; an optimizer's steps
+    """As `mpprof.backends.step_state_loss_scales.LossScales`; an optimizer's steps
     before the fit's first are read from its variables, wherever they live."""
 
     def step_of(self, use) -> int | None:

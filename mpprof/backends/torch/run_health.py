@@ -3,8 +3,8 @@
 The loss is checked from the step's host counters
 (`mpprof.backends.torch.step_state`: every step's loss kept and checked at
 the next read, exact to the step), so the collector and the loss watch are
-the JAX backend's (`mpprof.backends.jax.run_health`, framework-free but for
-the weight check). The weights are checked at epoch ends and when fit ends:
+the JAX backend's (`mpprof.backends.step_state_health`, shared; the weight
+check is each backend's). The weights are checked at epoch ends and when fit ends:
 on PyTorch the variables hold them at all times.
 """
 
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from mpprof.backends.jax import run_health
-from mpprof.backends.jax.run_health import LossWatch
+from mpprof.backends import step_state_health
 from mpprof.backends.layer_records import variable_path
+from mpprof.backends.step_state_health import LossWatch
 
 __all__ = ["LossWatch", "RunHealth"]
 
 
-class RunHealth(run_health.RunHealth):
+class RunHealth(step_state_health.RunHealth):
     """The loss watch of the step, and the weight check (arguments: as
     `mpprof.backends.tensorflow.run_health.RunHealth`)."""
 

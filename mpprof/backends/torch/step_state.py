@@ -48,6 +48,20 @@ def host_value(variable) -> float:
         value, torch.Tensor) else float(np.asarray(value))
 
 
+def host_array(value) -> np.ndarray:
+    """A tensor (or Keras variable, or array) on the host as a NumPy array,
+    in a dtype NumPy has (bfloat16 as float32). Directly: Keras'
+    `convert_to_numpy` goes through `np.array(tensor)`, which NumPy 2 warns
+    about for torch tensors."""
+    value = getattr(value, "value", value)
+    if not isinstance(value, torch.Tensor):
+        return np.asarray(value)
+    value = value.detach()
+    if value.dtype == torch.bfloat16:
+        value = value.float()
+    return value.cpu().numpy()
+
+
 @dataclass
 class _Block:
     """One followed optimizer's counts and, under loss scaling, its event ring
@@ -250,6 +264,12 @@ class StepState:
         """(events written so far, a copy of the ring [capacity, 4])."""
         block = self._block(optimizer)
         return block.events, block.ring.copy()
+
+    def primary_counts(self) -> tuple[int, int, float]:
+        """The primary optimizer's (applied, skipped, scale) so far (a
+        replay capture dates its step by them)."""
+        block = self._primary_block()
+        return (0, 0, 1.0) if block is None else (block.applied, block.skipped, block.scale)
 
     def all_skipped(self) -> int:
         return sum(block.skipped for block in self._blocks.values())

@@ -107,7 +107,12 @@ class TrainFunctions:
         self._first = False
         numerics = self._backend.numerics
         numerics.begin_sample()
+        replay = self._backend.replay  # the replay capture, when one is on
+        if replay is not None:
+            replay.before_sampled(data)
         logs = self._hooked(data, on_abort)
+        if replay is not None:
+            replay.after_sampled()
         try:
             numerics.end_sample()
         except Exception as error:  # noqa: BLE001 - mpprof's failure must not stop fit

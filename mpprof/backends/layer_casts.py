@@ -1,8 +1,11 @@
-"""The wrapping of every layer's call on JAX: the shared wrapper
-(`mpprof.backends.layer_call_patch`; its hooks run while `jax.jit` traces the
-step, once per traced function, so they cost nothing per step), and the casts
-each layer's dtype policy makes, remembered so that the precision tracer
-finds the layer a cast input came from (`cast_source`).
+"""The wrapping of every layer's call on the Keras 3 backends that run the
+step in Python (JAX, PyTorch): the shared wrapper
+(`mpprof.backends.layer_call_patch`), and the casts each layer's dtype
+policy makes, remembered so that the precision tracer finds the layer a cast
+input came from (`cast_source`). JAX uses it as it is (its hooks run while
+`jax.jit` traces the step, once per traced function, so they cost nothing
+per step); PyTorch switches it on only for the calls that need it
+(`mpprof.backends.torch.layer_calls`). Imports no framework.
 """
 
 from __future__ import annotations

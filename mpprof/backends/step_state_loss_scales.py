@@ -1,7 +1,10 @@
-"""The loss scale of every LossScaleOptimizer a JAX train step uses, one
-series each.
+"""The loss scale of every LossScaleOptimizer a train step uses, one series
+each, from a step state that counts each optimizer's steps (JAX's in-step
+table, `mpprof.backends.jax.step_state`, and PyTorch's host counters,
+`mpprof.backends.torch.step_state`, which keeps its interface; this module
+imports no framework, and is the JAX backend's `LossScales` as it is).
 
-Each optimizer the step may apply is followed through its `stateless_apply`
+On JAX, each optimizer the step may apply is followed through its `stateless_apply`
 (`mpprof.backends.jax.step_state`), wherever the step keeps its variables:
 the compiled optimizer's in Keras' `state[2]`, a GAN's `g_opt` and `d_opt`
 wherever its author put them. As on TensorFlow, once the step was traced

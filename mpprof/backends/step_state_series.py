@@ -1,4 +1,7 @@
-"""The loss scale of a Keras 3 LossScaleOptimizer on JAX, exact to the step.
+"""The loss scale of a Keras 3 LossScaleOptimizer, exact to the step, from a
+step state's ring of its events (JAX's in-step table; PyTorch's host
+counters keep its layout and subclass this: `mpprof.backends.torch.loss_scale_series`).
+Imports no framework.
 
 On JAX the optimizer runs `stateless_apply`: a skipped step leaves the apply
 count alone and halves the scale, inside the jitted step, with no Python

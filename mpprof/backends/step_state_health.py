@@ -1,4 +1,7 @@
-"""The HEALTH record on JAX: is the loss finite, are the weights finite.
+"""The HEALTH record from a step state that checks the loss (JAX's in-step
+table; PyTorch's host counters, whose backend subclasses this:
+`mpprof.backends.torch.run_health`): is the loss finite, are the weights
+finite. Imports no framework.
 
 Keras' JAX train step hands its unscaled loss to the model's
 `_update_metrics_variables` (outside the gradient trace), and a custom
