@@ -326,11 +326,3 @@ def _inside_recurrent(tree: dict[str, object]) -> set[str]:
     recurrent = [name for name, layer in tree.items()
                  if any(cls.__name__ == "RNN" for cls in type(layer).__mro__)]
     return {name for name in tree for r in recurrent if name.startswith(r + "/")}
-
-
-def policy_map_object(result: dict, default_policy: str):
-    """The result's fix as a `keras.dtype_policies.DTypePolicyMap`."""
-    policy_map = keras.dtype_policies.DTypePolicyMap(default_policy=default_policy)
-    for path, policy in result["policy_map"].items():
-        policy_map[path] = policy
-    return policy_map

@@ -116,11 +116,3 @@ class Engine(replay_candidates.CandidateEngine):
         # A new function: traced with the trial's policies and optimizer.
         return replay_candidates.counted_trial_step(self.model, optimizer,
                                                     tf.function(self.model.train_step))
-
-
-def policy_map_object(result: dict, default_policy: str):
-    """The result's fix as a `keras.dtype_policies.DTypePolicyMap`."""
-    policy_map = keras.dtype_policies.DTypePolicyMap(default_policy=default_policy)
-    for path, policy in result["policy_map"].items():
-        policy_map[path] = policy
-    return policy_map
