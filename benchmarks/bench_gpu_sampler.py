@@ -5,7 +5,7 @@ figures are the Python side of the sampler (pynvml's wrappers, ctypes, the
 ring buffer); a real driver adds its own call latency (microseconds per
 query; GPM metric computation somewhat more).
 
-    .venv/bin/python benchmarks/bench_gpu_sampler.py [--repeats 7] [--steps 96]
+    .venv/bin/python benchmarks/bench_gpu_sampler.py [--repeats 7] [--steps 96] [--rounds 2000]
 
 Part 1 times `GpuSampler.sample_round()` for 1 GPU (GPM), 1 GPU (basic) and
 8 GPUs (GPM), and the CPU share that costs at the default and minimum
@@ -91,13 +91,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=2048, help="train steps per fit")
+    parser.add_argument("--rounds", type=int, default=2000,
+                        help="sampling rounds per timed batch of part 1 (5 batches)")
     parser.add_argument("--policy", default="mixed_bfloat16")
     parser.add_argument("--log-dir", default="/tmp/mpprof_bench_gpu")
     parser.add_argument("--tf-threads", type=int, default=1,
                         help="TensorFlow intra/inter-op threads (0: TF's default); "
                         "1 keeps spinning thread pools from drowning the figures "
                         "on a shared machine")
-    args = tiny.parse_args(parser, argv, repeats=1, steps=16)
+    args = tiny.parse_args(parser, argv, repeats=1, steps=16, rounds=20)
     if args.tf_threads:
         import tensorflow as tf
 
@@ -111,7 +113,7 @@ def main(argv=None) -> int:
         ("1 GPU, basic", [fake_nvml.ampere_gpu()]),
         ("8 GPUs, gpm", [hopper(uuid=f"GPU-{i}") for i in range(8)]),
     ):
-        cost = time_rounds(gpus)
+        cost = time_rounds(gpus, args.rounds)
         print(f"  {label:14} {cost:8.1f} us per round = "
               f"{cost / 1e6 / gpu.DEFAULT_INTERVAL_S:.4%} of one core at "
               f"{gpu.DEFAULT_INTERVAL_S} s, "
