@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
+from collections.abc import Iterable
 
 from mpprof.backends import REGISTRY, load
 from mpprof.records import filesystem
@@ -142,6 +144,66 @@ def summarize_kernel_stats(
             "kernels (e.g. cutlass3x_sm90_tensorop_*) can be missed"
         ),
     }
+
+
+def kernel_stats_of_launches(launches: Iterable[tuple[str, str, float]]) -> list[dict]:
+    """XProf's kernel_stats rows for GPU kernels another profiler recorded,
+    so that XProf's kernel-name heuristic decides which use Tensor Cores
+    for every backend (one classifier, XProf's).
+
+    The launches become a synthetic XSpace (one NVIDIA GPU plane, a kernel
+    event per launch carrying its op), converted in a scratch directory
+    (XProf writes cache files next to a trace).
+
+    Args:
+        launches: `(kernel name, op name, duration in us)` per launch.
+
+    Raises:
+        KernelStatsError: xprof, or the XSpace proto it reads, is missing,
+            or XProf cannot convert the launches.
+    """
+    try:
+        from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    except ImportError as e:
+        raise KernelStatsError(
+            f"the XSpace proto is not importable ({e}): XProf classifies the kernels "
+            "from it; pip install tensorflow, or read the trace in TensorBoard's "
+            "profile tab"
+        ) from e
+    space = xplane_pb2.XSpace()
+    plane = space.planes.add(id=1, name="/device:GPU:0")
+    stat_ids: dict[str, int] = {}
+
+    def stat(name: str) -> int:
+        if name not in stat_ids:
+            stat_ids[name] = len(stat_ids) + 1
+            plane.stat_metadata[stat_ids[name]].id = stat_ids[name]
+            plane.stat_metadata[stat_ids[name]].name = name
+        return stat_ids[name]
+
+    # XProf applies its Tensor Core heuristic to NVIDIA planes only.
+    plane.stats.add(metadata_id=stat("device_vendor")).str_value = "Nvidia"
+    line = plane.lines.add(id=1, name="Stream #1")
+    kernel_ids: dict[str, int] = {}
+    offset_ps = 0
+    for kernel, op, duration_us in launches:
+        if kernel not in kernel_ids:
+            kernel_ids[kernel] = len(kernel_ids) + 1
+            plane.event_metadata[kernel_ids[kernel]].id = kernel_ids[kernel]
+            plane.event_metadata[kernel_ids[kernel]].name = kernel
+        duration_ps = round(duration_us * 1e6)
+        event = line.events.add(metadata_id=kernel_ids[kernel], offset_ps=offset_ps,
+                                duration_ps=duration_ps)
+        offset_ps += duration_ps
+        # (XProf keys its rows by the launch shape too; one shape for all.)
+        event.stats.add(metadata_id=stat("kernel_details")).str_value = (
+            "regs:0 static_shmem:0 dynamic_shmem:0 grid:1,1,1 block:1,1,1")
+        event.stats.add(metadata_id=stat("tf_op")).str_value = op
+    with tempfile.TemporaryDirectory(prefix="mpprof-kernels-") as scratch:
+        path = os.path.join(scratch, "launches.xplane.pb")
+        with open(path, "wb") as f:
+            f.write(space.SerializeToString())
+        return _kernel_stats_rows([path])
 
 
 def layer_of(op_name: str) -> str:
