@@ -1,13 +1,14 @@
 """Device check of the PyTorch backend, in one script, figures to one JSON file.
 
-Trains, with `MixedPrecisionProfiler` at its defaults (NVML sampler on), the
-seed model (784-256-10 MLP), the small CNN and a small transformer, each
-under mixed_float16 and mixed_bfloat16; reads back each run (steps, skipped
-steps, numerics samples, NVML Tensor Core and SM utilisation medians, the
-Tensor Core share of the `profile_steps` window's CUDA kernels, a
-torch.profiler trace classified by XProf's kernel-name heuristic); runs `mpprof diagnose` on the whole log_dir; trains the seed overflow
-model (a third Dense whose float16 product passes 65504), replays its
-capture with the PyTorch engine and checks the verdict (layer d3, the map
+Trains, with `MixedPrecisionProfiler` at its defaults (NVML sampler on) and a
+`profile_steps` window, the seed model (784-256-10 MLP), the small CNN and a
+small transformer, each under mixed_float16 and mixed_bfloat16; reads back
+each run (steps, skipped steps, numerics samples, NVML Tensor Core and SM
+utilisation medians, the Tensor Core share of the window's CUDA kernels: a
+torch.profiler trace classified by XProf's kernel-name heuristic); runs
+`mpprof diagnose` on the whole log_dir; trains the seed overflow model (a
+third Dense whose float16 product passes 65504), replays its capture with
+the PyTorch engine and checks the verdict (layer d3, the map
 {third_dense/d3: float32}, verified; the op is the device's: `mm`/`addmm` on
 a GPU, the cast of the float32 product on a CPU); measures the paired
 overhead of the profiler on the seed model and the CNN
