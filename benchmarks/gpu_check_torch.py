@@ -19,8 +19,8 @@ tests/test_benchmarks.py: the same code path, tiny sizes).
     python benchmarks/gpu_check_torch.py --out gpu_check_torch.json
     python benchmarks/gpu_check_torch.py --tiny --out /tmp/smoke.json
 
-Exit status 0 when every run recorded its steps, the diagnosis ran and the
-replay gave the expected verdict.
+Exit status 0 when every run recorded its steps and traced its window, the
+diagnosis ran and the replay gave the expected verdict.
 """
 
 from __future__ import annotations
