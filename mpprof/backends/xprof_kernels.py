@@ -159,51 +159,67 @@ def kernel_stats_of_launches(launches: Iterable[tuple[str, str, float]]) -> list
         launches: `(kernel name, op name, duration in us)` per launch.
 
     Raises:
-        KernelStatsError: xprof, or the XSpace proto it reads, is missing,
-            or XProf cannot convert the launches.
+        KernelStatsError: xprof is missing, or cannot convert the launches.
     """
-    try:
-        from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    except ImportError as e:
-        raise KernelStatsError(
-            f"the XSpace proto is not importable ({e}): XProf classifies the kernels "
-            "from it; pip install tensorflow, or read the trace in TensorBoard's "
-            "profile tab"
-        ) from e
-    space = xplane_pb2.XSpace()
-    plane = space.planes.add(id=1, name="/device:GPU:0")
-    stat_ids: dict[str, int] = {}
+    with tempfile.TemporaryDirectory(prefix="mpprof-kernels-") as scratch:
+        path = os.path.join(scratch, "launches" + _XPLANE_SUFFIX)
+        with open(path, "wb") as f:
+            f.write(_xspace(launches))
+        return _kernel_stats_rows([path])
 
-    def stat(name: str) -> int:
-        if name not in stat_ids:
-            stat_ids[name] = len(stat_ids) + 1
-            plane.stat_metadata[stat_ids[name]].id = stat_ids[name]
-            plane.stat_metadata[stat_ids[name]].name = name
-        return stat_ids[name]
 
-    # XProf applies its Tensor Core heuristic to NVIDIA planes only.
-    plane.stats.add(metadata_id=stat("device_vendor")).str_value = "Nvidia"
-    line = plane.lines.add(id=1, name="Stream #1")
+# The XSpace of `kernel_stats_of_launches`, in protobuf's wire format
+# (tsl/profiler/protobuf/xplane.proto's field numbers): its proto ships with
+# TensorFlow only, which a PyTorch or JAX install need not have.
+_STAT_IDS = {"device_vendor": 1, "kernel_details": 2, "tf_op": 3}
+# (XProf keys its rows by the launch shape too: one shape for all.)
+_KERNEL_DETAILS = "regs:0 static_shmem:0 dynamic_shmem:0 grid:1,1,1 block:1,1,1"
+
+
+def _xspace(launches: Iterable[tuple[str, str, float]]) -> bytes:
+    def stat(name: str, text: str) -> bytes:  # XStat {metadata_id, str_value}
+        return _field(1, _STAT_IDS[name]) + _field(5, text)
+
     kernel_ids: dict[str, int] = {}
+    events = bytearray()
     offset_ps = 0
     for kernel, op, duration_us in launches:
-        if kernel not in kernel_ids:
-            kernel_ids[kernel] = len(kernel_ids) + 1
-            plane.event_metadata[kernel_ids[kernel]].id = kernel_ids[kernel]
-            plane.event_metadata[kernel_ids[kernel]].name = kernel
+        kernel_id = kernel_ids.setdefault(kernel, len(kernel_ids) + 1)
         duration_ps = round(duration_us * 1e6)
-        event = line.events.add(metadata_id=kernel_ids[kernel], offset_ps=offset_ps,
-                                duration_ps=duration_ps)
+        # XEvent {metadata_id, offset_ps, duration_ps, stats}
+        events += _field(4, _field(1, kernel_id) + _field(2, offset_ps)
+                         + _field(3, duration_ps)
+                         + _field(4, stat("kernel_details", _KERNEL_DETAILS))
+                         + _field(4, stat("tf_op", op)))
         offset_ps += duration_ps
-        # (XProf keys its rows by the launch shape too; one shape for all.)
-        event.stats.add(metadata_id=stat("kernel_details")).str_value = (
-            "regs:0 static_shmem:0 dynamic_shmem:0 grid:1,1,1 block:1,1,1")
-        event.stats.add(metadata_id=stat("tf_op")).str_value = op
-    with tempfile.TemporaryDirectory(prefix="mpprof-kernels-") as scratch:
-        path = os.path.join(scratch, "launches.xplane.pb")
-        with open(path, "wb") as f:
-            f.write(space.SerializeToString())
-        return _kernel_stats_rows([path])
+    # XPlane {id, name, lines, event_metadata, stat_metadata, stats}; a map
+    # entry is {key, value}. XProf applies its Tensor Core heuristic to
+    # NVIDIA planes only.
+    plane = (_field(1, 1) + _field(2, "/device:GPU:0")
+             + _field(3, _field(1, 1) + _field(2, "Stream #1") + bytes(events)))
+    for number, ids in ((4, kernel_ids), (5, _STAT_IDS)):
+        for name, metadata_id in ids.items():
+            plane += _field(number, _field(1, metadata_id)
+                            + _field(2, _field(1, metadata_id) + _field(2, name)))
+    plane += _field(6, stat("device_vendor", "Nvidia"))
+    return _field(1, plane)  # XSpace {planes}
+
+
+def _field(number: int, value: int | str | bytes) -> bytes:
+    """One protobuf field: a varint, or a length-delimited string or message."""
+    if isinstance(value, int):
+        return _varint(number << 3) + _varint(value)
+    data = value.encode() if isinstance(value, str) else value
+    return _varint(number << 3 | 2) + _varint(len(data)) + data
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def layer_of(op_name: str) -> str:
@@ -253,7 +269,7 @@ def _kernel_stats_rows(paths: list[str]) -> list[dict]:
     except ImportError as e:
         raise KernelStatsError(
             f'xprof is not installed ({e}): pip install "xprof>=2.20" (it comes with '
-            "the mpprof[jax] and mpprof[tensorflow] extras)"
+            "the mpprof[tensorflow], mpprof[jax] and mpprof[torch] extras)"
         ) from e
     try:
         data, _ = raw_to_tool_data.xspace_to_tool_data(paths, "kernel_stats", {})
