@@ -79,6 +79,19 @@ def test_a_window_beyond_the_fit_never_opens(tmp_path):
     assert not os.path.exists(os.path.join(run.path, "plugins"))
 
 
+def test_a_window_cut_short_by_the_fit_closes_with_its_last_step(tmp_path):
+    x, y = jax_runs.classes()  # 8 steps: 0-7
+    run = jax_runs.fit(tmp_path, jax_runs.classifier("float32"), x, y, profile_steps=(6, 20))
+    entry = run.context["collectors"]["kernels"]
+    assert entry["state"] == "ok" and entry["traced_steps"] == [6, 7]
+    assert "cut short" in entry["reason"]
+    [trace] = glob.glob(os.path.join(entry["source"], "*.pt.trace.json"))
+    with open(trace) as f:
+        names = {e["name"] for e in json.load(f)["traceEvents"]}
+    assert sorted(n for n in names if n.startswith("ProfilerStep#")) == [
+        "ProfilerStep#6", "ProfilerStep#7"]
+
+
 # --- The share over CUDA kernel events, as torch.profiler's Chrome trace holds them.
 
 def op(name, external_id):

@@ -69,6 +69,10 @@ class ProfileWindow(profile_window.ProfileWindow):
         self._profile = profile
 
     def _stop_profiler(self) -> None:
+        # A range still open here is that of a step the fit ended before
+        # (`after_steps` closes the ranges of the steps that ran): it holds
+        # the fit's end, no step, and leaves the trace.
+        unrun = self._step_range.name if self._step_range is not None else None
         self._close_step_range()
         profile, self._profile = self._profile, None
         if profile is None:
@@ -78,8 +82,11 @@ class ProfileWindow(profile_window.ProfileWindow):
             local = os.path.join(scratch, "trace.json")
             profile.export_chrome_trace(local)
             with open(local, "rb") as f:
-                data = f.read()
-        self._events = json.loads(data).get("traceEvents", [])
+                trace = json.load(f)
+        trace["traceEvents"] = self._events = [
+            event for event in trace.get("traceEvents", [])
+            if not (event.get("cat") == "user_annotation" and event.get("name") == unrun)]
+        data = json.dumps(trace).encode()
         session = filesystem.join(self.run_dir, "plugins", "profile",
                                   time.strftime("%Y_%m_%d_%H_%M_%S"))
         filesystem.makedirs(session)
