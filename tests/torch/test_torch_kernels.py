@@ -143,6 +143,9 @@ def test_the_share_is_xprofs_over_the_kernel_time(monkeypatch):
     assert share["no_gpu_kernels"] is False and share["source"] == "session"
     assert share["total_gpu_kernel_us"] == 279.0 and share["tensor_core_us"] == 150.0
     assert share["tensor_core_share"] == pytest.approx(150 / 279)
+    # Which aten ops could have used Tensor Cores XProf cannot say: unknown, not 0.
+    assert share["eligible_us"] is None and share["eligible_not_using_us"] is None
+    assert share["top_ops"] == [] and "aten" in share["eligibility"]
 
 
 def test_a_trace_without_kernels_has_no_share():

@@ -13,7 +13,8 @@ The Tensor Core share is XProf's over the trace's CUDA kernels
 (`xprof_kernels.kernel_stats_of_launches`: XProf's kernel-name heuristic
 decides, as on TensorFlow and JAX), each kernel attributed to the aten op
 that launched it. XProf knows no aten op's Tensor Core eligibility, so the
-eligible-but-not-using ops (`top_ops`) stay empty on PyTorch. A trace
+eligible time is None and the eligible-but-not-using ops (`top_ops`) stay
+empty on PyTorch (the record's "eligibility" says so). A trace
 without CUDA kernels (a CPU-only run) records "no GPU kernels", never 0%.
 """
 
@@ -134,4 +135,14 @@ def tensor_core_share(trace_events: Iterable[dict], *, source: str) -> dict:
     """
     launches = kernel_launches(trace_events)
     rows = xprof_kernels.kernel_stats_of_launches(launches) if launches else []
-    return xprof_kernels.summarize_kernel_stats(rows, source=source)
+    share = xprof_kernels.summarize_kernel_stats(rows, source=source)
+    if not share["no_gpu_kernels"]:
+        # XProf judges an op eligible by its TensorFlow or XLA op type, and
+        # names no aten op's: unknown, not 0 us.
+        share.update(eligible_us=None, eligible_not_using_us=None, top_ops=[],
+                     eligibility=ELIGIBILITY_UNKNOWN)
+    return share
+
+
+ELIGIBILITY_UNKNOWN = ("XProf knows no aten op's Tensor Core eligibility: the time in "
+                       "eligible ops that did not use Tensor Cores is not known on PyTorch")
