@@ -1,13 +1,14 @@
 """Device check of the PyTorch backend, in one script, figures to one JSON file.
 
-Trains, with `MixedPrecisionProfiler` at its defaults (NVML sampler on), the
-seed model (784-256-10 MLP), the small CNN and a small transformer, each
-under mixed_float16 and mixed_bfloat16; reads back each run (steps, skipped
-steps, numerics samples, NVML Tensor Core and SM utilisation medians, what
-the run context says of the profile window, which PyTorch does not trace
-yet); runs `mpprof diagnose` on the whole log_dir; trains the seed overflow
-model (a third Dense whose float16 product passes 65504), replays its
-capture with the PyTorch engine and checks the verdict (layer d3, the map
+Trains, with `MixedPrecisionProfiler` at its defaults (NVML sampler on) and a
+`profile_steps` window, the seed model (784-256-10 MLP), the small CNN and a
+small transformer, each under mixed_float16 and mixed_bfloat16; reads back
+each run (steps, skipped steps, numerics samples, NVML Tensor Core and SM
+utilisation medians, the Tensor Core share of the window's CUDA kernels: a
+torch.profiler trace classified by XProf's kernel-name heuristic); runs
+`mpprof diagnose` on the whole log_dir; trains the seed overflow model (a
+third Dense whose float16 product passes 65504), replays its capture with
+the PyTorch engine and checks the verdict (layer d3, the map
 {third_dense/d3: float32}, verified; the op is the device's: `mm`/`addmm` on
 a GPU, the cast of the float32 product on a CPU); measures the paired
 overhead of the profiler on the seed model and the CNN
@@ -18,8 +19,8 @@ tests/test_benchmarks.py: the same code path, tiny sizes).
     python benchmarks/gpu_check_torch.py --out gpu_check_torch.json
     python benchmarks/gpu_check_torch.py --tiny --out /tmp/smoke.json
 
-Exit status 0 when every run recorded its steps, the diagnosis ran and the
-replay gave the expected verdict.
+Exit status 0 when every run recorded its steps and traced its window, the
+diagnosis ran and the replay gave the expected verdict.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def train(log_dir: str, name: str, policy: str, sizes: dict) -> dict:
     start = time.perf_counter()
     model.fit(x, y, batch_size=sizes["batch"], epochs=sizes["epochs"], verbose=0,
               callbacks=[mpprof.MixedPrecisionProfiler(
-                  run_dir, numerics_every=sizes["numerics_every"])])
+                  run_dir, numerics_every=sizes["numerics_every"],
+                  profile_steps=sizes["profile_steps"])])
     seconds = time.perf_counter() - start
     run = reader.read_run(run_dir, "train")
     figures = {"model": name, "policy": policy, "fit_seconds": seconds,
@@ -88,6 +90,9 @@ def train(log_dir: str, name: str, policy: str, sizes: dict) -> dict:
                "numerics_samples": len(run.numerics.steps) if run.numerics else 0,
                "gpu_mode": run.gpu.mode if run.gpu else None,
                "kernels": run.context["collectors"].get("kernels"),
+               "tensor_core_share": {key: (run.gpu.kernels or {}).get(key) if run.gpu else None
+                                     for key in ("tensor_core_share", "no_gpu_kernels",
+                                                 "total_gpu_kernel_us", "tensor_core_us")},
                "hardware": {key: run.context.get("hardware", {}).get(key)
                             for key in ("gpus_visible", "reason")}}
     if run.gpu is not None and len(run.gpu.samples):
@@ -126,14 +131,15 @@ def main() -> int:
     args = parser.parse_args()
     if args.tiny:
         sizes = {"samples": 64, "batch": 16, "epochs": 1, "sequence": 8, "vocabulary": 50,
-                 "width": 16, "numerics_every": 2}
+                 "width": 16, "numerics_every": 2, "profile_steps": (1, 2)}
         # One batch of bench_paired_steps_torch's 128, the seed model only
         # (the CNN's is the same code; its float16 convolutions take seconds
         # on a CPU).
         paired = {"block": 1, "rounds": 2, "samples": 128, "models": ("seed",)}
     else:
         sizes = {"samples": 128 * 400, "batch": 128, "epochs": 2, "sequence": 128,
-                 "vocabulary": 8000, "width": 256, "numerics_every": 500}
+                 "vocabulary": 8000, "width": 256, "numerics_every": 500,
+                 "profile_steps": (10, 11)}
         paired = {"block": 16, "rounds": 150, "samples": 8192, "models": ("seed", "cnn")}
     sizes["steps"] = sizes["samples"] // sizes["batch"] * sizes["epochs"]
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="mpprof-gpu-check-torch-")
@@ -165,7 +171,7 @@ def main() -> int:
         json.dump(result, f, indent=2, default=float)
     print(json.dumps({k: result[k] for k in ("device", "seconds")}))
     ok = all(run.get("steps_run") == sizes["steps"] and run["numerics_samples"] >= 1
-             for run in result["runs"])
+             and (run["kernels"] or {}).get("state") == "ok" for run in result["runs"])
     return 0 if ok and result["diagnosis"]["exit"] == 0 and result["replay"][
         "as_expected"] else 1
 

@@ -448,7 +448,7 @@ H100 = {"name": "NVIDIA H100 80GB HBM3", "compute_capability": [9, 0],
 STEP_S = 0.05
 
 
-def _on_h100(tmp_path, logdir, traced_steps=None, kernels=False):
+def _on_h100(tmp_path, logdir, traced_steps=None, kernels=False, eligibility_known=True):
     """The run of `logdir` as if it had trained on an H100 whose sampler saw
     a step every STEP_S, with (`kernels`) a profile window whose trace is
     tests/xplanes.py's kernels, converted by the real XProf (`traced_steps`:
@@ -475,7 +475,10 @@ def _on_h100(tmp_path, logdir, traced_steps=None, kernels=False):
     writer.write_array(schema.GPU_SAMPLES, rows, 7)
     if kernels:
         write_gpu_xspace(tmp_path / "trace" / "2026_01_01_00_00_00")
-        writer.write_json(schema.KERNEL_STATS, tensor_core_share(tmp_path / "trace"), 4)
+        table = tensor_core_share(tmp_path / "trace")
+        if not eligibility_known:  # as PyTorch's window records it (aten ops)
+            table.update(eligible_us=None, eligible_not_using_us=None, top_ops=[])
+        writer.write_json(schema.KERNEL_STATS, table, 4)
     writer.close()
     return reader.read_run(tmp_path, "train")
 
@@ -515,6 +518,10 @@ def test_amdahl_over_the_measured_step_from_xprof_kernel_times(advice, tmp_path)
     assert plain["gemm_share_of_step"] == pytest.approx(plain["gemm_seconds_now"] / STEP_S)
     other = advise_run(run, gpu=gpus.gpu("A100"))["projection"]
     assert other["step_speedup"] is None and other["amdahl_source"] is None
+    # A trace whose ops' eligibility XProf does not know (PyTorch's): the roofline's.
+    unknown = advise_run(_on_h100(tmp_path / "torch", logdir, [2, 3], kernels=True,
+                                  eligibility_known=False))["projection"]
+    assert unknown["amdahl_source"] == projection.AMDAHL_ROOFLINE
 
 
 def test_an_attention_island_keeps_its_projections_float32():

@@ -117,15 +117,8 @@ def test_backend_for_gives_every_factory_the_protocol_declares():
 
 def test_a_fit_runs_every_collector_the_backend_made(fitted):
     collectors = fitted.context["collectors"]
-    for name in ("precision", "loss_scale", "loss_health", "numerics"):
+    for name in ("precision", "loss_scale", "loss_health", "numerics", "kernels"):
         assert collectors[name]["state"] == "ok", (name, collectors[name])
-    # A backend registered without an XProf op-name reader has no window yet
-    # (PyTorch): the run context says so instead of tracing.
-    kernels = collectors["kernels"]
-    if REGISTERED.op_names is None:
-        assert kernels["state"] == "unavailable" and REGISTERED.framework in kernels["reason"]
-    else:
-        assert kernels["state"] == "ok", kernels
     # A backend with a replay engine captures the sampled steps that go
     # wrong (none in this healthy fit); one without says why it does not.
     capture = collectors["replay_capture"]
@@ -229,12 +222,6 @@ def sessions(run_dir) -> list[str]:
 
 
 def test_the_profile_window_records_no_gpu_kernels_on_cpu_not_zero(fitted):
-    if REGISTERED.op_names is None:
-        # No window on this backend yet (PyTorch): nothing traced, said why.
-        assert schema.KERNEL_STATS not in fitted.records
-        entry = fitted.context["collectors"]["kernels"]
-        assert entry["state"] == "unavailable" and "not traced" in entry["reason"]
-        return
     record = fitted.records[schema.KERNEL_STATS][-1]
     assert record.step == 4  # written right after step 3, the window's last
     assert record.value["no_gpu_kernels"] is True
@@ -249,13 +236,7 @@ def test_the_profile_window_records_no_gpu_kernels_on_cpu_not_zero(fitted):
 
 
 def test_a_running_profiler_makes_the_window_step_aside(tmp_path):
-    """The framework's profiler, started by someone else, is left to them
-    (a backend without a window yet has no profiler of its own to start)."""
-    if REGISTERED.op_names is None:
-        window = backends.backend_for(model()).profile_window(0, 0, str(tmp_path))
-        with pytest.raises(NotImplementedError, match=REGISTERED.framework):
-            window._start_profiler(str(tmp_path))
-        return
+    """The framework's profiler, started by someone else, is left to them."""
     other = str(tmp_path / "someone_else")
     someone_else = backends.backend_for(model()).profile_window(0, 0, other)
     someone_else._start_profiler(other)

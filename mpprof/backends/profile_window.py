@@ -63,6 +63,11 @@ class ProfileWindow:
         """Stops tracing and writes the trace."""
         raise NotImplementedError
 
+    def _share(self, trace_dir: str) -> dict:
+        """The Tensor Core share of the trace under `trace_dir` (a backend
+        whose profiler writes no XProf trace reads its own)."""
+        return tensor_core_share(trace_dir)
+
     def _wait_for_device(self) -> None:
         """Returns once the steps dispatched so far have run (a backend whose
         steps run asynchronously waits here, so the trace holds them whole)."""
@@ -192,7 +197,7 @@ class ProfileWindow:
 
     def _convert(self, trace_dir: str) -> dict | None:
         try:
-            self.result = tensor_core_share(trace_dir)
+            self.result = self._share(trace_dir)
         except KernelStatsError as e:
             self.state = "failed"
             self.reason = f"{self.reason}; the trace could not be read: {e}"

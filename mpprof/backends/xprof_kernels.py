@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
+from collections.abc import Iterable
 
 from mpprof.backends import REGISTRY, load
 from mpprof.records import filesystem
@@ -144,6 +146,82 @@ def summarize_kernel_stats(
     }
 
 
+def kernel_stats_of_launches(launches: Iterable[tuple[str, str, float]]) -> list[dict]:
+    """XProf's kernel_stats rows for GPU kernels another profiler recorded,
+    so that XProf's kernel-name heuristic decides which use Tensor Cores
+    for every backend (one classifier, XProf's).
+
+    The launches become a synthetic XSpace (one NVIDIA GPU plane, a kernel
+    event per launch carrying its op), converted in a scratch directory
+    (XProf writes cache files next to a trace).
+
+    Args:
+        launches: `(kernel name, op name, duration in us)` per launch.
+
+    Raises:
+        KernelStatsError: xprof is missing, or cannot convert the launches.
+    """
+    with tempfile.TemporaryDirectory(prefix="mpprof-kernels-") as scratch:
+        path = os.path.join(scratch, "launches" + _XPLANE_SUFFIX)
+        with open(path, "wb") as f:
+            f.write(_xspace(launches))
+        return _kernel_stats_rows([path])
+
+
+# The XSpace of `kernel_stats_of_launches`, in protobuf's wire format
+# (tsl/profiler/protobuf/xplane.proto's field numbers): its proto ships with
+# TensorFlow only, which a PyTorch or JAX install need not have.
+_STAT_IDS = {"device_vendor": 1, "kernel_details": 2, "tf_op": 3}
+# (XProf keys its rows by the launch shape too: one shape for all.)
+_KERNEL_DETAILS = "regs:0 static_shmem:0 dynamic_shmem:0 grid:1,1,1 block:1,1,1"
+
+
+def _xspace(launches: Iterable[tuple[str, str, float]]) -> bytes:
+    def stat(name: str, text: str) -> bytes:  # XStat {metadata_id, str_value}
+        return _field(1, _STAT_IDS[name]) + _field(5, text)
+
+    kernel_ids: dict[str, int] = {}
+    events = bytearray()
+    offset_ps = 0
+    for kernel, op, duration_us in launches:
+        kernel_id = kernel_ids.setdefault(kernel, len(kernel_ids) + 1)
+        duration_ps = round(duration_us * 1e6)
+        # XEvent {metadata_id, offset_ps, duration_ps, stats}
+        events += _field(4, _field(1, kernel_id) + _field(2, offset_ps)
+                         + _field(3, duration_ps)
+                         + _field(4, stat("kernel_details", _KERNEL_DETAILS))
+                         + _field(4, stat("tf_op", op)))
+        offset_ps += duration_ps
+    # XPlane {id, name, lines, event_metadata, stat_metadata, stats}; a map
+    # entry is {key, value}. XProf applies its Tensor Core heuristic to
+    # NVIDIA planes only.
+    plane = (_field(1, 1) + _field(2, "/device:GPU:0")
+             + _field(3, _field(1, 1) + _field(2, "Stream #1") + bytes(events)))
+    for number, ids in ((4, kernel_ids), (5, _STAT_IDS)):
+        for name, metadata_id in ids.items():
+            plane += _field(number, _field(1, metadata_id)
+                            + _field(2, _field(1, metadata_id) + _field(2, name)))
+    plane += _field(6, stat("device_vendor", "Nvidia"))
+    return _field(1, plane)  # XSpace {planes}
+
+
+def _field(number: int, value: int | str | bytes) -> bytes:
+    """One protobuf field: a varint, or a length-delimited string or message."""
+    if isinstance(value, int):
+        return _varint(number << 3) + _varint(value)
+    data = value.encode() if isinstance(value, str) else value
+    return _varint(number << 3 | 2) + _varint(len(data)) + data
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
 def layer_of(op_name: str) -> str:
     """The layer of an op, from its name: each registered backend's
     `op_names.layer_of` reads its own framework's naming (TensorFlow's name
@@ -191,7 +269,7 @@ def _kernel_stats_rows(paths: list[str]) -> list[dict]:
     except ImportError as e:
         raise KernelStatsError(
             f'xprof is not installed ({e}): pip install "xprof>=2.20" (it comes with '
-            "the mpprof[jax] and mpprof[tensorflow] extras)"
+            "the mpprof[tensorflow], mpprof[jax] and mpprof[torch] extras)"
         ) from e
     try:
         data, _ = raw_to_tool_data.xspace_to_tool_data(paths, "kernel_stats", {})

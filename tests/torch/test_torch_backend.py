@@ -222,14 +222,12 @@ def test_an_overflow_arms_a_forensic_sample_of_the_next_step(tmp_path):
     assert run.loss_scale.skipped_steps == 0 and run.numerics is None
 
 
-def test_unavailable_collectors_say_why(tmp_path):
+def test_the_replay_capture_collector_is_on(tmp_path):
     x, y = jax_runs.classes()
-    run = jax_runs.fit(tmp_path, jax_runs.classifier("mixed_float16"), x, y,
-                       profile_steps=(2, 3))
+    run = jax_runs.fit(tmp_path, jax_runs.classifier("mixed_float16"), x, y)
     collectors = run.context["collectors"]
     # Replay captures are taken (tests/torch/test_torch_replay.py): none here.
     assert collectors["replay_capture"] == {"state": "ok", "budget": 2, "captures": []}
-    assert "PyTorch" in json_text(run.context.get("kernels") or collectors.get("kernels"))
 
 
 def json_text(value) -> str:

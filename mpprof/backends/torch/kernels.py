@@ -1,29 +1,148 @@
-"""The profile window of `profile_steps` on PyTorch: not traced yet.
+"""The profile window of `profile_steps` on PyTorch: `torch.profiler`.
 
-TensorFlow and JAX write an XProf trace (`xplane.pb`) that
-`mpprof.backends.xprof_kernels` reads for the Tensor Core kernel share;
-`torch.profiler` writes a Chrome trace of its own, which that reader does
-not parse. The window says so in the run context instead of tracing, and
-training goes on.
+The window's states are every backend's (`mpprof.backends.profile_window`).
+`torch.profiler.profile` traces the CPU, and CUDA where a GPU is visible;
+each traced step (each call, where a call runs several) is a
+`ProfilerStep#<step>` range, named by mpprof's step axis. The trace is a
+Chrome trace, written as
+`RUN_DIR/plugins/profile/<session>/<host>_<pid>.pt.trace.json` beside the
+other backends' XProf sessions: Perfetto, chrome://tracing and PyTorch's
+TensorBoard profiler open it.
+
+The Tensor Core share is XProf's over the trace's CUDA kernels
+(`xprof_kernels.kernel_stats_of_launches`: XProf's kernel-name heuristic
+decides, as on TensorFlow and JAX), each kernel attributed to the aten op
+that launched it. XProf knows no aten op's Tensor Core eligibility, so the
+eligible time is None and the eligible-but-not-using ops (`top_ops`) stay
+empty on PyTorch (the record's "eligibility" says so). A trace
+without CUDA kernels (a CPU-only run) records "no GPU kernels", never 0%.
 """
 
 from __future__ import annotations
 
-from mpprof.backends import profile_window
+import json
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Iterable
 
-NOT_YET = ("profile_steps is not traced on PyTorch yet: torch.profiler writes a Chrome "
-           "trace, which mpprof's XProf reader (the Tensor Core kernel share) does not "
-           "read. Profile with torch.profiler yourself, or train on TensorFlow or JAX")
+import torch
+
+from mpprof.backends import profile_window, xprof_kernels
+from mpprof.records import filesystem
 
 
 class ProfileWindow(profile_window.ProfileWindow):
-    """Says that the window is not traced on PyTorch (arguments: as
-    `mpprof.backends.profile_window.ProfileWindow`)."""
+    """Traces train steps `start`..`stop` with `torch.profiler` (see
+    `mpprof.backends.profile_window.ProfileWindow` for the arguments)."""
 
     framework = "PyTorch"
 
+    def __init__(self, start: int, stop: int, run_dir: str):
+        super().__init__(start, stop, run_dir)
+        self._profile: torch.profiler.profile | None = None
+        self._step_range: torch.profiler.record_function | None = None
+        self._events: list[dict] = []
+        self._session = ""
+
+    def after_steps(self, step: int) -> dict | None:
+        self._close_step_range()
+        result = super().after_steps(step)
+        if self.state == "tracing":
+            self._step_range = torch.profiler.record_function(f"ProfilerStep#{step}")
+            self._step_range.__enter__()
+        return result
+
+    def _wait_for_device(self) -> None:
+        # Kernels run asynchronously: the trace holds the window's steps whole.
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
     def _start_profiler(self, run_dir: str) -> None:
-        raise NotImplementedError(NOT_YET)
+        if torch.autograd._profiler_enabled():
+            raise RuntimeError("a torch.profiler or torch.autograd.profiler is running")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profile = torch.profiler.profile(activities=activities)
+        profile.start()
+        self._profile = profile
 
     def _stop_profiler(self) -> None:
-        """(Never started.)"""
+        # A range still open here is that of a step the fit ended before
+        # (`after_steps` closes the ranges of the steps that ran): it holds
+        # the fit's end, no step, and leaves the trace.
+        unrun = self._step_range.name if self._step_range is not None else None
+        self._close_step_range()
+        profile, self._profile = self._profile, None
+        if profile is None:
+            return
+        profile.stop()
+        with tempfile.TemporaryDirectory(prefix="mpprof-trace-") as scratch:
+            local = os.path.join(scratch, "trace.json")
+            profile.export_chrome_trace(local)
+            with open(local, "rb") as f:
+                trace = json.load(f)
+        trace["traceEvents"] = self._events = [
+            event for event in trace.get("traceEvents", [])
+            if not (event.get("cat") == "user_annotation" and event.get("name") == unrun)]
+        data = json.dumps(trace).encode()
+        session = filesystem.join(self.run_dir, "plugins", "profile",
+                                  time.strftime("%Y_%m_%d_%H_%M_%S"))
+        filesystem.makedirs(session)
+        filesystem.write_bytes(filesystem.join(
+            session, f"{socket.gethostname()}_{os.getpid()}.pt.trace.json"), data)
+        self._session = session
+
+    def _share(self, trace_dir: str) -> dict:
+        return tensor_core_share(self._events, source=self._session)
+
+    def _close_step_range(self) -> None:
+        if self._step_range is not None:
+            step_range, self._step_range = self._step_range, None
+            step_range.__exit__(None, None, None)
+
+
+def kernel_launches(trace_events: Iterable[dict]) -> list[tuple[str, str, float]]:
+    """The CUDA kernels of a `torch.profiler` Chrome trace.
+
+    Args:
+        trace_events: the trace's `traceEvents`.
+
+    Returns:
+        `(kernel name, aten op that launched it, duration in us)` per kernel;
+        a kernel is tied to its op by their shared "External id".
+    """
+    events = list(trace_events)
+    ops = {event["args"]["External id"]: event["name"] for event in events
+           if event.get("cat") == "cpu_op" and "External id" in event.get("args", {})}
+    return [(event["name"], ops.get(event.get("args", {}).get("External id"), "(unknown op)"),
+             float(event.get("dur", 0.0)))
+            for event in events if event.get("cat") == "kernel"]
+
+
+def tensor_core_share(trace_events: Iterable[dict], *, source: str) -> dict:
+    """The `kernels/tensor_core_share` record of a `torch.profiler` trace
+    (`mpprof.backends.xprof_kernels.tensor_core_share` has its fields).
+
+    Args:
+        trace_events: the Chrome trace's `traceEvents`.
+        source: the session directory the trace was written to.
+
+    Raises:
+        KernelStatsError: there are CUDA kernels and XProf cannot classify them.
+    """
+    launches = kernel_launches(trace_events)
+    rows = xprof_kernels.kernel_stats_of_launches(launches) if launches else []
+    share = xprof_kernels.summarize_kernel_stats(rows, source=source)
+    if not share["no_gpu_kernels"]:
+        # XProf judges an op eligible by its TensorFlow or XLA op type, and
+        # names no aten op's: unknown, not 0 us.
+        share.update(eligible_us=None, eligible_not_using_us=None, top_ops=[],
+                     eligibility=ELIGIBILITY_UNKNOWN)
+    return share
+
+
+ELIGIBILITY_UNKNOWN = ("XProf knows no aten op's Tensor Core eligibility: the time in "
+                       "eligible ops that did not use Tensor Cores is not known on PyTorch")
