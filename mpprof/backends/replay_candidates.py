@@ -249,6 +249,16 @@ class CandidateEngine(abc.ABC):
         """Captured batch `batch` with the candidate's input change."""
         return scale_inputs(self.batches[batch], candidate.input_scale)
 
+    def eager_pass(self, run_pass: Callable[..., PassResult], candidate: Candidate,
+                   batch: int, loss_scale: float) -> PassResult:
+        """`run_pass` for an engine whose pass function is TensorFlow's and
+        PyTorch's eager one, `run_pass(model, data, loss_scale,
+        float32_layers, *, policies, model_policy)`."""
+        with repeatable_random_draws(self.tree):
+            return run_pass(self.model, self.pass_data(candidate, batch), loss_scale, None,
+                            policies=self.policies(candidate),
+                            model_policy=candidate.default_policy)
+
     def trial_optimizer(self, candidate: Candidate, loss_scale: float | None = None):
         """A fresh optimizer of the run's config for the candidate's trial
         (`trial_optimizer`), a LossScaleOptimizer's initial scale

@@ -107,10 +107,7 @@ class Engine(replay_candidates.CandidateEngine):
 
     def run_pass(self, candidate: verification.Candidate, batch: int,
                  loss_scale: float) -> search.PassResult:
-        with replay_candidates.repeatable_random_draws(self.tree):
-            return run_pass(self.model, self.pass_data(candidate, batch), loss_scale, None,
-                            policies=self.policies(candidate),
-                            model_policy=candidate.default_policy)
+        return self.eager_pass(run_pass, candidate, batch, loss_scale)
 
     def trial_step(self, optimizer):
         # A new function: traced with the trial's policies and optimizer.
