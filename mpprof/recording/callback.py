@@ -100,8 +100,9 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
             first numerics-sampled step at or after the middle of each of N
             equal parts of the fit (`log_dir/train/advise/step_<N>/`, the
             same files as a replay capture; Keras 3, one replica). 0: none.
-        profile_steps: (start, stop) train steps to capture an XProf trace
-            of, inclusive; after the window mpprof records the share of GPU
+        profile_steps: (start, stop) train steps to trace, inclusive (an
+            XProf trace on TensorFlow and JAX, `torch.profiler`'s on
+            PyTorch); after the window mpprof records the share of GPU
             kernel time spent in Tensor Core kernels. None (default) traces
             nothing. A `keras.callbacks.TensorBoard(profile_batch=...)` in the
             same fit owns the profiler: mpprof reads its trace instead.
@@ -110,7 +111,7 @@ class MixedPrecisionProfiler(keras.callbacks.Callback):
         ValueError: an argument is out of range.
         mpprof.backends.UnsupportedBackendError: Keras runs on a backend
             mpprof has no registration for (`mpprof.backends.REGISTRY`:
-            TensorFlow and JAX).
+            TensorFlow, JAX and PyTorch).
 
     Example:
 
