@@ -22,7 +22,7 @@ import math
 import numpy as np
 
 from mpprof import dtypes
-from mpprof.diagnosis.fix_syntax import FixSyntax
+from mpprof.fix_syntax import FixSyntax
 
 # 16-bit integer data (images, sensors) spans 0..65535: dividing by its full
 # range maps it to [0, 1].

@@ -21,6 +21,7 @@ class _Spelling:
     """What differs by backend (tf-keras, on TensorFlow only, is a row of its
     own). `custom_step` is a template of `{optimizer}`."""
 
+    framework: str  # what must be installed to run the model again
     scaled_step: str
     custom_step: str
     # MP010's advice: how to compile the step (None: it always is) and how to
@@ -47,6 +48,7 @@ _SPELLINGS = {
     # TensorFlow, JAX and PyTorch, with the loss scaled as Keras' own steps
     # scale it (keras/src/backend/<name>/trainer.py).
     "tensorflow": _Spelling(
+        framework="TensorFlow",
         scaled_step=("loss = opt.scale_loss(loss) inside the tape; "
                      "opt.apply(grads, variables) unscales them."),
         custom_step=(
@@ -63,6 +65,7 @@ _SPELLINGS = {
         float8_gemm=_XLA_FLOAT8,
     ),
     "tf_keras": _Spelling(
+        framework="TensorFlow and tf-keras",
         scaled_step=("loss = opt.get_scaled_loss(loss) inside the tape; "
                      "grads = opt.get_unscaled_gradients(grads); "
                      "opt.apply_gradients(zip(grads, variables))."),
@@ -81,6 +84,7 @@ _SPELLINGS = {
         float8_gemm=_XLA_FLOAT8,
     ),
     "jax": _Spelling(
+        framework="JAX",
         scaled_step=("return opt.scale_loss(loss) from the function jax.value_and_grad "
                      "differentiates (under keras.StatelessScope(state_mapping=...) of the "
                      "optimizer variables); opt.stateless_apply(...) unscales the gradients."),
@@ -115,6 +119,7 @@ _SPELLINGS = {
     # `.backward()` on the scaled loss; LossScaleOptimizer.apply divides the
     # gradients by the scale (`_common_apply` on every backend but TensorFlow).
     "torch": _Spelling(
+        framework="PyTorch",
         scaled_step=("opt.scale_loss(loss).backward(); "
                      "opt.apply([v.value.grad for v in variables], variables) under "
                      "torch.no_grad() unscales them."),
@@ -184,6 +189,11 @@ class FixSyntax:
         if self.module == "tf_keras":
             return "optimizer.minimize or a LossScaleOptimizer's get_scaled_loss"
         return "optimizer.scale_loss"
+
+    @property
+    def framework(self) -> str:
+        """The framework the model trained on, as a user installs it."""
+        return self._spelling.framework
 
     @property
     def scaled_step(self) -> str:
