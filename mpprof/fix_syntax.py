@@ -13,10 +13,10 @@ branch on the backend themselves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Spelling:
     """What differs by backend (tf-keras, on TensorFlow only, is a row of its
     own). `custom_step` is a template of `{optimizer}`."""
@@ -34,37 +34,39 @@ class _Spelling:
     float8_gemm: str
 
 
-_TF_PIPELINE = ("if the GPU is mostly idle, the input pipeline is the bottleneck: "
-                "dataset.prefetch(tf.data.AUTOTUNE).")
-_TF_SCALE_INPUTS = ("dataset = dataset.map(lambda x, y: (tf.cast(x, tf.float32) * "
-                    "({scale}), y))  # or in the input pipeline")
 _NUMPY_SCALE_INPUTS = ('x = x.astype("float32") * ({scale})  # or in the input '
                        "pipeline (NumPy), before model.fit")
 _XLA_FLOAT8 = ("float8: cuBLASLt's FP8 GEMM needs multiples of 16, XLA pads both "
                "operands on every call otherwise")
 
-_SPELLINGS = {
-    # Copied from the Keras guides "Customizing what happens in fit()" for
-    # TensorFlow, JAX and PyTorch, with the loss scaled as Keras' own steps
-    # scale it (keras/src/backend/<name>/trainer.py).
-    "tensorflow": _Spelling(
-        framework="TensorFlow",
-        scaled_step=("loss = opt.scale_loss(loss) inside the tape; "
-                     "opt.apply(grads, variables) unscales them."),
-        custom_step=(
-            "    with tf.GradientTape() as tape:\n"
-            "        y_pred = self(x, training=True)\n"
-            "        loss = self.compute_loss(x=x, y=y, y_pred=y_pred)\n"
-            "        scaled_loss = {optimizer}.scale_loss(loss)\n"
-            "    grads = tape.gradient(scaled_loss, self.trainable_variables)\n"
-            "    {optimizer}.apply(grads, self.trainable_variables)   # unscales them"
-        ),
-        compile_step="compile with XLA: model.compile(..., jit_compile=True);",
-        input_pipeline=_TF_PIPELINE,
-        scale_inputs=_TF_SCALE_INPUTS,
-        float8_gemm=_XLA_FLOAT8,
+# The train steps are the Keras guides' "Customizing what happens in fit()"
+# for TensorFlow, JAX and PyTorch, with the loss scaled as Keras' own steps
+# scale it (keras/src/backend/<name>/trainer.py).
+_TENSORFLOW = _Spelling(
+    framework="TensorFlow",
+    scaled_step=("loss = opt.scale_loss(loss) inside the tape; "
+                 "opt.apply(grads, variables) unscales them."),
+    custom_step=(
+        "    with tf.GradientTape() as tape:\n"
+        "        y_pred = self(x, training=True)\n"
+        "        loss = self.compute_loss(x=x, y=y, y_pred=y_pred)\n"
+        "        scaled_loss = {optimizer}.scale_loss(loss)\n"
+        "    grads = tape.gradient(scaled_loss, self.trainable_variables)\n"
+        "    {optimizer}.apply(grads, self.trainable_variables)   # unscales them"
     ),
-    "tf_keras": _Spelling(
+    compile_step="compile with XLA: model.compile(..., jit_compile=True);",
+    input_pipeline=("if the GPU is mostly idle, the input pipeline is the bottleneck: "
+                    "dataset.prefetch(tf.data.AUTOTUNE)."),
+    scale_inputs=("dataset = dataset.map(lambda x, y: (tf.cast(x, tf.float32) * "
+                  "({scale}), y))  # or in the input pipeline"),
+    float8_gemm=_XLA_FLOAT8,
+)
+
+_SPELLINGS = {
+    "tensorflow": _TENSORFLOW,
+    # tf-keras is TensorFlow with its own LossScaleOptimizer API.
+    "tf_keras": dataclasses.replace(
+        _TENSORFLOW,
         framework="TensorFlow and tf-keras",
         scaled_step=("loss = opt.get_scaled_loss(loss) inside the tape; "
                      "grads = opt.get_unscaled_gradients(grads); "
@@ -78,10 +80,6 @@ _SPELLINGS = {
             "    grads = {optimizer}.get_unscaled_gradients(grads)\n"
             "    {optimizer}.apply_gradients(zip(grads, self.trainable_variables))"
         ),
-        compile_step="compile with XLA: model.compile(..., jit_compile=True);",
-        input_pipeline=_TF_PIPELINE,
-        scale_inputs=_TF_SCALE_INPUTS,
-        float8_gemm=_XLA_FLOAT8,
     ),
     "jax": _Spelling(
         framework="JAX",
