@@ -242,17 +242,33 @@ def test_rules_without_their_data_say_not_measured():
 # --- Rules on records written through the schema writer (GPU-only data).
 
 
-def test_mp010_low_tensor_core_activity_from_gpm(tmp_path):
+# MP010's advice beyond the GEMM shapes, by the backend the run trained on:
+# what it must say, and what belongs to another backend.
+MP010_ADVICE = {
+    "tensorflow": (("compile with XLA", "jit_compile=True", "dataset.prefetch(tf.data.AUTOTUNE)"),
+                   ("torch", "grain")),
+    "jax": (("a tf.data or grain pipeline with prefetch",), ("jit_compile", "XLA", "torch")),
+    # Keras on PyTorch is eager unless jit_compile=True, which means torch.compile.
+    "torch": (("torch.compile", "jit_compile=True", "torch.utils.data.DataLoader(",
+               "num_workers=", "pin_memory=True"), ("XLA", "AUTOTUNE", "tf.data.", "jax")),
+}
+
+
+@pytest.mark.parametrize("backend", sorted(MP010_ADVICE))
+def test_mp010_low_tensor_core_activity_from_gpm(tmp_path, backend):
     run = write_gpu_run(
         tmp_path,
         "healthy_mixed",
         [A100],
         samples=gpu_samples(tensor_util=1.0, gpu_util=90.0),
+        backend=backend,
     )
     finding = only(run, "MP010")
     assert finding.evidence["median_tensor_util_percent"] == pytest.approx(1.0)
     assert finding.evidence["busy_samples"] == 50
-    assert "jit_compile=True" in finding.fix
+    said, foreign = MP010_ADVICE[backend]
+    assert [text for text in said if text not in finding.fix] == [], finding.fix
+    assert [text for text in foreign if text in finding.fix] == [], finding.fix
 
 
 def test_mp010_low_tensor_core_share_from_kernel_stats(tmp_path):

@@ -481,7 +481,9 @@ def test_bundle_without_the_batch_holds_statistics_and_the_saved_replay(
         statistics = json.loads(archive.read("batch_statistics.json"))
         findings = json.loads(archive.read("findings.json"))
         versions = json.loads(archive.read("versions.json"))
+        readme = archive.read("README.txt").decode()
         archive.extractall(tmp_path / "unzipped")
+    assert "(needs mpprof; TensorFlow to replay)" in readme
     capture = "logdir/train/replay/step_1"
     assert {f"{capture}/manifest.json", f"{capture}/model.json", f"{capture}/replay.json",
             "replay_bug.py", "README.txt"} <= names

@@ -105,17 +105,7 @@ def _tensor_core_fix(view: RunView) -> str:
             "multiples MP007 names;"
         )
     lines.append("- use batch sizes and sequence lengths that are multiples of 8;")
-    if view.syntax.backend == "jax":
-        # JAX compiles every step with XLA already; its input pipeline is the user's.
-        lines.append("- if the GPU is mostly idle, the input pipeline is the bottleneck: "
-                     "prefetch batches ahead of the step (e.g. a tf.data or grain "
-                     "pipeline with prefetch).")
-    else:
-        lines += [
-            "- compile with XLA: model.compile(..., jit_compile=True);",
-            "- if the GPU is mostly idle, the input pipeline is the bottleneck: "
-            "dataset.prefetch(tf.data.AUTOTUNE).",
-        ]
+    lines += view.syntax.faster_step()
     return "\n".join(lines)
 
 

@@ -150,8 +150,7 @@ def tensor_core_shapes(view: RunView) -> list:
         changes = [f"{roles[i]} {dims[i]} -> {_round_up(dims[i], multiple)}" for i in kept]
         note = f"{share:.0%} of the GEMM work" if share is not None else "share unknown"
         if multiple == FLOAT8_GEMM_MULTIPLE:
-            note += ("; float8: cuBLASLt's FP8 GEMM needs multiples of 16, XLA pads "
-                     "both operands on every call otherwise")
+            note += f"; {view.syntax.float8_gemm}"
         lines.append(f"  {layer['name']} ({note}): {', '.join(changes)}")
         for i in kept:
             if arguments[i]:

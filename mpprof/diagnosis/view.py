@@ -17,8 +17,8 @@ import functools
 import numpy as np
 
 from mpprof.diagnosis.core import NotApplicable, NotMeasured
-from mpprof.diagnosis.fix_syntax import FixSyntax
 from mpprof.dtypes import DTYPE_MAX, HALF_DTYPES
+from mpprof.fix_syntax import FixSyntax
 from mpprof.records.run_context import RunContext
 
 NUMERICS_HINT = (

@@ -4,7 +4,7 @@
 
     README.txt             what the bundle holds and how to replay it
     replay_bug.py          replays it: `python replay_bug.py` (with mpprof)
-    versions.json          mpprof, TensorFlow, Keras, Python, CUDA, driver, GPUs
+    versions.json          mpprof, the framework, Keras, Python, CUDA, driver, GPUs
     findings.json          `mpprof diagnose --format json` of the run
     batch_statistics.json  per batch tensor and per weight: shape, dtype,
                            min, max, mean, abs max, non-finite count
@@ -28,6 +28,7 @@ from collections.abc import Callable
 import numpy as np
 
 from mpprof import diagnosis
+from mpprof.fix_syntax import FixSyntax
 from mpprof.jsonsafe import json_safe
 from mpprof.records import filesystem, reader
 from mpprof.replay import files
@@ -38,7 +39,7 @@ _SCRIPT_TEXT = '''\
 """Replays the step captured in this bundle with `mpprof replay`.
 
 Unzip the bundle, then run it where mpprof and the framework that trained the
-run (TensorFlow or JAX: the capture says which) are installed:
+run (TensorFlow, JAX or PyTorch: README.txt says which) are installed:
     python {script}
 """
 
@@ -112,7 +113,8 @@ def write_bundle(logdir: str | os.PathLike, output: str | os.PathLike, *,
     }
     capture_folder = f"logdir/{run}/{files.step_folder(capture.step)}"
     contents = {
-        "README.txt": _readme(run, capture.step, include_batch).encode(),
+        "README.txt": _readme(run, capture.step, include_batch, FixSyntax(
+            context.keras_flavor, capture.manifest.get("backend")).framework).encode(),
         SCRIPT: _SCRIPT_TEXT.format(script=SCRIPT, include_batch=include_batch, run=run,
                                     step=capture.step).encode(),
         "versions.json": files.json_bytes(json_safe(versions)),
@@ -159,7 +161,7 @@ def _statistics(array: np.ndarray) -> dict:
     return stats
 
 
-def _readme(run: str, step: int, include_batch: bool) -> str:
+def _readme(run: str, step: int, include_batch: bool, framework: str) -> str:
     held = ("the batch and the weights of the step (batch.npz, weights.npz)"
             if include_batch else
             "no batch and no weights: only their statistics and shapes "
@@ -170,7 +172,7 @@ def _readme(run: str, step: int, include_batch: bool) -> str:
         "dtype policy (manifest.json), the versions (versions.json), the findings "
         "(findings.json), the run's mpprof records and the replay result "
         f"(replay.json, when the step was replayed).\n\nReplay it: unzip, then "
-        f"`python {SCRIPT}` (needs mpprof; TensorFlow to replay).\n"
+        f"`python {SCRIPT}` (needs mpprof; {framework} to replay).\n"
     )
 
 

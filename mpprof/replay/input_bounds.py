@@ -22,6 +22,7 @@ import math
 import numpy as np
 
 from mpprof import dtypes
+from mpprof.fix_syntax import FixSyntax
 
 # 16-bit integer data (images, sensors) spans 0..65535: dividing by its full
 # range maps it to [0, 1].
@@ -90,24 +91,6 @@ def scale_for(offending: list[InputRange]) -> tuple[float, str]:
     return 1.0 / power, f"1 / {power:.0e}".replace("e+0", "e").replace("e+", "e")
 
 
-def code_lines(scale_text: str, backend: str | None, keras_flavor: str | None) -> list[str]:
-    """The fix as code for the run's backend and Keras: a float32 first
-    layer (float32: a float16 Rescaling would cast the raw input to float16
-    first, the very overflow), or the division in the input pipeline."""
-    layers = "tf.keras.layers" if keras_flavor == "tf_keras" else "keras.layers"
-    lines = [
-        f'{layers}.Rescaling({scale_text}, dtype="float32")  # as the model\'s first '
-        "layer, right after its Input",
-    ]
-    if backend not in (None, "tensorflow"):  # JAX, PyTorch: NumPy arrays given to fit
-        lines.append(f"x = x.astype(\"float32\") * ({scale_text})  # or in the input "
-                     "pipeline (NumPy), before model.fit")
-    else:
-        lines.append(f"dataset = dataset.map(lambda x, y: (tf.cast(x, tf.float32) * "
-                     f"({scale_text}), y))  # or in the input pipeline")
-    return lines
-
-
 def bound_inputs_fix(offending: list[InputRange], dtype: str, backend: str | None,
                      keras_flavor: str | None, first_op: dict | None) -> dict:
     """The lead fix's description (verified separately)."""
@@ -129,5 +112,5 @@ def bound_inputs_fix(offending: list[InputRange], dtype: str, backend: str | Non
         "why": (f"{why}: {shown}, past {dtype}'s max {dtypes.DTYPE_MAX.get(dtype):.6g}; "
                 f"bound the inputs (multiply by {scale_text}) rather than keep a layer in "
                 "float32"),
-        "code": code_lines(scale_text, backend, keras_flavor),
+        "code": FixSyntax(keras_flavor, backend).scale_inputs(scale_text),
     }

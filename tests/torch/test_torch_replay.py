@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 
 import keras
 import numpy as np
@@ -24,10 +25,11 @@ import torch
 from test_jax_replay import FIX, _fit, third_dense_model
 
 import mpprof
+import mpprof.replay
 from mpprof.backends.replay_candidates import layer_tree
 from mpprof.backends.torch import replay_engine, replay_passes
 from mpprof.records import reader
-from mpprof.replay import files
+from mpprof.replay import bundle, files
 from mpprof.replay.verification import Candidate
 
 
@@ -90,6 +92,14 @@ def test_cli_diagnose_replay_without_tensorflow(captured):
     assert shown, rows
     capture = files.select_capture(str(logdir), "train", None)
     _check(capture.result())  # saved beside the capture
+
+
+def test_the_bundle_says_pytorch_replays_it(captured, tmp_path):
+    logdir, _ = captured
+    bundle.write_bundle(str(logdir), tmp_path / "bug.zip")
+    with zipfile.ZipFile(tmp_path / "bug.zip") as archive:
+        readme = archive.read("README.txt").decode()
+    assert "(needs mpprof; PyTorch to replay)" in readme and "TensorFlow" not in readme
 
 
 def test_a_healthy_look_alike_is_neither_captured_nor_offending(tmp_path):
@@ -264,3 +274,30 @@ def test_advise_verify_runs_on_the_torch_engine(tmp_path, capsys):
     assert cli.main(["advise", str(tmp_path / "none"), "--verify"]) == 0
     shown = capsys.readouterr().out
     assert "verification: verified" not in shown and "advise_batches=4" in shown
+
+
+def test_raw_16_bit_inputs_lead_to_bounding_them_in_pytorch_s_code(tmp_path):
+    """Whole numbers up to 65535 (16-bit data, the `/ 65535` forgotten)
+    overflow float16 in the first layer's input cast: the lead fix bounds
+    the inputs, spelled for Keras on PyTorch (NumPy arrays given to fit, no
+    `tf.data`), and the replay verifies it."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)),
+                              keras.layers.Dense(16, activation="relu", name="d1"),
+                              keras.layers.Dense(1, dtype="float32", name="d2")])
+    model.compile(optimizer="adam", loss="mse")
+    keras.mixed_precision.set_dtype_policy("float32")
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 65536, (32, 16)).astype("float32")
+    x[::4, 0] = 65535.0  # saturated pixels, past float16's 65504, in every batch
+    model.fit(x, rng.random((32, 1), dtype=np.float32), batch_size=8, verbose=0,
+              shuffle=False, callbacks=[mpprof.MixedPrecisionProfiler(
+                  str(tmp_path), gpu_interval=None, numerics_every=1)])
+    result = mpprof.replay.replay(str(tmp_path), save=False)
+    lead = result["fixes"][0]
+    assert result["lead_fix"] == "bound_inputs" and lead["verified"] is True, lead
+    rescaling, outside = lead["code"]
+    assert rescaling.startswith('keras.layers.Rescaling(1 / 65535, dtype="float32")')
+    assert outside.startswith('x = x.astype("float32") * (1 / 65535)')
+    assert not [word for word in ("tf.", "dataset.map", "jax") if word in " ".join(lead["code"])]
