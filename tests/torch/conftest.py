@@ -1,7 +1,7 @@
 """The PyTorch suite: run in its own pytest process with KERAS_BACKEND=torch
 (`make test` does), since Keras picks its backend once, at import. The
 recipes are tests/jax/jax_runs.py's (Keras 3 only, any backend); the
-real-model families are tests/models/', the keras-io builders
+real-model families and checks are tests/models/'s, the keras-io builders
 tests/keras_io/'s."""
 
 import os
@@ -14,8 +14,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "jax
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 # The real-model suite's families and checks, and the keras-io builders,
 # shared with TensorFlow and JAX.
-for folder in ("models", "keras_io"):
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), folder))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "models"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "keras_io"))
 
 import keras
 

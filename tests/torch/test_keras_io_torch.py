@@ -1,0 +1,291 @@
+"""mpprof on keras-io examples (code nobody here wrote), Keras 3 on PyTorch.
+
+The twin of tests/keras_io/test_keras_io.py (TensorFlow) and
+tests/jax/test_keras_io_jax.py (JAX): the MNIST convnet (healthy, its
+published float16 softmax head, raw 16-bit inputs whose replayed fixes are
+retrained from the start), the text Transformer, the bidirectional LSTM (each
+as published and with a float32 head) and the Keras guide's PyTorch custom
+`train_step` ("Customizing what happens in fit() with PyTorch",
+guides/custom_train_step_in_torch.py), which never calls `scale_loss`. The
+ViT with a top-5 metric trains on PyTorch (TensorFlow's fit raises: MP020);
+the VAE stays TensorFlow's (its published `train_step` is `tf.GradientTape`
+code).
+
+All in mixed_float16: PyTorch's CPU runs float16 attention (JAX's does not),
+and at these sizes its float16 kernels are fast enough (measured on 2 busy
+cores: a float16 step of the MNIST convnet 0.06-0.14 s, the replay of its
+raw-units step ~30 s, most of this module's time).
+"""
+
+from __future__ import annotations
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import torch
+from keras_io_examples import (
+    bidirectional_lstm,
+    imdb_data,
+    mnist_convnet,
+    mnist_data,
+    mnist_retrained_losses,
+    text_data,
+    text_transformer,
+    vit_classifier,
+    vit_data,
+)
+
+import mpprof
+from mpprof import diagnosis
+from mpprof.reader import read_logdir
+from mpprof.replay import replay, verification
+
+BATCH = 32
+
+
+def _fit(log_dir, model, x, y, steps=2):
+    model.fit(x, y, batch_size=BATCH, epochs=1, steps_per_epoch=steps, verbose=0,
+              callbacks=[mpprof.MixedPrecisionProfiler(log_dir=str(log_dir))])
+    return read_logdir(str(log_dir))["train"]
+
+
+def _codes(run, **kwargs) -> set[str]:
+    return {f.code for f in diagnosis.diagnose(run, **kwargs)}
+
+
+def _only(run, code):
+    found = [f for f in diagnosis.diagnose(run) if f.code == code]
+    assert len(found) == 1, [f.title for f in found]
+    return found[0]
+
+
+def _policy(name):
+    keras.backend.clear_session()  # layer names from 1 again: conv2d, dense...
+    keras.utils.set_random_seed(0)
+    keras.mixed_precision.set_dtype_policy(name)
+
+
+# ---------------------------------------------------------------------------
+# examples/vision/mnist_convnet.py
+
+
+@pytest.fixture(scope="module")
+def mnist_runs(tmp_path_factory):
+    runs = {}
+    for name, head, raw in (("published", None, False), ("healthy", "float32", False),
+                            ("raw_units", "float32", True)):
+        _policy("mixed_float16")
+        x, y = mnist_data(BATCH * 2, raw_units=raw)
+        runs[name] = _fit(tmp_path_factory.mktemp(f"mnist_{name}"), mnist_convnet(head), x, y)
+    keras.mixed_precision.set_dtype_policy("float32")
+    return runs
+
+
+def test_mnist_healthy_has_only_the_cpu_finding_on_torch(mnist_runs):
+    run = mnist_runs["healthy"]
+    assert _codes(run) == {"MP011"}
+    assert list(run.numerics.steps) == [1]  # sampled at the defaults
+    assert _codes(run, assume_gpu=True) == {"MP011"}  # no MP007: 1 channel, 10 classes
+
+
+def test_mnist_published_float16_head_is_mp006_on_torch(mnist_runs):
+    run = mnist_runs["published"]
+    assert _codes(run) == {"MP006", "MP011"}
+    finding = _only(run, "MP006")
+    assert finding.layer == "dense"
+    assert finding.evidence["loss_input_dtypes"] == ["float16"]
+
+
+def test_mnist_raw_units_names_the_first_conv_only_on_torch(mnist_runs):
+    run = mnist_runs["raw_units"]
+    codes = _codes(run)
+    assert "MP003" in codes and "MP004" not in codes
+    assert codes <= {"MP003", "MP002", "MP011", "MP019", "MP013"}
+    mp003 = _only(run, "MP003")
+    assert mp003.layer == "conv2d"
+    assert mp003.step == 1
+
+
+def test_mnist_raw_units_fixes_on_torch_retrain_as_their_verdicts_say(mnist_runs):
+    """The replay on PyTorch (the step run eagerly under a dispatch mode):
+    bounding the inputs leads, verified, and retrained from the start it
+    trains like float32 within the stated band; the float32 conv2d map leaves
+    its float16 layers at raw-unit magnitudes, is not verified (the
+    headroom), and retrained it does not train like float32."""
+    result = replay(os.path.dirname(mnist_runs["raw_units"].path))
+    assert result["backend"] == "torch"
+    fixes = {fix["kind"]: fix for fix in result["fixes"]}
+    lead = fixes["bound_inputs"]
+    assert result["lead_fix"] == "bound_inputs"
+    assert lead["verified"] is True, lead["verified_detail"]
+    assert lead["scale_text"] == "1 / 65535"
+    alternative = fixes["float32_layers"]
+    assert alternative["float32_layers"] == ["conv2d"] and alternative["verified"] is False
+    check = alternative["verification"]["step"][0]
+    assert check["overflow"] is None and check["failed"] == "headroom"
+    assert check["headroom"]["factor"] < verification.HEADROOM_FACTOR
+    x, y = mnist_data(BATCH * 2, raw_units=True)
+    scale = lead["scale"]
+    bounded = verification.judge_trial(
+        mnist_retrained_losses("mixed_float16", scale, x, y, BATCH),
+        mnist_retrained_losses("float32", scale, x, y, BATCH))
+    assert bounded.passed, bounded.reason
+    mapped = verification.judge_trial(
+        mnist_retrained_losses("mixed_float16", 1.0, x, y, BATCH, first_conv_dtype="float32"),
+        mnist_retrained_losses("float32", 1.0, x, y, BATCH))
+    assert not mapped.passed, mapped.reason
+
+
+# ---------------------------------------------------------------------------
+# examples/nlp/text_classification_with_transformer.py and
+# examples/nlp/bidirectional_lstm_imdb.py
+
+
+@pytest.fixture(scope="module")
+def text_runs(tmp_path_factory):
+    runs = {}
+    for name, build, data in (("transformer", text_transformer, text_data),
+                              ("bilstm", bidirectional_lstm, imdb_data)):
+        for head in (None, "float32"):
+            _policy("mixed_float16")
+            x, y = data(BATCH * 2)
+            key = f"{name}_{'healthy' if head else 'published'}"
+            runs[key] = _fit(tmp_path_factory.mktemp(key), build(head), x, y)
+    keras.mixed_precision.set_dtype_policy("float32")
+    return runs
+
+
+@pytest.mark.parametrize("name", ["transformer", "bilstm"])
+def test_text_models_on_torch(text_runs, name):
+    """The published softmax (Transformer) and sigmoid (BiLSTM) heads output
+    float16: MP006 on the head; with a float32 head only the CPU finding.
+    Projected on a GPU nothing more: a binary head is the task's, the
+    Transformer's Dense(20) a small share, the LSTMs' 8 units a multiple of 8."""
+    published, healthy = text_runs[f"{name}_published"], text_runs[f"{name}_healthy"]
+    assert _codes(healthy) == {"MP011"}
+    assert _codes(published) == {"MP006", "MP011"}
+    finding = _only(published, "MP006")
+    assert finding.evidence["loss_input_dtypes"] == ["float16"]
+    # The head: the Transformer's fourth Dense (its FFN holds dense and
+    # dense_1, then the Dense(20)); the BiLSTM's only one.
+    assert finding.layer == ("dense_3" if name == "transformer" else "dense")
+    for run in (published, healthy):
+        assert "MP007" not in _codes(run, assume_gpu=True)
+
+
+# ---------------------------------------------------------------------------
+# examples/vision/image_classification_with_vision_transformer.py, compiled
+# as published with its top-5 accuracy metric
+
+
+@pytest.fixture(scope="module")
+def vit_runs(tmp_path_factory):
+    runs = {}
+    for name, head in (("published", None), ("healthy", "float32")):
+        _policy("mixed_float16")
+        x, y = vit_data(BATCH * 2)
+        runs[name] = _fit(tmp_path_factory.mktemp(f"vit_{name}"), vit_classifier(True, head),
+                          x, y)
+    keras.mixed_precision.set_dtype_policy("float32")
+    return runs
+
+
+def test_vit_top5_metric_trains_on_torch_and_its_float16_logits_are_mp006(vit_runs):
+    """Right for PyTorch, not TensorFlow's MP020: TensorFlow has no float16
+    kernel for the top-5 metric's InTopKV2, so its fit raises at step 0;
+    PyTorch's `topk` takes float16, the fit trains, and what remains is the
+    float16 logits reaching the loss (MP006 on the last Dense)."""
+    published = vit_runs["published"]
+    assert _codes(published) == {"MP006", "MP011"}
+    assert _only(published, "MP006").evidence["loss_input_dtypes"] == ["float16"]
+    assert "MP020" not in _codes(published)
+    assert _codes(vit_runs["healthy"]) == {"MP011"}
+
+
+# ---------------------------------------------------------------------------
+# guides/custom_train_step_in_torch.py: the guide's first CustomModel, as
+# published (gradients of `compute_loss`'s loss by `loss.backward()`, applied
+# by `self.optimizer.apply` under `torch.no_grad()`; no `scale_loss`).
+# `scale=True` is MP018's fix: `self.optimizer.scale_loss(loss).backward()`.
+
+
+class CustomModel(keras.Model):
+    scale = False
+
+    def train_step(self, data):
+        # Unpack the data. Its structure depends on your model and
+        # on what you pass to `fit()`.
+        x, y = data
+
+        # Call torch.nn.Module.zero_grad() to clear the leftover gradients
+        # for the weights from the previous train step.
+        self.zero_grad()
+
+        # Compute loss
+        y_pred = self(x, training=True)  # Forward pass
+        loss = self.compute_loss(y=y, y_pred=y_pred)
+
+        # Call torch.Tensor.backward() on the loss to compute gradients
+        # for the weights.
+        if self.scale:
+            self.optimizer.scale_loss(loss).backward()
+        else:
+            loss.backward()
+
+        trainable_weights = [v for v in self.trainable_weights]
+        gradients = [v.value.grad for v in trainable_weights]
+
+        # Update weights
+        with torch.no_grad():
+            self.optimizer.apply(gradients, trainable_weights)
+
+        # Update metrics (includes the metric that tracks the loss)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+
+        # Return a dict mapping metric names to current value
+        # Note that it will include the loss (tracked in self.metrics).
+        return {m.name: m.result() for m in self.metrics}
+
+
+def _guide_model(scale: bool, float32_output: bool = False):
+    inputs = keras.Input(shape=(32,))
+    outputs = keras.layers.Dense(1)(inputs)
+    if float32_output:  # MP006's fix (a float32 Dense(1) would leave no float16 layer)
+        outputs = keras.layers.Activation("linear", dtype="float32")(outputs)
+    model = CustomModel(inputs, outputs)
+    model.scale = scale
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    return model
+
+
+@pytest.fixture(scope="module")
+def guide_runs(tmp_path_factory):
+    runs = {}
+    rng = np.random.default_rng(0)
+    x, y = rng.random((BATCH * 2, 32)), rng.random((BATCH * 2, 1))
+    for name, scale, head in (("published", False, False), ("healthy", True, True)):
+        _policy("mixed_float16")
+        runs[name] = _fit(tmp_path_factory.mktemp(f"guide_{name}"), _guide_model(scale, head),
+                          x, y)
+    keras.mixed_precision.set_dtype_policy("float32")
+    return runs
+
+
+def test_guide_without_scale_loss_is_mp018_on_torch(guide_runs):
+    run = guide_runs["published"]
+    assert _codes(run) == {"MP018", "MP006", "MP011"}
+    finding = _only(run, "MP018")
+    assert finding.evidence["update_effect"] == "adaptive"  # Adam
+    assert [o["scale_loss_called"] for o in finding.evidence["optimizers"]] == [False]
+    # What the loss received, seen through compute_loss.
+    assert _only(run, "MP006").evidence["loss_input_dtypes"] == ["float16"]
+
+
+def test_guide_with_scale_loss_is_healthy_on_torch(guide_runs):
+    assert _codes(guide_runs["healthy"]) == {"MP011"}
