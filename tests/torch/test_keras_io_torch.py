@@ -13,59 +13,32 @@ code).
 
 All in mixed_float16: PyTorch's CPU runs float16 attention (JAX's does not),
 and at these sizes its float16 kernels are fast enough (measured on 2 busy
-cores: a float16 step of the MNIST convnet 0.06-0.14 s, the replay of its
-raw-units step ~30 s, most of this module's time).
+cores: a float16 step of the MNIST convnet 0.06-0.35 s; the raw-units
+replay, whose verification trains 30-step trials, and its fixes retrained
+take 40-90 s, most of this module's time).
 """
 
 from __future__ import annotations
-
-import os
 
 import keras
 import numpy as np
 import pytest
 import torch
+from keras_io_checks import BATCH, check_raw_units_fixes_retrain
+from keras_io_checks import codes as _codes
+from keras_io_checks import fit as _fit
+from keras_io_checks import only as _only
+from keras_io_checks import policy as _policy
 from keras_io_examples import (
     bidirectional_lstm,
     imdb_data,
     mnist_convnet,
     mnist_data,
-    mnist_retrained_losses,
     text_data,
     text_transformer,
     vit_classifier,
     vit_data,
 )
-
-import mpprof
-from mpprof import diagnosis
-from mpprof.reader import read_logdir
-from mpprof.replay import replay, verification
-
-BATCH = 32
-
-
-def _fit(log_dir, model, x, y, steps=2):
-    model.fit(x, y, batch_size=BATCH, epochs=1, steps_per_epoch=steps, verbose=0,
-              callbacks=[mpprof.MixedPrecisionProfiler(log_dir=str(log_dir))])
-    return read_logdir(str(log_dir))["train"]
-
-
-def _codes(run, **kwargs) -> set[str]:
-    return {f.code for f in diagnosis.diagnose(run, **kwargs)}
-
-
-def _only(run, code):
-    found = [f for f in diagnosis.diagnose(run) if f.code == code]
-    assert len(found) == 1, [f.title for f in found]
-    return found[0]
-
-
-def _policy(name):
-    keras.backend.clear_session()  # layer names from 1 again: conv2d, dense...
-    keras.utils.set_random_seed(0)
-    keras.mixed_precision.set_dtype_policy(name)
-
 
 # ---------------------------------------------------------------------------
 # examples/vision/mnist_convnet.py
@@ -110,32 +83,10 @@ def test_mnist_raw_units_names_the_first_conv_only_on_torch(mnist_runs):
 
 def test_mnist_raw_units_fixes_on_torch_retrain_as_their_verdicts_say(mnist_runs):
     """The replay on PyTorch (the step run eagerly under a dispatch mode):
-    bounding the inputs leads, verified, and retrained from the start it
-    trains like float32 within the stated band; the float32 conv2d map leaves
-    its float16 layers at raw-unit magnitudes, is not verified (the
-    headroom), and retrained it does not train like float32."""
-    result = replay(os.path.dirname(mnist_runs["raw_units"].path))
-    assert result["backend"] == "torch"
-    fixes = {fix["kind"]: fix for fix in result["fixes"]}
-    lead = fixes["bound_inputs"]
-    assert result["lead_fix"] == "bound_inputs"
-    assert lead["verified"] is True, lead["verified_detail"]
-    assert lead["scale_text"] == "1 / 65535"
-    alternative = fixes["float32_layers"]
-    assert alternative["float32_layers"] == ["conv2d"] and alternative["verified"] is False
-    check = alternative["verification"]["step"][0]
-    assert check["overflow"] is None and check["failed"] == "headroom"
-    assert check["headroom"]["factor"] < verification.HEADROOM_FACTOR
-    x, y = mnist_data(BATCH * 2, raw_units=True)
-    scale = lead["scale"]
-    bounded = verification.judge_trial(
-        mnist_retrained_losses("mixed_float16", scale, x, y, BATCH),
-        mnist_retrained_losses("float32", scale, x, y, BATCH))
-    assert bounded.passed, bounded.reason
-    mapped = verification.judge_trial(
-        mnist_retrained_losses("mixed_float16", 1.0, x, y, BATCH, first_conv_dtype="float32"),
-        mnist_retrained_losses("float32", 1.0, x, y, BATCH))
-    assert not mapped.passed, mapped.reason
+    the lead fix (bounding the inputs) verified and retraining like float32,
+    the float32 conv2d map not verified and not retraining like float32
+    (`check_raw_units_fixes_retrain`)."""
+    assert check_raw_units_fixes_retrain(mnist_runs["raw_units"])["backend"] == "torch"
 
 
 # ---------------------------------------------------------------------------
