@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "ker
 from keras_io_checks import BATCH, check_raw_units_fixes_retrain
 from keras_io_checks import codes as _codes
 from keras_io_checks import fit as _fit
+from keras_io_checks import guide_runs as fit_guide_runs
 from keras_io_checks import only as _only
 from keras_io_checks import policy as _policy
 from keras_io_examples import (
@@ -211,28 +212,9 @@ class CustomModel(keras.Model):
         return logs, state
 
 
-def _guide_model(scale: bool, float32_output: bool = False):
-    inputs = keras.Input(shape=(32,))
-    outputs = keras.layers.Dense(1)(inputs)
-    if float32_output:  # MP006's fix (a float32 Dense(1) would leave no float16 layer)
-        outputs = keras.layers.Activation("linear", dtype="float32")(outputs)
-    model = CustomModel(inputs, outputs)
-    model.scale = scale
-    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
-    return model
-
-
 @pytest.fixture(scope="module")
 def guide_runs(tmp_path_factory):
-    runs = {}
-    rng = np.random.default_rng(0)
-    x, y = rng.random((BATCH * 2, 32)), rng.random((BATCH * 2, 1))
-    for name, scale, head in (("published", False, False), ("healthy", True, True)):
-        _policy("mixed_float16")
-        runs[name] = _fit(tmp_path_factory.mktemp(f"guide_{name}"), _guide_model(scale, head),
-                          x, y)
-    keras.mixed_precision.set_dtype_policy("float32")
-    return runs
+    return fit_guide_runs(CustomModel, tmp_path_factory.mktemp)
 
 
 def test_guide_without_scale_loss_is_mp018_in_jax(guide_runs):

@@ -1,8 +1,8 @@
 """What the keras-io suites of every backend share (tests/keras_io/test_keras_io.py,
 tests/jax/test_keras_io_jax.py, tests/torch/test_keras_io_torch.py): a fit at
 mpprof's defaults, the findings' codes, the one finding of a code, a fresh
-global policy, and the raw-units MNIST replay's verdicts checked by
-retraining each fix from the start.
+global policy, the raw-units MNIST replay's verdicts checked by retraining
+each fix from the start, and the custom-`train_step` guide's runs.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import keras
+import numpy as np
 from keras_io_examples import mnist_data, mnist_retrained_losses
 
 import mpprof
@@ -75,3 +76,28 @@ def check_raw_units_fixes_retrain(run) -> dict:
         mnist_retrained_losses("float32", 1.0, x, y, BATCH))
     assert not mapped.passed, mapped.reason
     return result
+
+
+def guide_runs(model_class, mktemp) -> dict:
+    """The Keras guides' first custom-`train_step` model ("Customizing what
+    happens in fit()", `model_class` the backend's: a functional
+    `Dense(1)` on 32 inputs, compiled with Adam, mse and mae) fitted under
+    mixed_float16: "published" as the guide has it (no `scale_loss`, its
+    Dense(1) head in float16), "healthy" with MP018's fix (`model_class.scale`
+    set: the step calls `scale_loss`) and MP006's (a float32 output). Runs by
+    name; `mktemp(name)` gives each its logdir."""
+    runs = {}
+    rng = np.random.default_rng(0)
+    x, y = rng.random((BATCH * 2, 32)), rng.random((BATCH * 2, 1))
+    for name, scale in (("published", False), ("healthy", True)):
+        policy("mixed_float16")
+        inputs = keras.Input(shape=(32,))
+        outputs = keras.layers.Dense(1)(inputs)
+        if scale:  # a float32 Dense(1) would leave no float16 layer
+            outputs = keras.layers.Activation("linear", dtype="float32")(outputs)
+        model = model_class(inputs, outputs)
+        model.scale = scale
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+        runs[name] = fit(mktemp(f"guide_{name}"), model, x, y)
+    keras.mixed_precision.set_dtype_policy("float32")
+    return runs
