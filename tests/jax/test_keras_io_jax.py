@@ -19,45 +19,23 @@ import keras
 import numpy as np
 import pytest
 
-import mpprof
-from mpprof import diagnosis
 from mpprof.reader import read_logdir
-from mpprof.replay import replay, verification
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "keras_io"))
+from keras_io_checks import BATCH, check_raw_units_fixes_retrain
+from keras_io_checks import codes as _codes
+from keras_io_checks import fit as _fit
+from keras_io_checks import guide_runs as fit_guide_runs
+from keras_io_checks import only as _only
+from keras_io_checks import policy as _policy
 from keras_io_examples import (
     bidirectional_lstm,
     imdb_data,
     mnist_convnet,
     mnist_data,
-    mnist_retrained_losses,
     text_data,
     text_transformer,
 )
-
-BATCH = 32
-
-
-def _fit(log_dir, model, x, y, steps=2):
-    model.fit(x, y, batch_size=BATCH, epochs=1, steps_per_epoch=steps, verbose=0,
-              callbacks=[mpprof.MixedPrecisionProfiler(log_dir=str(log_dir))])
-    return read_logdir(str(log_dir))["train"]
-
-
-def _codes(run, **kwargs) -> set[str]:
-    return {f.code for f in diagnosis.diagnose(run, **kwargs)}
-
-
-def _only(run, code):
-    found = [f for f in diagnosis.diagnose(run) if f.code == code]
-    assert len(found) == 1, [f.title for f in found]
-    return found[0]
-
-
-def _policy(name):
-    keras.backend.clear_session()
-    keras.utils.set_random_seed(0)
-    keras.mixed_precision.set_dtype_policy(name)
 
 
 @pytest.fixture(scope="module")
@@ -83,32 +61,10 @@ def test_mnist_on_jax(mnist_runs):
 
 
 def test_mnist_raw_units_fixes_on_jax_retrain_as_their_verdicts_say(mnist_runs):
-    """The replay on JAX (the step's jaxpr): bounding the inputs leads,
-    verified, and retrained from the start it trains like float32 within the
-    stated band; the float32 conv2d map leaves its float16 layers at raw-unit
-    magnitudes, is not verified (the headroom), and retrained it does not
-    train like float32."""
-    result = replay(os.path.dirname(mnist_runs["raw_units"].path))
-    fixes = {fix["kind"]: fix for fix in result["fixes"]}
-    lead = fixes["bound_inputs"]
-    assert result["lead_fix"] == "bound_inputs"
-    assert lead["verified"] is True, lead["verified_detail"]
-    assert lead["scale_text"] == "1 / 65535"
-    alternative = fixes["float32_layers"]
-    assert alternative["float32_layers"] == ["conv2d"] and alternative["verified"] is False
-    check = alternative["verification"]["step"][0]
-    assert check["overflow"] is None and check["failed"] == "headroom"
-    assert check["headroom"]["factor"] < verification.HEADROOM_FACTOR
-    x, y = mnist_data(BATCH * 2, raw_units=True)
-    scale = lead["scale"]
-    bounded = verification.judge_trial(
-        mnist_retrained_losses("mixed_float16", scale, x, y, BATCH),
-        mnist_retrained_losses("float32", scale, x, y, BATCH))
-    assert bounded.passed, bounded.reason
-    mapped = verification.judge_trial(
-        mnist_retrained_losses("mixed_float16", 1.0, x, y, BATCH, first_conv_dtype="float32"),
-        mnist_retrained_losses("float32", 1.0, x, y, BATCH))
-    assert not mapped.passed, mapped.reason
+    """The replay on JAX (the step's jaxpr): the lead fix (bounding the
+    inputs) verified and retraining like float32, the float32 conv2d map not
+    verified and not retraining like float32 (`check_raw_units_fixes_retrain`)."""
+    check_raw_units_fixes_retrain(mnist_runs["raw_units"])
 
 
 # ---------------------------------------------------------------------------
@@ -256,28 +212,9 @@ class CustomModel(keras.Model):
         return logs, state
 
 
-def _guide_model(scale: bool, float32_output: bool = False):
-    inputs = keras.Input(shape=(32,))
-    outputs = keras.layers.Dense(1)(inputs)
-    if float32_output:  # MP006's fix (a float32 Dense(1) would leave no float16 layer)
-        outputs = keras.layers.Activation("linear", dtype="float32")(outputs)
-    model = CustomModel(inputs, outputs)
-    model.scale = scale
-    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
-    return model
-
-
 @pytest.fixture(scope="module")
 def guide_runs(tmp_path_factory):
-    runs = {}
-    rng = np.random.default_rng(0)
-    x, y = rng.random((BATCH * 2, 32)), rng.random((BATCH * 2, 1))
-    for name, scale, head in (("published", False, False), ("healthy", True, True)):
-        _policy("mixed_float16")
-        runs[name] = _fit(tmp_path_factory.mktemp(f"guide_{name}"), _guide_model(scale, head),
-                          x, y)
-    keras.mixed_precision.set_dtype_policy("float32")
-    return runs
+    return fit_guide_runs(CustomModel, tmp_path_factory.mktemp)
 
 
 def test_guide_without_scale_loss_is_mp018_in_jax(guide_runs):

@@ -17,6 +17,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from keras import layers, ops
+from keras_io_checks import BATCH
+from keras_io_checks import codes as _codes
+from keras_io_checks import only as _only
+from keras_io_checks import policy as _policy
 from keras_io_examples import (
     mnist_convnet,
     mnist_data,
@@ -30,8 +34,6 @@ from keras_io_examples import (
 import mpprof
 from mpprof import diagnosis
 from mpprof.reader import read_logdir
-
-BATCH = 32
 
 
 def _fit(log_dir, model, x, y=None, steps=2, expect_error=False):
@@ -50,22 +52,6 @@ def _fit(log_dir, model, x, y=None, steps=2, expect_error=False):
             raised = error
     assert (raised is not None) == expect_error
     return read_logdir(str(log_dir))["train"], raised, caught
-
-
-def _codes(run, **kwargs) -> set[str]:
-    return {f.code for f in diagnosis.diagnose(run, **kwargs)}
-
-
-def _only(run, code, **kwargs):
-    found = [f for f in diagnosis.diagnose(run, **kwargs) if f.code == code]
-    assert len(found) == 1, [f.title for f in found]
-    return found[0]
-
-
-def _policy(name):
-    keras.backend.clear_session()  # layer names from 1 again: conv2d, dense...
-    keras.utils.set_random_seed(0)
-    keras.mixed_precision.set_dtype_policy(name)
 
 
 # ---------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The real-model suite's architecture families, each defined once and run on
-both backends: tests/models/test_model_families.py (TensorFlow) and
-tests/jax/test_model_families_jax.py (JAX) fit each under the profiler and
-apply the same checks (`model_suite.check_model`) plus the family's own.
+every Keras 3 backend: tests/models/test_model_families.py (TensorFlow),
+tests/jax/test_model_families_jax.py (JAX) and
+tests/torch/test_model_families_torch.py (PyTorch) fit each under the
+profiler and apply the same checks (`model_suite.check_model`) plus the
+family's own.
 
 Backend-neutral: Keras 3 layers, numpy data and keras-hub only (no
 TensorFlow op). The families whose code is TensorFlow's own (a custom
@@ -285,7 +287,7 @@ def keras_hub_vit_backbone() -> Family:
     return Family(model, rng.random((8, 16, 16, 3)), rng.random((8, 1)), check=check)
 
 
-# Every family both backends run, by test id.
+# Every family each backend runs, by test id.
 FAMILIES: dict[str, Callable[[], Family]] = {
     "mobilenet_v3_small": mobilenet_v3_small,
     "transformer_block": transformer_block,

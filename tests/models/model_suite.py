@@ -92,7 +92,8 @@ def assert_inventory_matches(run: reader.Run, model) -> dict[str, dict]:
 def expected_skipped(model) -> dict[str, str]:
     """The layers numerics cannot measure, from Keras' own view: every layer
     nested in a recurrent layer (`keras.layers.RNN`) runs inside its loop
-    (a TensorFlow while loop, JAX's lax.scan), so it is measured at the
+    (a TensorFlow while loop, JAX's lax.scan, PyTorch's Python loop over the
+    time steps), so it is measured at the
     boundary of the nearest one. Qualified name -> that RNN's name."""
     found = {}
 
