@@ -149,8 +149,10 @@ class Backend:
         """Steps per call when fixed for the whole fit, else None."""
         raise NotImplementedError
 
-    def run_context(self, model, **facts) -> dict:
-        """The framework's part of the run context (`mpprof.recording`)."""
+    def run_context(self, model, *, collectors: dict, step: int, fit_count: int,
+                    hardware: dict | None = None) -> dict:
+        """The framework's part of the run context (`mpprof.recording`); each
+        backend's `context.run_context`."""
         raise NotImplementedError
 
     def hardware_facts(self, sampler) -> dict:

@@ -452,33 +452,67 @@ def _non_finite_batch_values(capture: files.Capture) -> int:
                if isinstance(leaf, np.ndarray) and np.issubdtype(leaf.dtype, np.floating))
 
 
-def replay_entry(logdir_or_model, run: str | None, step: int | None,
-                 logdir: str | os.PathLike | None, save: bool,
-                 replay_with_weights: Callable[[object, files.Capture], dict]) -> dict:
-    """`replay(...)` of every engine: finds the capture, rebuilds the model
+def replay_function(replay_with_weights: Callable[[object, files.Capture], dict]
+                    ) -> Callable[..., dict]:
+    """The `replay(...)` of an engine: finds the capture, rebuilds the model
     (or replays the one given, putting its weights back after), runs
     `replay_with_weights(model, capture)` and saves the result."""
-    model = None
-    if isinstance(logdir_or_model, keras.Model):
-        model = logdir_or_model
-        if logdir is None:
-            raise ReplayError("replay(model, ...) needs logdir=: where the capture is")
-    else:
-        logdir = logdir_or_model
-    capture = files.select_capture(logdir, run or schema.TRAIN_RUN, step)
-    if model is None:
-        result = replay_with_weights(rebuild(capture), capture)
-    else:
-        saved = [keras.ops.convert_to_numpy(v) for v in model.weights]
-        try:
-            result = replay_with_weights(model, capture)
-        finally:
-            for variable, value in zip(model.weights, saved, strict=True):
-                variable.assign(value)
-    result = json_safe(result)
-    if save:
-        files.write_result(capture, result)
-    return result
+
+    def replay(logdir_or_model, run: str | None = None, step: int | None = None, *,
+               logdir: str | os.PathLike | None = None, save: bool = True) -> dict:
+        """Replays a captured step (see the engine's module docstring).
+
+        Args:
+            logdir_or_model: the LOG_DIR the profiler wrote (the model is rebuilt
+                from the capture's config), or the model object itself (needed
+                for subclassed models without a config; its weights are set to
+                the capture's for the replay and put back after), with `logdir`.
+            run: the run (default "train").
+            step: the captured step (default: the first captured).
+            logdir: the LOG_DIR, when `logdir_or_model` is a model.
+            save: write the result beside the capture (`replay.json`).
+
+        Returns:
+            The result, strict JSON (infinities as "inf"): `run, step,
+            first_op{layer, op, input_abs_max, output},
+            divergence[{layer, forward_rel_error, backward_rel_error}],
+            policy_map, dtype_lines, verified, verified_detail`, and more.
+
+        Raises:
+            mpprof.replay.files.NoCaptureError: no such capture.
+            ReplayError: the capture cannot be replayed.
+        """
+        model = None
+        if isinstance(logdir_or_model, keras.Model):
+            model = logdir_or_model
+            if logdir is None:
+                raise ReplayError("replay(model, ...) needs logdir=: where the capture is")
+        else:
+            logdir = logdir_or_model
+        capture = files.select_capture(logdir, run or schema.TRAIN_RUN, step)
+        if model is None:
+            result = replay_with_weights(rebuild(capture), capture)
+        else:
+            saved = [keras.ops.convert_to_numpy(v) for v in model.weights]
+            try:
+                result = replay_with_weights(model, capture)
+            finally:
+                for variable, value in zip(model.weights, saved, strict=True):
+                    variable.assign(value)
+        result = json_safe(result)
+        if save:
+            files.write_result(capture, result)
+        return result
+
+    return replay
+
+
+def captured_model(model, capture: files.Capture) -> None:
+    """Sets `model` to the capture's step: float8 refused (`refuse_quantized`),
+    the capture's weights and its layers' policies."""
+    refuse_quantized(model)
+    load_weights(model, capture)
+    captured_policies(model, capture)
 
 
 def rebuild(capture: files.Capture):

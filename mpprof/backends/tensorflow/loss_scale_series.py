@@ -38,12 +38,6 @@ MODE_HOST = "host_polling"
 MODE_ABSENT = "absent"
 
 
-def is_loss_scale_optimizer(optimizer) -> bool:
-    import keras
-
-    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-
-
 class LossScaleSeries:
     """Records the loss scale of a Keras 3 `LossScaleOptimizer`.
 
