@@ -4,13 +4,16 @@ every other under a series named after its attribute
 (`schema.tag_for(record, series)`), and their settings in the run context.
 
 A series here is a backend's `LossScaleSeries`: `read()` gives its new
-events and progress row, `settings()` and `origin` describe it.
+events and progress row, `settings()` and `origin` describe it. What every
+backend's `LossScales` collector of those series does alike is
+`LossScalesBase`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from mpprof.backends.collector import Collector
 from mpprof.records import schema
 
 
@@ -79,3 +82,59 @@ def keras_3_skip_decided_by(num_replicas: int) -> str:
         "all-reduce; an overflow on another replica alone is not skipped and turns "
         "the weights non-finite (see the health record, MP012)"
     )
+
+
+class LossScalesBase(Collector):
+    """What every backend's `LossScales` (`mpprof.backends.protocol`) does
+    alike over its series, by optimizer name in `by_name`: a subclass makes
+    them and says which are `active()` (those of the optimizers the step
+    used, all of them until it was traced).
+
+    Args:
+        usage: the model's `OptimizerUsage`.
+        strategy: the distribution strategy (or the backend's stand-in).
+    """
+
+    name = "loss_scale"
+
+    def __init__(self, usage, strategy):
+        self._usage = usage
+        self._replicas = int(strategy.num_replicas_in_sync)
+        # Each series' first progress row, until written (`write_series`).
+        self._start: dict[str, Any] = {}
+        self.by_name: dict[str, Any] = {}
+        # Skipped steps at the last look (`note_overflows`; set at install).
+        self._overflows_seen = 0
+
+    def active(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __bool__(self) -> bool:
+        return bool(self.active())
+
+    def note_overflows(self, fit) -> None:
+        """After a call whose alarm rang: arms a forensic sample when a step
+        overflowed since the last look (a host read, while one can be armed)."""
+        if not fit.schedule.watching_overflows:
+            return
+        skipped = self.skipped_steps()
+        if skipped > self._overflows_seen:
+            fit.schedule.overflowed()
+        self._overflows_seen = skipped
+
+    def skipped_steps(self) -> int:
+        """Skipped steps of every used series so far (a host read)."""
+        return sum(c.skipped_steps() for c in self.active().values())
+
+    def _absent(self) -> dict:
+        """The run context's entry when the step used no LossScaleOptimizer."""
+        used = self._usage.used()
+        names = ", ".join(f"{u.name} ({type(u.optimizer).__name__})" for u in used)
+        return {
+            "state": "absent",
+            "reason": (
+                f"no LossScaleOptimizer among the optimizers the step uses ({names}): "
+                "no dynamic loss scale to record" if used
+                else "the train step applied no optimizer: no loss scale to record"
+            ),
+        }

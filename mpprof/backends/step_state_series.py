@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from mpprof.backends.optimizer_usage import applied_steps
-from mpprof.backends.step_origin import Origin
+from mpprof.backends.step_origin import KERAS_3_UNKNOWN_ORIGIN, Origin
 
 MODE_STEP_STATE = "step_state"
 
@@ -36,10 +36,7 @@ class LossScaleSeries:
     # The growths are recorded by the step, not derived.
     derives_growth = False
     mode = MODE_STEP_STATE
-    unknown_origin_means = (
-        "the steps recorded start at the optimizer's apply calls, early by the "
-        "steps skipped before this profiler's first fit (Keras 3 does not count them)"
-    )
+    unknown_origin_means = KERAS_3_UNKNOWN_ORIGIN
 
     def __init__(self, optimizer, step_state, capacity: int):
         self.optimizer = optimizer

@@ -23,7 +23,7 @@ import tensorflow as tf
 from mpprof.backends.loss_scale_growth import ScaleState, growth_events
 from mpprof.backends.optimizer_usage import applied_steps
 from mpprof.backends.patching import Patches
-from mpprof.backends.step_origin import Origin
+from mpprof.backends.step_origin import KERAS_3_UNKNOWN_ORIGIN, Origin
 from mpprof.backends.traced_guard import TracedGuard
 from mpprof.records import schema
 
@@ -58,10 +58,7 @@ class LossScaleSeries:
     # each read (`loss_scale_growth`).
     derives_growth = True
     # What an unknown count of skipped steps before the first fit means.
-    unknown_origin_means = (
-        "the steps recorded start at the optimizer's apply calls, early by the "
-        "steps skipped before this profiler's first fit (Keras 3 does not count them)"
-    )
+    unknown_origin_means = KERAS_3_UNKNOWN_ORIGIN
 
     def __init__(self, optimizer, strategy, capacity: int):
         self.optimizer = optimizer

@@ -25,6 +25,9 @@ from mpprof.backends import keras_capture, replay_candidates
 from mpprof.backends.tensorflow.replay_passes import run_pass
 from mpprof.replay import files
 
+# What `replay` raises, named where the engine is (as every engine names it).
+from mpprof.replay.files import ReplayError  # noqa: F401 - re-exported
+
 
 def _replay_with_weights(model, capture: files.Capture) -> dict:
     # Keras 3's float8 Dense fails under an eager GradientTape ("too many

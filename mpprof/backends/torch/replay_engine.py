@@ -30,6 +30,9 @@ from mpprof.backends.torch.custom_step import overrides_train_step
 from mpprof.backends.torch.replay_passes import as_tensors, run_pass, seeded_global_rng
 from mpprof.replay import files, verification
 
+# What `replay` raises, named where the engine is (as every engine names it).
+from mpprof.replay.files import ReplayError  # noqa: F401 - re-exported
+
 
 def _replay_with_weights(model, capture: files.Capture) -> dict:
     keras_capture.captured_model(model, capture)
