@@ -19,6 +19,9 @@ class Keras3Backend(base.Backend):
 
     flavor = KERAS_3
     traceback_filters: tuple[str, ...] = ("keras.src.utils.traceback_utils",)
+    # Keras 3's train steps hand their loss to the LossScaleOptimizer's
+    # `scale_loss` (`OptimizerUsage` watches it).
+    loss_methods: tuple[str, ...] = ("scale_loss",)
 
     def is_optimizer(self, value) -> bool:
         import keras
@@ -55,6 +58,9 @@ class StepStateBackend(Keras3Backend):
     """
 
     StepState: Callable[..., Any]
+    # (The capture is handed its step by the train functions, never in the
+    # logs; the key is popped all the same.)
+    replay_logs_key = "_mpprof_replay"
 
     def __init__(self, model):
         self.step_state: Any = None

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from mpprof.backends import step_origin
 from mpprof.backends.loss_scale_records import LossScalesBase, series_context, write_series
 from mpprof.backends.optimizer_usage import OptimizerUsage, applied_steps
 from mpprof.backends.patching import Patches
@@ -35,33 +34,23 @@ class LossScales(LossScalesBase):
     """One loss-scale collector per followed LossScaleOptimizer
     (`mpprof.backends.protocol.LossScales`).
 
-    Args:
-        keras_api: the fit's `JaxBackend` (it makes the fit's step state,
-            which counts each optimizer's overflows inside the jitted step).
-        usage: the model's `OptimizerUsage`.
-        strategy: the backend's stand-in strategy (one replica per process).
-        capacity: events each optimizer's ring holds between two reads.
-        reuse: series of an earlier fit, by optimizer id: they keep counting
-            skipped steps across fits.
-        earlier: reads the run's records of earlier fits
-            (`step_origin.read_earlier`), called at most once, and only when
-            a new series' optimizer has run before.
+    Args: `LossScalesBase`'s; `keras_api` makes the fit's step state, which
+    counts each optimizer's overflows (JAX: inside the jitted step).
     """
 
     def __init__(self, keras_api, usage: OptimizerUsage, strategy, capacity: int,
                  reuse: dict[int, Any], earlier: Callable[[], EarlierRecords | str]):
-        super().__init__(usage, strategy)
-        step_state = self._step_state = keras_api.make_step_state(capacity, usage)
-        for use in usage.uses:
-            if not use.loss_scale or not step_state.follows(use.optimizer):
-                continue
-            collector = reuse.get(id(use.optimizer))
-            if collector is None:
-                collector = keras_api.loss_scale_series(use.optimizer, step_state, capacity)
-                step_origin.start_new_series(collector, use.name, earlier)
-            else:
-                collector.attach(step_state)
-            self.by_name[use.name] = collector
+        self._step_state = keras_api.make_step_state(capacity, usage)
+        super().__init__(keras_api, usage, strategy, capacity, reuse, earlier)
+
+    def _follows(self, use) -> bool:
+        return self._step_state.follows(use.optimizer)
+
+    def _new_series(self, keras_api, use, strategy, capacity: int):
+        return keras_api.loss_scale_series(use.optimizer, self._step_state, capacity)
+
+    def _reused(self, series) -> None:
+        series.attach(self._step_state)
 
     def install(self, fit, patches: Patches) -> None:
         # (After `TrainFunctions.install`, which starts the step state.)

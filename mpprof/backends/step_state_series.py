@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from mpprof.backends.loss_scale_records import keras_3_settings
 from mpprof.backends.optimizer_usage import applied_steps
 from mpprof.backends.step_origin import KERAS_3_UNKNOWN_ORIGIN, Origin
 
@@ -70,9 +71,7 @@ class LossScaleSeries:
         opt = self.optimizer
         return {
             "mode": self.mode,
-            "initial_scale": float(opt.initial_scale),
-            "dynamic_growth_steps": int(opt.dynamic_growth_steps),
-            "inner_optimizer": type(opt.inner_optimizer).__name__,
+            **keras_3_settings(opt),
             "buffer_capacity": self.capacity,
             "dropped_events": self.dropped_events,
             "growth_events": "recorded by the step (its scale before and after)",

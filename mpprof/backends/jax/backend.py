@@ -73,9 +73,7 @@ class JaxBackend(StepStateBackend):
     hardware_facts = staticmethod(hardware.hardware_facts)
     profile_window = staticmethod(kernels.ProfileWindow)
     alarm_logs_key = call_alarm.LOGS_KEY
-    replay_logs_key = "_mpprof_replay"
     apply_method = "stateless_apply"
-    loss_methods: tuple[str, ...] = ("scale_loss",)
     # The alarm is in the logs, but read one call late (`call_alarm`).
     alarm_in_logs = False
     # keras.distribution on jax.distributed: one job, one fit per process.

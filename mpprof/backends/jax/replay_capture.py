@@ -44,12 +44,10 @@ class ReplayCapture(keras_capture.SampledStepCapture):
     """Saves up to `budget` steps per fit that overflowed or lost the loss
     (the arguments: `keras_capture.ReplayCaptureBase`'s)."""
 
-    def __init__(self, budget: int, keras_api, loss_scales, health, instrumenting,
-                 advise_batches: int = 0, fit_params: dict | None = None):
-        super().__init__(budget, keras_api, loss_scales, health, instrumenting,
-                         advise_batches, fit_params)
-        self._before: Any = None
-        self._after: Any = None
+    # What the donated sampled step received (copied before it runs), and
+    # what it returned, until written (None: no sampled step under way).
+    _before: Any = None
+    _after: Any = None
 
     def overrides_train_step(self, model) -> bool:
         return overrides_train_step(model)

@@ -53,10 +53,9 @@ class TensorFlowBackend(Keras3Backend):
     profile_window = staticmethod(kernels.ProfileWindow)
     alarm_logs_key = call_alarm.LOGS_KEY
     replay_logs_key = replay_capture.LOGS_KEY
-    # The optimizer method every update of the weights goes through, and the
-    # methods a train step hands its loss to (`OptimizerUsage` watches them).
+    # The optimizer method every update of the weights goes through
+    # (`OptimizerUsage` watches it).
     apply_method = "apply"
-    loss_methods: tuple[str, ...] = ("scale_loss",)
     # Whether the train step reports the call alarm in its logs
     # (`call_alarm`): Keras 3 turns every call's logs into Python numbers
     # anyway, and its loss watchers date the first non-finite loss from the

@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from mpprof.backends.loss_scale_growth import ScaleState, growth_events
+from mpprof.backends.loss_scale_records import keras_3_settings
 from mpprof.backends.optimizer_usage import applied_steps
 from mpprof.backends.patching import Patches
 from mpprof.backends.step_origin import KERAS_3_UNKNOWN_ORIGIN, Origin
@@ -106,9 +107,7 @@ class LossScaleSeries:
         opt = self.optimizer
         settings = {
             "mode": self.mode,
-            "initial_scale": float(opt.initial_scale),
-            "dynamic_growth_steps": int(opt.dynamic_growth_steps),
-            "inner_optimizer": type(opt.inner_optimizer).__name__,
+            **keras_3_settings(opt),
             "buffer_capacity": self.capacity,
             "dropped_events": self.dropped_events,
         }

@@ -16,7 +16,6 @@ from typing import Any
 
 import tensorflow as tf
 
-from mpprof.backends import step_origin
 from mpprof.backends.loss_scale_records import LossScalesBase, series_context, write_series
 from mpprof.backends.optimizer_usage import OptimizerUsage, applied_steps
 from mpprof.backends.patching import Patches
@@ -27,30 +26,16 @@ from mpprof.backends.tensorflow.loss_scale_series import MODE_HOST
 class LossScales(LossScalesBase):
     """One loss-scale collector per LossScaleOptimizer the step may use.
 
-    Args:
-        keras_api: the fit's `Backend` (`mpprof.backends.base`).
-        usage: the model's `OptimizerUsage`.
-        strategy: the model's distribution strategy.
-        capacity: events each ring buffer holds between two reads.
-        reuse: collectors of an earlier fit, by optimizer id: they keep
-            counting skipped steps across fits.
-        earlier: reads the run's records of earlier fits
-            (`step_origin.read_earlier`), called at most once, and only when
-            a new series' optimizer has run before.
+    Args: `LossScalesBase`'s.
     """
 
     def __init__(self, keras_api, usage: OptimizerUsage, strategy, capacity: int,
                  reuse: dict[int, Any], earlier: Callable[[], EarlierRecords | str]):
-        super().__init__(usage, strategy)
+        super().__init__(keras_api, usage, strategy, capacity, reuse, earlier)
         self._active: dict[str, object] | None = None
-        for use in usage.uses:
-            if not use.loss_scale:
-                continue
-            collector = reuse.get(id(use.optimizer))
-            if collector is None:
-                collector = keras_api.loss_scale_series(use.optimizer, strategy, capacity)
-                step_origin.start_new_series(collector, use.name, earlier)
-            self.by_name[use.name] = collector
+
+    def _new_series(self, keras_api, use, strategy, capacity: int):
+        return keras_api.loss_scale_series(use.optimizer, strategy, capacity)
 
     def install(self, fit, patches: Patches) -> None:
         for collector in self.by_name.values():

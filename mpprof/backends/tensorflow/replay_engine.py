@@ -49,12 +49,8 @@ replay = keras_capture.replay_function(_replay_with_weights)
 class Engine(replay_candidates.EagerEngine):
     """`mpprof.replay.verification.Engine` on TensorFlow: passes watched op by
     op (`replay_passes.run_pass`) and trials of the model's own `train_step`
-    in a `tf.function`.
-
-    Args:
-        model: the model, its captured weights loaded.
-        batches: the captured batches, each (x, y, sample_weight).
-        loss_scale: the run's loss scale at the capture (1.0: none).
+    in a `tf.function`. (the arguments
+    are `replay_candidates.CandidateEngine`'s).
     """
 
     pass_function = staticmethod(run_pass)

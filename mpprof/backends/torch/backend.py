@@ -69,11 +69,8 @@ class TorchBackend(StepStateBackend):
     hardware_facts = staticmethod(hardware.hardware_facts)
     profile_window = staticmethod(kernels.ProfileWindow)
     alarm_logs_key = call_alarm.LOGS_KEY
-    replay_logs_key = "_mpprof_replay"
-    # Keras' PyTorch step applies through `apply`; the loss goes through
-    # `scale_loss` (`OptimizerUsage` watches both).
+    # Keras' PyTorch step applies through `apply` (`OptimizerUsage` watches it).
     apply_method = "apply"
-    loss_methods: tuple[str, ...] = ("scale_loss",)
     alarm_in_logs = False
     fits_across_workers = False
 

@@ -38,12 +38,10 @@ class ReplayCapture(keras_capture.SampledStepCapture):
     """Saves up to `budget` steps per fit that overflowed or lost the loss
     (the arguments: `keras_capture.ReplayCaptureBase`'s)."""
 
-    def __init__(self, budget: int, keras_api, loss_scales, health, instrumenting,
-                 advise_batches: int = 0, fit_params: dict | None = None):
-        super().__init__(budget, keras_api, loss_scales, health, instrumenting,
-                         advise_batches, fit_params)
-        self._before: Any = None
-        self._ran = False
+    # What the sampled step started from, and whether it ran, until written
+    # (None, False: no sampled step under way).
+    _before: Any = None
+    _ran = False
 
     def overrides_train_step(self, model) -> bool:
         return overrides_train_step(model)
