@@ -58,9 +58,6 @@ class StepStateBackend(Keras3Backend):
     """
 
     StepState: Callable[..., Any]
-    # (The capture is handed its step by the train functions, never in the
-    # logs; the key is popped all the same.)
-    replay_logs_key = "_mpprof_replay"
 
     def __init__(self, model):
         self.step_state: Any = None

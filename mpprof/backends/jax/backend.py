@@ -72,7 +72,6 @@ class JaxBackend(StepStateBackend):
     run_context = staticmethod(context.run_context)
     hardware_facts = staticmethod(hardware.hardware_facts)
     profile_window = staticmethod(kernels.ProfileWindow)
-    alarm_logs_key = call_alarm.LOGS_KEY
     apply_method = "stateless_apply"
     # The alarm is in the logs, but read one call late (`call_alarm`).
     alarm_in_logs = False

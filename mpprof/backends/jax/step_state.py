@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpprof.backends.base import ALARM_LOGS_KEY
 from mpprof.backends.optimizer_usage import OptimizerUsage, applied_steps
 from mpprof.backends.patching import Patches
 from mpprof.backends.step_state_base import NOT_BUILT, StepStateBase
@@ -53,8 +54,6 @@ NONFINITE, FIRST_NONFINITE, LAST_LOSS = range(3)
 # Columns of an optimizer's first row, and of its second.
 SKIPPED, EVENTS, APPLIED = range(3)
 SCALE, COUNTER = range(2)
-# The key of the call alarm in the step's logs (taken out before Keras sees them).
-ALARM_KEY = "_mpprof_alarm"
 
 NESTED = ("applied inside a nested transformation of the train step (lax.scan, "
           "lax.cond, a vmap): its updates cannot leave it, so its scale and skips "
@@ -270,7 +269,7 @@ class StepState(StepStateBase):
                 # The call alarm: every skipped step and non-finite loss so
                 # far, read by the host when its step is done
                 # (`mpprof.backends.jax.call_alarm`); not donated.
-                logs = {**logs, ALARM_KEY: skipped}
+                logs = {**logs, ALARM_LOGS_KEY: skipped}
             return logs, new_state, table
 
         return step

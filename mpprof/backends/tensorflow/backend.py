@@ -51,8 +51,6 @@ class TensorFlowBackend(Keras3Backend):
     run_context = staticmethod(context.run_context)
     hardware_facts = staticmethod(hardware.hardware_facts)
     profile_window = staticmethod(kernels.ProfileWindow)
-    alarm_logs_key = call_alarm.LOGS_KEY
-    replay_logs_key = replay_capture.LOGS_KEY
     # The optimizer method every update of the weights goes through
     # (`OptimizerUsage` watches it).
     apply_method = "apply"

@@ -38,13 +38,10 @@ import numpy as np
 import tensorflow as tf
 
 from mpprof.backends import keras_capture
+from mpprof.backends.base import REPLAY_LOGS_KEY
 from mpprof.backends.flavor import KERAS_3
 from mpprof.backends.patching import Patches
 from mpprof.replay import files
-
-# The logs key the instrumented step returns the capture's tensors under
-# (taken out by the profiler's dispatcher).
-LOGS_KEY = "_mpprof_replay"
 
 
 class ReplayCapture(keras_capture.ReplayCaptureBase):
@@ -102,7 +99,7 @@ class ReplayCapture(keras_capture.ReplayCaptureBase):
                     outputs["skipped_before"] = primary_skipped_before
             if step is not None:
                 outputs["step"] = step
-            return {**logs, LOGS_KEY: outputs}
+            return {**logs, REPLAY_LOGS_KEY: outputs}
 
         patches.set(model, "train_step", train_step_returning_batch)
 

@@ -68,7 +68,6 @@ class TorchBackend(StepStateBackend):
     run_context = staticmethod(context.run_context)
     hardware_facts = staticmethod(hardware.hardware_facts)
     profile_window = staticmethod(kernels.ProfileWindow)
-    alarm_logs_key = call_alarm.LOGS_KEY
     # Keras' PyTorch step applies through `apply` (`OptimizerUsage` watches it).
     apply_method = "apply"
     alarm_in_logs = False
