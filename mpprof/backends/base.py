@@ -26,6 +26,12 @@ from mpprof.backends.worker_role import WorkerRole
 _MPPROF_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
+# The keys a train step's logs carry the call alarm and the replay capture's
+# outputs under (taken out by the core before Keras sees them).
+ALARM_LOGS_KEY = "_mpprof_alarm"
+REPLAY_LOGS_KEY = "_mpprof_replay"
+
+
 class Backend:
     """What the recording core asks of the framework a model trains on.
 
@@ -42,7 +48,9 @@ class Backend:
         fits_across_workers: whether this flavour's fit runs across worker
             processes.
         alarm_logs_key, replay_logs_key: the logs keys of the call alarm
-            and of the replay capture's outputs.
+            and of the replay capture's outputs (the core takes both out of
+            every call's logs, before Keras sees them; a backend that puts
+            neither there has nothing taken out).
     """
 
     name = ""
@@ -51,8 +59,8 @@ class Backend:
     loss_methods: tuple[str, ...] = ()
     alarm_in_logs = False
     fits_across_workers = False
-    alarm_logs_key = ""
-    replay_logs_key = ""
+    alarm_logs_key = ALARM_LOGS_KEY
+    replay_logs_key = REPLAY_LOGS_KEY
     # The framework modules that filter their own frames out of a raised
     # error's traceback by a tuple `_EXCLUDED_PATHS` of path fragments
     # (Keras' `keras.src.utils.traceback_utils`, tf-keras', TensorFlow's).
@@ -149,8 +157,10 @@ class Backend:
         """Steps per call when fixed for the whole fit, else None."""
         raise NotImplementedError
 
-    def run_context(self, model, **facts) -> dict:
-        """The framework's part of the run context (`mpprof.recording`)."""
+    def run_context(self, model, *, collectors: dict, step: int, fit_count: int,
+                    hardware: dict | None = None) -> dict:
+        """The framework's part of the run context (`mpprof.recording`); each
+        backend's `context.run_context`."""
         raise NotImplementedError
 
     def hardware_facts(self, sampler) -> dict:

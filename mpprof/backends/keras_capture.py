@@ -216,22 +216,63 @@ class AdviseBatches:
         return {"wanted": self.wanted, "kept": self.kept, "targets": self.targets}
 
 
-class SampledStepCapture(Collector):
+class ReplayCaptureBase(Collector):
+    """What every backend's replay capture holds and reports alike
+    (`mpprof.backends.protocol.ReplayCapture`): its budget, the captures it
+    wrote, why it takes none, the precision advisor's kept batches.
+
+    Args:
+        budget: captures this fit may write (0: off).
+        keras_api: the fit's `Backend` (a backend whose train functions hand
+            over each sampled step finds the collector at `keras_api.replay`).
+        loss_scales: the `LossScales` (TensorFlow: the in-graph skip counter
+            and step; unused where the step state counts).
+        health: the `RunHealth` (whether the step's loss is watched).
+        instrumenting: tells, while a train function is traced, whether it is
+            the instrumented one (TensorFlow; unused where the sampled step is
+            marked otherwise).
+        advise_batches: how many of the fit's own sampled batches to keep for
+            the precision advisor (`AdviseBatches`; 0: none).
+        fit_params: the callback's `params` (how many steps the fit runs).
+    """
+
+    name = "replay_capture"
+
+    def __init__(self, budget: int, keras_api, loss_scales, health, instrumenting,
+                 advise_batches: int = 0, fit_params: dict | None = None):
+        self.budget = budget
+        self.advise_batches = advise_batches
+        self._fit_params = fit_params
+        self._advise: AdviseBatches | None = None
+        self._api = keras_api
+        self._loss_scales = loss_scales
+        self._health = health
+        self._instrumenting = instrumenting
+        self._unavailable: str | None = None
+        self.captured: list[dict] = []
+        self.initial_descent_skipped = 0
+
+    def context(self) -> dict:
+        if self._unavailable is not None:
+            off = self.budget == 0 or self._unavailable.startswith("numerics_every")
+            return {"state": "off" if off else "unavailable", "reason": self._unavailable,
+                    "budget": self.budget}
+        entry = {"state": "ok", "budget": self.budget, "captures": self.captured}
+        if self._advise is not None:
+            entry["advise_batches"] = self._advise.context()
+        if self.initial_descent_skipped:
+            entry["initial_descent_not_captured"] = self.initial_descent_skipped
+        return entry
+
+
+class SampledStepCapture(ReplayCaptureBase):
     """The replay capture of a backend whose train functions hand it each
     sampled step (JAX, PyTorch): what they share. The backend's subclass
     gathers the step's values (`before_sampled`, `after_sampled`, called by
     its train functions) and writes them; this class registers it with the
     backend (`keras_api.replay`), says when captures are off, and decides
-    what a sampled step that ran gets (`decide`).
-
-    Args:
-        budget: captures this fit may write (0: off).
-        keras_api: the fit's `Backend` (its train functions find the
-            collector at `keras_api.replay`).
-        health: the `RunHealth` (whether the step's loss is watched).
-        advise_batches: how many of the fit's own sampled batches to keep for
-            the precision advisor (`AdviseBatches`; 0: none).
-        fit_params: the callback's `params` (how many steps the fit runs).
+    what a sampled step that ran gets (`decide`). Its arguments are
+    `ReplayCaptureBase`'s.
 
     Example:
         class ReplayCapture(SampledStepCapture):
@@ -241,22 +282,13 @@ class SampledStepCapture(Collector):
                 ...
     """
 
-    name = "replay_capture"
-
-    def __init__(self, budget: int, keras_api, health, advise_batches: int = 0,
-                 fit_params: dict | None = None):
-        self.budget = budget
-        self.advise_batches = advise_batches
-        self._fit_params = fit_params
-        self._advise: AdviseBatches | None = None
-        self._api = keras_api
-        self._health = health
-        self._unavailable: str | None = None
+    def __init__(self, budget: int, keras_api, loss_scales, health, instrumenting,
+                 advise_batches: int = 0, fit_params: dict | None = None):
+        super().__init__(budget, keras_api, loss_scales, health, instrumenting,
+                         advise_batches, fit_params)
         self._config: tuple = (None, "")
         self._custom_step = False
         self.model: Any = None  # the fit's, once it begins
-        self.captured: list[dict] = []
-        self.initial_descent_skipped = 0
 
     def overrides_train_step(self, model) -> bool:
         """Whether the model's `train_step` is its own (the backend's test)."""
@@ -325,18 +357,6 @@ class SampledStepCapture(Collector):
     def end(self, fit) -> None:
         if self._api.replay is self:
             self._api.replay = None
-
-    def context(self) -> dict:
-        if self._unavailable is not None:
-            off = self.budget == 0 or self._unavailable.startswith("numerics_every")
-            return {"state": "off" if off else "unavailable", "reason": self._unavailable,
-                    "budget": self.budget}
-        entry = {"state": "ok", "budget": self.budget, "captures": self.captured}
-        if self._advise is not None:
-            entry["advise_batches"] = self._advise.context()
-        if self.initial_descent_skipped:
-            entry["initial_descent_not_captured"] = self.initial_descent_skipped
-        return entry
 
 
 def load_weights(model, capture: files.Capture) -> None:
@@ -452,33 +472,67 @@ def _non_finite_batch_values(capture: files.Capture) -> int:
                if isinstance(leaf, np.ndarray) and np.issubdtype(leaf.dtype, np.floating))
 
 
-def replay_entry(logdir_or_model, run: str | None, step: int | None,
-                 logdir: str | os.PathLike | None, save: bool,
-                 replay_with_weights: Callable[[object, files.Capture], dict]) -> dict:
-    """`replay(...)` of every engine: finds the capture, rebuilds the model
+def replay_function(replay_with_weights: Callable[[object, files.Capture], dict]
+                    ) -> Callable[..., dict]:
+    """The `replay(...)` of an engine: finds the capture, rebuilds the model
     (or replays the one given, putting its weights back after), runs
     `replay_with_weights(model, capture)` and saves the result."""
-    model = None
-    if isinstance(logdir_or_model, keras.Model):
-        model = logdir_or_model
-        if logdir is None:
-            raise ReplayError("replay(model, ...) needs logdir=: where the capture is")
-    else:
-        logdir = logdir_or_model
-    capture = files.select_capture(logdir, run or schema.TRAIN_RUN, step)
-    if model is None:
-        result = replay_with_weights(rebuild(capture), capture)
-    else:
-        saved = [keras.ops.convert_to_numpy(v) for v in model.weights]
-        try:
-            result = replay_with_weights(model, capture)
-        finally:
-            for variable, value in zip(model.weights, saved, strict=True):
-                variable.assign(value)
-    result = json_safe(result)
-    if save:
-        files.write_result(capture, result)
-    return result
+
+    def replay(logdir_or_model, run: str | None = None, step: int | None = None, *,
+               logdir: str | os.PathLike | None = None, save: bool = True) -> dict:
+        """Replays a captured step (see the engine's module docstring).
+
+        Args:
+            logdir_or_model: the LOG_DIR the profiler wrote (the model is rebuilt
+                from the capture's config), or the model object itself (needed
+                for subclassed models without a config; its weights are set to
+                the capture's for the replay and put back after), with `logdir`.
+            run: the run (default "train").
+            step: the captured step (default: the first captured).
+            logdir: the LOG_DIR, when `logdir_or_model` is a model.
+            save: write the result beside the capture (`replay.json`).
+
+        Returns:
+            The result, strict JSON (infinities as "inf"): `run, step,
+            first_op{layer, op, input_abs_max, output},
+            divergence[{layer, forward_rel_error, backward_rel_error}],
+            policy_map, dtype_lines, verified, verified_detail`, and more.
+
+        Raises:
+            mpprof.replay.files.NoCaptureError: no such capture.
+            ReplayError: the capture cannot be replayed.
+        """
+        model = None
+        if isinstance(logdir_or_model, keras.Model):
+            model = logdir_or_model
+            if logdir is None:
+                raise ReplayError("replay(model, ...) needs logdir=: where the capture is")
+        else:
+            logdir = logdir_or_model
+        capture = files.select_capture(logdir, run or schema.TRAIN_RUN, step)
+        if model is None:
+            result = replay_with_weights(rebuild(capture), capture)
+        else:
+            saved = [keras.ops.convert_to_numpy(v) for v in model.weights]
+            try:
+                result = replay_with_weights(model, capture)
+            finally:
+                for variable, value in zip(model.weights, saved, strict=True):
+                    variable.assign(value)
+        result = json_safe(result)
+        if save:
+            files.write_result(capture, result)
+        return result
+
+    return replay
+
+
+def captured_model(model, capture: files.Capture) -> None:
+    """Sets `model` to the capture's step: float8 refused (`refuse_quantized`),
+    the capture's weights and its layers' policies."""
+    refuse_quantized(model)
+    load_weights(model, capture)
+    captured_policies(model, capture)
 
 
 def rebuild(capture: files.Capture):

@@ -85,17 +85,44 @@ class InventoryBuilder:
     ordered dict), `_inputs_from`, `_inputs_made_outside_layers`, and
     `_model_output_dtypes`, `_outputs` (per model output: producer id,
     final op, units), and `_output_shapes` (per layer id: its first output's
-    shape without the batch axis, for the GEMM work of the layer)."""
+    shape without the batch axis, for the GEMM work of the layer).
 
-    _model: Any = None
-    _call_order: dict[int, int]
-    _output_dtypes: dict[int, set[str]]
-    _casts: dict[tuple, None]  # an ordered set
-    _inputs_from: dict[int, dict]
-    _inputs_made_outside_layers: set[int]
-    _model_output_dtypes: set[str]
-    _outputs: list[dict]
-    _output_shapes: dict[int, list[int] | None]
+    Args:
+        model: the Keras model being trained.
+    """
+
+    def __init__(self, model):
+        self._model = model
+        self._call_order: dict[int, int] = {}
+        self._output_dtypes: dict[int, set[str]] = {}
+        self._output_shapes: dict[int, list[int] | None] = {}
+        # What produced each traced value, in the backend's own keys.
+        self._producers: dict = {}
+        self._casts: dict[tuple, None] = {}  # an ordered set
+        self._model_output_dtypes: set[str] = set()
+        self._inputs_from: dict[int, dict] = {}  # consumer -> ordered producers
+        # Layers with an input computed by ops of no layer (their parent's
+        # own code), rather than by a layer or given to the model.
+        self._inputs_made_outside_layers: set[int] = set()
+        self._outputs: list[dict] = []  # per model output: producer, op, units
+
+    @property
+    def traced(self) -> bool:
+        return bool(self._call_order)
+
+    def _layer_output(self, key: int, dtypes: set[str], flat_outputs: list) -> None:
+        """A call of layer `key` (not the model) output `flat_outputs`, of
+        `dtypes`: the first call dates it, the first output's shape (without
+        the batch axis) is its GEMM's."""
+        self._call_order.setdefault(key, len(self._call_order))
+        self._output_dtypes.setdefault(key, set()).update(dtypes)
+        if flat_outputs and key not in self._output_shapes:
+            self._output_shapes[key] = self._example_shape(flat_outputs[0].shape)
+
+    @staticmethod
+    def _example_shape(shape) -> list[int] | None:
+        """A layer output's shape without its batch axis (None: a scalar)."""
+        return [int(d) for d in shape[1:]] if len(shape) else None
 
     def note_loss_input(self, y_pred) -> None:
         """`model.compute_loss` got `y_pred` (traced values): their dtypes are

@@ -6,7 +6,7 @@ runs its own way; what those have in common is here: setting the candidate's
 policies for the length of a pass and putting back what was there, scaling
 the inputs, the trial's fresh optimizer, the trial itself and the engine's bookkeeping
 (`CandidateEngine`, which each backend completes with `run_pass` and
-`trial_step`).
+`trial_step`; `EagerEngine`, the eager passes of TensorFlow and PyTorch).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterator, Mapping
 import keras
 import numpy as np
 
+from mpprof.backends import keras_capture
 from mpprof.backends.layer_records import called_method, walk_layers
 from mpprof.backends.patching import Patches
-from mpprof.replay import verification
+from mpprof.replay import files, verification
 from mpprof.replay.files import ReplayError
 from mpprof.replay.search import PassResult
 from mpprof.replay.verification import Candidate
@@ -249,16 +250,6 @@ class CandidateEngine(abc.ABC):
         """Captured batch `batch` with the candidate's input change."""
         return scale_inputs(self.batches[batch], candidate.input_scale)
 
-    def eager_pass(self, run_pass: Callable[..., PassResult], candidate: Candidate,
-                   batch: int, loss_scale: float) -> PassResult:
-        """`run_pass` for an engine whose pass function is TensorFlow's and
-        PyTorch's eager one, `run_pass(model, data, loss_scale,
-        float32_layers, *, policies, model_policy)`."""
-        with repeatable_random_draws(self.tree):
-            return run_pass(self.model, self.pass_data(candidate, batch), loss_scale, None,
-                            policies=self.policies(candidate),
-                            model_policy=candidate.default_policy)
-
     def trial_optimizer(self, candidate: Candidate, loss_scale: float | None = None):
         """A fresh optimizer of the run's config for the candidate's trial
         (`trial_optimizer`), a LossScaleOptimizer's initial scale
@@ -316,6 +307,55 @@ class CandidateEngine(abc.ABC):
             self.restore()
             for metric in model.metrics:
                 metric.reset_state()
+
+
+class EagerEngine(CandidateEngine):
+    """A `CandidateEngine` whose passes run the step eagerly, op by op, as
+    `model(x, training=True)` and `model.compute_loss` (TensorFlow, PyTorch):
+    a subclass names its framework's pass, `pass_function(model, batch,
+    loss_scale, float32_layers, *, all_float32=False, policies=None,
+    model_policy=None)` (its `replay_passes.run_pass`), and `trial_step`.
+    """
+
+    pass_function: Callable[..., PassResult]
+
+    @classmethod
+    def for_batches(cls, model, batches: list, loss_scale: float = 1.0) -> EagerEngine:
+        """A verification engine (`mpprof.replay.verification.Engine`) of
+        `model` as it is now (its weights are the ones every pass and trial
+        start from) on `batches` (each as `train_step` receives it: (x, y)
+        or (x, y, sample_weight))."""
+        return cls(model, [keras.utils.unpack_x_y_sample_weight(b) for b in batches],
+                   loss_scale)
+
+    @classmethod
+    def replay_result(cls, model, capture: files.Capture, *, backend: str,
+                      unrunnable: str = "", **extra) -> dict:
+        """The replay of `capture` (its weights already in `model`): its
+        batch's passes with the run's policies and all in float32, and
+        `keras_capture.replay_result` of them; `unrunnable` ends the error of
+        a step that cannot run eagerly, `extra` are the engine's own keys."""
+        batch = keras.utils.unpack_x_y_sample_weight(capture.batch())
+        scale = float(capture.manifest.get("loss_scale") or 1.0)
+        run_pass = cls.pass_function
+        try:
+            run_policy = run_pass(model, batch, scale, None)
+        except Exception as e:
+            raise ReplayError(
+                f"the step could not be run eagerly as model(x, training=True) and "
+                f"model.compute_loss ({type(e).__name__}: {str(e)[:300]}){unrunnable}") from e
+        return keras_capture.replay_result(
+            model, capture, scale=scale, run_policy=run_policy,
+            reference=run_pass(model, batch, scale, None, all_float32=True),
+            engine=cls(model, [batch], scale),
+            run_unscaled=lambda float32_layers: run_pass(model, batch, 1.0, float32_layers),
+            inputs=keras.tree.flatten(batch[0]), backend=backend, **extra)
+
+    def run_pass(self, candidate: Candidate, batch: int, loss_scale: float) -> PassResult:
+        with repeatable_random_draws(self.tree):
+            return self.pass_function(self.model, self.pass_data(candidate, batch),
+                                      loss_scale, None, policies=self.policies(candidate),
+                                      model_policy=candidate.default_policy)
 
 
 def counted_trial_step(model, optimizer, train_step: Callable[[object], dict]

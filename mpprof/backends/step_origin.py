@@ -57,6 +57,12 @@ class Origin:
 
 
 FIRST_STEP = Origin(0, "no train step ran before the first profiled fit")
+# What an unknown origin means on Keras 3, whose LossScaleOptimizer does not
+# advance `iterations` on a skipped step (a series' `unknown_origin_means`).
+KERAS_3_UNKNOWN_ORIGIN = (
+    "the steps recorded start at the optimizer's apply calls, early by the "
+    "steps skipped before this profiler's first fit (Keras 3 does not count them)"
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,54 +24,33 @@ from typing import Any
 
 import numpy as np
 
-from mpprof.backends import step_origin
-from mpprof.backends.collector import Collector
-from mpprof.backends.loss_scale_records import series_context, write_series
+from mpprof.backends.loss_scale_records import LossScalesBase, series_context, write_series
 from mpprof.backends.optimizer_usage import OptimizerUsage, applied_steps
 from mpprof.backends.patching import Patches
 from mpprof.backends.step_origin import EarlierRecords
 
 
-class LossScales(Collector):
+class LossScales(LossScalesBase):
     """One loss-scale collector per followed LossScaleOptimizer
     (`mpprof.backends.protocol.LossScales`).
 
-    Args:
-        keras_api: the fit's `JaxBackend` (it makes the fit's step state,
-            which counts each optimizer's overflows inside the jitted step).
-        usage: the model's `OptimizerUsage`.
-        strategy: the backend's stand-in strategy (one replica per process).
-        capacity: events each optimizer's ring holds between two reads.
-        reuse: series of an earlier fit, by optimizer id: they keep counting
-            skipped steps across fits.
-        earlier: reads the run's records of earlier fits
-            (`step_origin.read_earlier`), called at most once, and only when
-            a new series' optimizer has run before.
+    Args: `LossScalesBase`'s; `keras_api` makes the fit's step state, which
+    counts each optimizer's overflows (JAX: inside the jitted step).
     """
-
-    name = "loss_scale"
 
     def __init__(self, keras_api, usage: OptimizerUsage, strategy, capacity: int,
                  reuse: dict[int, Any], earlier: Callable[[], EarlierRecords | str]):
-        self._usage = usage
-        self._replicas = int(strategy.num_replicas_in_sync)
-        self._overflows_seen = 0
-        self._start: dict[str, Any] = {}
-        self.by_name: dict[str, Any] = {}
-        step_state = self._step_state = keras_api.make_step_state(capacity, usage)
-        for use in usage.uses:
-            if not use.loss_scale or not step_state.follows(use.optimizer):
-                continue
-            collector = reuse.get(id(use.optimizer))
-            if collector is None:
-                collector = keras_api.loss_scale_series(use.optimizer, step_state, capacity)
-                step_origin.start_new_series(collector, use.name, earlier)
-            else:
-                collector.attach(step_state)
-            self.by_name[use.name] = collector
+        self._step_state = keras_api.make_step_state(capacity, usage)
+        super().__init__(keras_api, usage, strategy, capacity, reuse, earlier)
 
-    def __bool__(self) -> bool:
-        return bool(self.active())
+    def _follows(self, use) -> bool:
+        return self._step_state.follows(use.optimizer)
+
+    def _new_series(self, keras_api, use, strategy, capacity: int):
+        return keras_api.loss_scale_series(use.optimizer, self._step_state, capacity)
+
+    def _reused(self, series) -> None:
+        series.attach(self._step_state)
 
     def install(self, fit, patches: Patches) -> None:
         # (After `TrainFunctions.install`, which starts the step state.)
@@ -79,16 +58,6 @@ class LossScales(Collector):
         # Where each scale starts; written at the first flush, once the step
         # was traced and shows which optimizers it uses.
         self._start = {name: c.read()[1] for name, c in self.by_name.items()}
-
-    def note_overflows(self, fit) -> None:
-        """After a call whose alarm rang: arms a forensic sample when a step
-        overflowed since the last look."""
-        if not fit.schedule.watching_overflows:
-            return
-        skipped = self.skipped_steps()
-        if skipped > self._overflows_seen:
-            fit.schedule.overflowed()
-        self._overflows_seen = skipped
 
     def flush(self, fit) -> None:
         write_series(fit, self.active(), self.primary(), self._start)
@@ -115,9 +84,6 @@ class LossScales(Collector):
         """(The JAX alarm is made by the step itself: no counters to sum.)"""
         return []
 
-    def skipped_steps(self) -> int:
-        return sum(c.skipped_steps() for c in self.active().values())
-
     def step_of(self, use) -> int | None:
         """Steps `use` has run: its apply calls, plus its skipped steps under
         loss scaling; None for an optimizer whose steps are not followed
@@ -142,16 +108,7 @@ class LossScales(Collector):
             if unfollowed:
                 return {"state": "absent", "reason": "; ".join(
                     f"{name}: {reason}" for name, reason in unfollowed.items())}
-            used = self._usage.used()
-            names = ", ".join(f"{u.name} ({type(u.optimizer).__name__})" for u in used)
-            return {
-                "state": "absent",
-                "reason": (
-                    f"no LossScaleOptimizer among the optimizers the step uses ({names}): "
-                    "no dynamic loss scale to record" if used
-                    else "the train step applied no optimizer: no loss scale to record"
-                ),
-            }
+            return self._absent()
         context = series_context(active, self.primary(), self._replicas)
         if unfollowed:
             context["not_followed"] = unfollowed

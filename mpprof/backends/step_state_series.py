@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from mpprof.backends.loss_scale_records import keras_3_settings
 from mpprof.backends.optimizer_usage import applied_steps
-from mpprof.backends.step_origin import Origin
+from mpprof.backends.step_origin import KERAS_3_UNKNOWN_ORIGIN, Origin
 
 MODE_STEP_STATE = "step_state"
 
@@ -36,10 +37,7 @@ class LossScaleSeries:
     # The growths are recorded by the step, not derived.
     derives_growth = False
     mode = MODE_STEP_STATE
-    unknown_origin_means = (
-        "the steps recorded start at the optimizer's apply calls, early by the "
-        "steps skipped before this profiler's first fit (Keras 3 does not count them)"
-    )
+    unknown_origin_means = KERAS_3_UNKNOWN_ORIGIN
 
     def __init__(self, optimizer, step_state, capacity: int):
         self.optimizer = optimizer
@@ -73,9 +71,7 @@ class LossScaleSeries:
         opt = self.optimizer
         return {
             "mode": self.mode,
-            "initial_scale": float(opt.initial_scale),
-            "dynamic_growth_steps": int(opt.dynamic_growth_steps),
-            "inner_optimizer": type(opt.inner_optimizer).__name__,
+            **keras_3_settings(opt),
             "buffer_capacity": self.capacity,
             "dropped_events": self.dropped_events,
             "growth_events": "recorded by the step (its scale before and after)",

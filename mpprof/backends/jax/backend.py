@@ -44,19 +44,22 @@ from mpprof.backends.jax.numerics_taps import NumericsTaps
 from mpprof.backends.jax.precision_tracer import PrecisionTracer
 from mpprof.backends.jax.step_state import StepState
 from mpprof.backends.jax.train_functions import TrainFunctions
-from mpprof.backends.keras3 import Keras3Backend
+from mpprof.backends.keras3 import StepStateBackend
 from mpprof.backends.layer_casts import LayerCallPatch
 from mpprof.backends.step_state_health import LossWatch, RunHealth
 from mpprof.backends.step_state_loss_scales import LossScales
 from mpprof.backends.step_state_series import LossScaleSeries
-from mpprof.backends.worker_role import SingleProcess, WorkerRole
+from mpprof.backends.worker_role import WorkerRole
 
 
-class JaxBackend(Keras3Backend):
+class JaxBackend(StepStateBackend):
     """What mpprof needs from Keras 3 on JAX. One instance per fit: it holds
     the fit's `StepState`."""
 
     name = "jax"
+    step_state: StepState | None
+    numerics: NumericsTaps | None
+    replay: replay_capture.ReplayCapture | None
     loss_scale_series = LossScaleSeries
     loss_watch = LossWatch
     LossScales = LossScales
@@ -65,22 +68,18 @@ class JaxBackend(Keras3Backend):
     TrainFunctions = TrainFunctions
     PrecisionTracer = PrecisionTracer
     LayerCallPatch = LayerCallPatch
-    alarm_logs_key = call_alarm.LOGS_KEY
-    replay_logs_key = "_mpprof_replay"
+    StepState = StepState
+    run_context = staticmethod(context.run_context)
+    hardware_facts = staticmethod(hardware.hardware_facts)
+    profile_window = staticmethod(kernels.ProfileWindow)
     apply_method = "stateless_apply"
-    loss_methods: tuple[str, ...] = ("scale_loss",)
     # The alarm is in the logs, but read one call late (`call_alarm`).
     alarm_in_logs = False
     # keras.distribution on jax.distributed: one job, one fit per process.
     fits_across_workers = True
 
     def __init__(self, model):
-        self.step_state: StepState | None = None
-        self._model = model
-        # The numerics collector, once the first sample made it.
-        self.numerics: NumericsTaps | None = None
-        # The replay capture, while one is on (it registers itself).
-        self.replay: replay_capture.ReplayCapture | None = None
+        super().__init__(model)
         # Collectors that measure in the instrumented step (they register
         # themselves; `numerics_taps.NumericsTaps` runs them).
         self.step_taps: list = []
@@ -112,16 +111,6 @@ class JaxBackend(Keras3Backend):
         return None if state is None else (sum(state.start_skipped.values())
                                            + state.start_nonfinite)
 
-    def make_step_state(self, capacity: int, usage) -> StepState:
-        """The fit's step state (made once, by the loss-scale collectors),
-        following each of `usage`'s optimizers."""
-        if self.step_state is None:
-            self.step_state = StepState(usage, capacity, self.is_loss_scale_optimizer)
-        return self.step_state
-
-    def distribute_strategy(self, model):
-        return SingleProcess()
-
     def worker_role(self, model) -> WorkerRole:
         return context.worker_role()
 
@@ -129,22 +118,8 @@ class JaxBackend(Keras3Backend):
         """fit calls `train_function(state, iterator)` and gets `(logs, state)`."""
         return result[0] if isinstance(result, tuple) else result
 
-    def is_loss_scale_optimizer(self, optimizer) -> bool:
-        import keras
-
-        return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-
     def steps_per_execution(self, model) -> int:
         return int(getattr(model, "steps_per_execution", 1) or 1)
 
     def fixed_steps_per_execution(self, model) -> int | None:
         return self.steps_per_execution(model)
-
-    def run_context(self, model, **facts) -> dict:
-        return context.run_context(model, **facts)
-
-    def hardware_facts(self, sampler) -> dict:
-        return hardware.hardware_facts(sampler)
-
-    def profile_window(self, start: int, stop: int, run_dir: str):
-        return kernels.ProfileWindow(start, stop, run_dir)

@@ -2,8 +2,8 @@
 
 The profiled step returns, beside its logs, the alarm: skipped steps plus
 steps with a non-finite loss so far (`StepState`). The dispatcher hands it
-to the core in the logs (under `ALARM_KEY`, taken out before Keras sees
-them). Reading a value waits for its step, so the host reads only alarms
+to the core in the logs (under `base.ALARM_LOGS_KEY`, taken out before Keras
+sees them). Reading a value waits for its step, so the host reads only alarms
 whose steps are done (`jax.Array.is_ready`), and the device runs ahead as in
 Keras' own JAX fit; at a flush it reads them all. (Waiting for the call
 before the last one cost the seed model a quarter of its step time on a
@@ -25,10 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mpprof.backends.jax.step_state import ALARM_KEY
 from mpprof.backends.patching import Patches
-
-LOGS_KEY = ALARM_KEY
 
 # Alarms not read yet, at most: past it one is waited for (a device far
 # behind the host, or steps that never report ready).

@@ -29,7 +29,8 @@ import numpy as np
 
 from mpprof.backends.float8_shares import Float8SharesCollector, merge_rows, quantization_limits
 from mpprof.backends.jax.custom_step import overrides_train_step
-from mpprof.backends.jax.numerics_taps import MAX_CALLS, StepTrace
+from mpprof.backends.jax.numerics_taps import StepTrace
+from mpprof.backends.numerics_layers import MAX_CALLS
 from mpprof.backends.patching import Patches
 from mpprof.records import schema
 

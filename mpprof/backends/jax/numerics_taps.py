@@ -45,23 +45,12 @@ from mpprof.backends.jax.tensor_statistics import (
     raw_statistics,
     statistics_of_summaries,
 )
-from mpprof.backends.layer_records import child_layers, variable_path, walk_layers
-from mpprof.backends.numerics_rows import (
-    ESTIMATED_COLUMNS,
-    RAW_COLUMNS,
-    SAMPLE_VALUES,
-    statistics_of_rows,
-)
+from mpprof.backends.numerics_layers import MAX_CALLS, LayerRows
+from mpprof.backends.numerics_rows import RAW_COLUMNS, statistics_of_rows
 from mpprof.backends.optimizer_usage import applied_steps
 from mpprof.records import schema
 
-# Calls of one layer in one step that are measured (a shared layer).
-MAX_CALLS = 4
 SAMPLE_KEY = "_mpprof_sample"
-
-
-def _is_recurrent(layer) -> bool:
-    return any(cls.__name__ == "RNN" for cls in type(layer).__mro__)
 
 
 @jax.custom_vjp
@@ -116,7 +105,7 @@ class StepTrace:
         return trace is None or any(trace is outer for outer in self._outer)
 
 
-class NumericsTaps:
+class NumericsTaps(LayerRows):
     """Per-layer forward/backward and per-variable gradient statistics.
 
     Args:
@@ -125,34 +114,16 @@ class NumericsTaps:
             train functions).
     """
 
+    aggregation = ("per layer, summed over its call sites in the first step of "
+                   "the sampled call (abs_max: maximum)")
+
     def __init__(self, model, backend):
+        super().__init__(model, recurrent_loop="its lax.scan")
         self.instrumenting = False
         self._model = model
         # Objects with `key`, `probes()`, `start(probes)`, `forward()`,
         # `stop()`, `outputs(forward, probe_gradients)` and `receive(outputs)`.
         self._step_taps: list = backend.step_taps
-        entries = walk_layers(model)
-        self.layer_names = [name for name, _, _ in entries]
-        self._rows = {id(layer): row for row, (_, layer, _) in enumerate(entries)}
-        parents = {name: row for row, (name, _, _) in enumerate(entries)}
-        self._measured_rows: set[int] = set()
-        self._skipped: dict[int, str] = {}
-        self._measured_at: dict[int, int] = {}
-        for row, (_, layer, parent) in enumerate(entries):
-            recurrent = None
-            while parent is not None:
-                if _is_recurrent(entries[parents[parent]][1]):
-                    recurrent = parents[parent]
-                parent = entries[parents[parent]][2]
-            if recurrent is not None:
-                self._skipped[row] = (f"runs inside the recurrent layer "
-                                      f"{entries[recurrent][0]!r} (its lax.scan)")
-                self._measured_at[row] = recurrent
-            elif _is_recurrent(layer) or not child_layers(layer):
-                self._measured_rows.add(row)
-        self._variables = [v for v in model.trainable_variables
-                           if not getattr(v, "overwrite_with_gradient", False)]
-        self.variable_names = [variable_path(v) for v in self._variables]
         self._trainable_index = [
             next(i for i, t in enumerate(model.trainable_variables) if t is v)
             for v in self._variables
@@ -164,7 +135,6 @@ class NumericsTaps:
         if hasattr(optimizer, "dynamic_scale"):
             self._applied_index = next(i for i, v in enumerate(optimizer.variables)
                                        if v is applied_steps(optimizer))
-        self._call_order: list[int] = []
         self._trace: StepTrace | None = None
         self._sample = None
         backend.numerics = self
@@ -193,17 +163,6 @@ class NumericsTaps:
             self._call_order.append(row)
         flat[position] = _tap(output, trace.probes[row][call])
         return jax.tree_util.tree_unflatten(tree, flat)
-
-    def _count_call(self, calls: dict[int, int], row: int) -> int | None:
-        """This call's index among the layer's calls in the step (counted in
-        `calls`), or None past `MAX_CALLS` (then noted as skipped)."""
-        call = calls.get(row, 0)
-        calls[row] = call + 1
-        if call >= MAX_CALLS:
-            self._skipped.setdefault(row, f"called more than {MAX_CALLS} times in a step: "
-                                          f"its first {MAX_CALLS} calls are measured")
-            return None
-        return call
 
     def instrumented_train_step(self, state, data):
         """Keras' JAX `train_step` (keras/src/backend/jax/trainer.py) with
@@ -286,13 +245,6 @@ class NumericsTaps:
     def wrap_optimizer(self, optimizer, loss_scale_getter, patches) -> None:
         """(The instrumented step reads the gradients itself.)"""
 
-    @property
-    def call_order(self) -> list[int]:
-        seen = [row for row in self._call_order if row not in self._skipped
-                or self._skipped[row].startswith("called more than")]
-        unseen = sorted(self._measured_rows - set(self._call_order) - set(self._skipped))
-        return seen + unseen
-
     def read(self) -> dict[str, np.ndarray]:
         sample, self._sample = jax.device_get(self._sample), None
         backward = np.asarray(sample["backward"])
@@ -313,27 +265,3 @@ class NumericsTaps:
             "loss": float(sample["loss"]),
         }
         return found
-
-    def layout(self, policy_max: float) -> dict:
-        return {
-            "layers": [self.layer_names[row] for row in self.call_order],
-            "variables": self.variable_names,
-            "hist_edges": schema.NUMERICS_HIST_EDGES,
-            "policy_max": policy_max,
-            "aggregation": ("per layer, summed over its call sites in the first step of "
-                            "the sampled call (abs_max: maximum)"),
-            "estimated": {
-                "columns": list(ESTIMATED_COLUMNS),
-                "histograms": True,
-                "sample_values": SAMPLE_VALUES,
-                "how": ("a tensor of more than sample_values values is cut into that many "
-                        "equal strata and one value at a fixed jitter in each stands for "
-                        "its stratum; count, nonfinite and abs_max are exact"),
-            },
-            "skipped": [
-                {"layer": self.layer_names[row], "reason": reason,
-                 "measured_at": (self.layer_names[self._measured_at[row]]
-                                 if row in self._measured_at else None)}
-                for row, reason in self._skipped.items()
-            ],
-        }

@@ -41,25 +41,13 @@ from mpprof.replay import files
 
 
 class ReplayCapture(keras_capture.SampledStepCapture):
-    """Saves up to `budget` steps per fit that overflowed or lost the loss.
+    """Saves up to `budget` steps per fit that overflowed or lost the loss
+    (the arguments: `keras_capture.ReplayCaptureBase`'s)."""
 
-    Args:
-        budget: captures this fit may write (0: off).
-        keras_api: the fit's `JaxBackend` (the train functions find this
-            collector there).
-        loss_scales: the `LossScales`.
-        health: the `RunHealth` (the sampled step's loss).
-        instrumenting: (unused on JAX: the instrumented step is its own function).
-        advise_batches: how many of the fit's own sampled batches to keep for
-            the precision advisor (`keras_capture.AdviseBatches`; 0: none).
-        fit_params: the callback's `params` (how many steps the fit runs).
-    """
-
-    def __init__(self, budget: int, keras_api, loss_scales, health, instrumenting,
-                 advise_batches: int = 0, fit_params: dict | None = None):
-        super().__init__(budget, keras_api, health, advise_batches, fit_params)
-        self._before: Any = None
-        self._after: Any = None
+    # What the donated sampled step received (copied before it runs), and
+    # what it returned, until written (None: no sampled step under way).
+    _before: Any = None
+    _after: Any = None
 
     def overrides_train_step(self, model) -> bool:
         return overrides_train_step(model)

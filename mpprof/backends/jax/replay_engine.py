@@ -26,8 +26,6 @@ The same three steps and result as on TensorFlow
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import keras
@@ -45,18 +43,8 @@ from mpprof.replay.files import ReplayError
 from mpprof.replay.search import PassResult, subtree
 
 
-def replay(logdir_or_model, run: str | None = None, step: int | None = None, *,
-           logdir: str | os.PathLike | None = None, save: bool = True) -> dict:
-    """Replays a captured step; the arguments and result are those of
-    `mpprof.backends.tensorflow.replay_engine.replay`."""
-    return keras_capture.replay_entry(logdir_or_model, run, step, logdir, save,
-                                      _replay_with_weights)
-
-
 def _replay_with_weights(model, capture: files.Capture) -> dict:
-    keras_capture.refuse_quantized(model)
-    keras_capture.load_weights(model, capture)
-    keras_capture.captured_policies(model, capture)
+    keras_capture.captured_model(model, capture)
     captured_scale = float(capture.manifest.get("loss_scale") or 1.0)
     step = _step_for(model, capture.batch(), captured_scale)
     try:
@@ -75,6 +63,9 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
         backend="jax",
         replayed_as=f"{step.what}: a jaxpr, equation by equation (jax.make_jaxpr)",
         **({"notes": notes} if notes else {}))
+
+
+replay = keras_capture.replay_function(_replay_with_weights)
 
 
 def _step_for(model, data, scale: float):

@@ -37,8 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpprof.backends.base import ALARM_LOGS_KEY
 from mpprof.backends.optimizer_usage import OptimizerUsage, applied_steps
 from mpprof.backends.patching import Patches
+from mpprof.backends.step_state_base import NOT_BUILT, StepStateBase
 from mpprof.records import schema
 
 # mpprof's state is ONE float32 array [rows, 4] (each array a jitted
@@ -52,8 +54,6 @@ NONFINITE, FIRST_NONFINITE, LAST_LOSS = range(3)
 # Columns of an optimizer's first row, and of its second.
 SKIPPED, EVENTS, APPLIED = range(3)
 SCALE, COUNTER = range(2)
-# The key of the call alarm in the step's logs (taken out before Keras sees them).
-ALARM_KEY = "_mpprof_alarm"
 
 NESTED = ("applied inside a nested transformation of the train step (lax.scan, "
           "lax.cond, a vmap): its updates cannot leave it, so its scale and skips "
@@ -89,23 +89,17 @@ class _Trace:
         self.loss = None
 
 
-class StepState:
-    """The counters of one fit's steps, on the device, and their host copy.
-
-    Args:
-        usage: the fit's `OptimizerUsage` (every candidate optimizer that is
-            built is followed; the primary one dates the loss check).
-        capacity: events each ring holds between two reads.
-        is_loss_scale: tells a LossScaleOptimizer.
+class StepState(StepStateBase):
+    """The counters of one fit's steps, on the device, and their host copy
+    (the arguments: `StepStateBase`'s, and `is_loss_scale`, which tells a
+    LossScaleOptimizer).
     """
+
+    _blocks: dict[int, _Block]
 
     def __init__(self, usage: OptimizerUsage, capacity: int,
                  is_loss_scale: Callable[[object], bool]):
-        self.capacity = int(capacity)
-        self._usage = usage
-        self._blocks: dict[int, _Block] = {}
-        # Why an optimizer is not followed, by optimizer id.
-        self.unfollowed: dict[int, str] = {}
+        super().__init__(usage, capacity)
         row = BLOCK_START
         for use in usage.uses:
             optimizer = use.optimizer
@@ -113,7 +107,7 @@ class StepState:
             applied = _index_of(variables, applied_steps(optimizer)) \
                 if getattr(optimizer, "built", True) else None
             if applied is None:
-                self.unfollowed[id(optimizer)] = "not built before the fit"
+                self.unfollowed[id(optimizer)] = NOT_BUILT
                 continue
             scale = counter = None
             if is_loss_scale(optimizer):
@@ -125,10 +119,6 @@ class StepState:
             if block.scale is not None:
                 block.ring, row = row, row + self.capacity
         self._rows = row
-        # Where the counts start (the collectors of earlier fits set them).
-        self.start_skipped: dict[int, int] = {}
-        self.start_nonfinite = 0
-        self.start_first_nonfinite = -1
         # The device table the last call returned (the one given to it is
         # donated; a call may set it directly), and the host copy of one.
         self.arrays: Any = None  # (a tuple of device arrays, or one array)
@@ -139,12 +129,7 @@ class StepState:
         # first call): what flushes read the model's variables from during
         # an epoch (`mpprof.backends.jax.float8`). Donated to the next call.
         self.keras_state = None
-        # Whether the traced step had a loss (None: not traced yet).
-        self.loss_watched: bool | None = None
         self._trace: _Trace | None = None
-
-    def follows(self, optimizer) -> bool:
-        return id(optimizer) in self._blocks
 
     def install(self, patches: Patches) -> None:
         """Wraps each followed optimizer's `stateless_apply` (undone by
@@ -284,15 +269,12 @@ class StepState:
                 # The call alarm: every skipped step and non-finite loss so
                 # far, read by the host when its step is done
                 # (`mpprof.backends.jax.call_alarm`); not donated.
-                logs = {**logs, ALARM_KEY: skipped}
+                logs = {**logs, ALARM_LOGS_KEY: skipped}
             return logs, new_state, table
 
         return step
 
     # Host reads (one copy per call, `read`).
-
-    def _block(self, optimizer) -> _Block:
-        return self._blocks[id(optimizer)]
 
     def skipped(self, optimizer) -> int:
         return int(self.read()[self._block(optimizer).row, SKIPPED])

@@ -20,7 +20,7 @@ from mpprof.backends.tensorflow import (
 from mpprof.backends.tensorflow.float8 import Float8State
 from mpprof.backends.tensorflow.float8_shares import Float8Shares
 from mpprof.backends.tensorflow.layer_calls import LayerCallPatch
-from mpprof.backends.tensorflow.loss_scale_series import LossScaleSeries, is_loss_scale_optimizer
+from mpprof.backends.tensorflow.loss_scale_series import LossScaleSeries
 from mpprof.backends.tensorflow.loss_scales import LossScales
 from mpprof.backends.tensorflow.loss_watch import LossWatch
 from mpprof.backends.tensorflow.numerics_taps import NumericsTaps
@@ -48,12 +48,12 @@ class TensorFlowBackend(Keras3Backend):
     CallAlarm = call_alarm.CallAlarm
     PrecisionTracer = PrecisionTracer
     LayerCallPatch = LayerCallPatch
-    alarm_logs_key = call_alarm.LOGS_KEY
-    replay_logs_key = replay_capture.LOGS_KEY
-    # The optimizer method every update of the weights goes through, and the
-    # methods a train step hands its loss to (`OptimizerUsage` watches them).
+    run_context = staticmethod(context.run_context)
+    hardware_facts = staticmethod(hardware.hardware_facts)
+    profile_window = staticmethod(kernels.ProfileWindow)
+    # The optimizer method every update of the weights goes through
+    # (`OptimizerUsage` watches it).
     apply_method = "apply"
-    loss_methods: tuple[str, ...] = ("scale_loss",)
     # Whether the train step reports the call alarm in its logs
     # (`call_alarm`): Keras 3 turns every call's logs into Python numbers
     # anyway, and its loss watchers date the first non-finite loss from the
@@ -65,20 +65,8 @@ class TensorFlowBackend(Keras3Backend):
     # `model.train_function` (None: nowhere else; tf-keras: its own).
     traced_train_function_attribute: str | None = None
 
-    def is_loss_scale_optimizer(self, optimizer) -> bool:
-        return is_loss_scale_optimizer(optimizer)
-
     def steps_per_execution(self, model) -> int:
         return keras_flavors.steps_per_execution(model)
 
     def fixed_steps_per_execution(self, model) -> int | None:
         return keras_flavors.fixed_steps_per_execution(model)
-
-    def run_context(self, model, **facts) -> dict:
-        return context.run_context(model, **facts)
-
-    def hardware_facts(self, sampler) -> dict:
-        return hardware.hardware_facts(sampler)
-
-    def profile_window(self, start: int, stop: int, run_dir: str):
-        return kernels.ProfileWindow(start, stop, run_dir)

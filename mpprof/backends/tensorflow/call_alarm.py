@@ -28,10 +28,9 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
+from mpprof.backends.base import ALARM_LOGS_KEY
 from mpprof.backends.patching import Patches
 
-# The key of the alarm in the step's logs (taken out before Keras sees them).
-LOGS_KEY = "_mpprof_alarm"
 _MODULUS = 2**24
 
 
@@ -50,7 +49,7 @@ class CallAlarm:
     alarm = CallAlarm(lambda: [skipped, nonfinite_losses], lambda: True)
     alarm.install(model, patches, in_logs=True)
     logs = model.train_function(iterator)
-    for first_step, last_step in alarm.hold(logs.pop(LOGS_KEY, None), 0, 0, wait=True):
+    for first_step, last_step in alarm.hold(logs.pop(ALARM_LOGS_KEY, None), 0, 0, wait=True):
         ...  # those steps skipped or had a non-finite loss
     ```
     """
@@ -75,7 +74,7 @@ class CallAlarm:
             logs = train_step(data)
             if not isinstance(logs, dict):
                 return logs
-            return {**logs, LOGS_KEY: self.tensor()}
+            return {**logs, ALARM_LOGS_KEY: self.tensor()}
 
         patches.set(model, "train_step", train_step_reporting_alarm)
 

@@ -21,9 +21,10 @@ import numpy as np
 import tensorflow as tf
 
 from mpprof.backends.loss_scale_growth import ScaleState, growth_events
+from mpprof.backends.loss_scale_records import keras_3_settings
 from mpprof.backends.optimizer_usage import applied_steps
 from mpprof.backends.patching import Patches
-from mpprof.backends.step_origin import Origin
+from mpprof.backends.step_origin import KERAS_3_UNKNOWN_ORIGIN, Origin
 from mpprof.backends.traced_guard import TracedGuard
 from mpprof.records import schema
 
@@ -36,12 +37,6 @@ _MAX_WINDOWS_NAMED = 20
 MODE_GRAPH = "graph_counters"
 MODE_HOST = "host_polling"
 MODE_ABSENT = "absent"
-
-
-def is_loss_scale_optimizer(optimizer) -> bool:
-    import keras
-
-    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
 class LossScaleSeries:
@@ -64,10 +59,7 @@ class LossScaleSeries:
     # each read (`loss_scale_growth`).
     derives_growth = True
     # What an unknown count of skipped steps before the first fit means.
-    unknown_origin_means = (
-        "the steps recorded start at the optimizer's apply calls, early by the "
-        "steps skipped before this profiler's first fit (Keras 3 does not count them)"
-    )
+    unknown_origin_means = KERAS_3_UNKNOWN_ORIGIN
 
     def __init__(self, optimizer, strategy, capacity: int):
         self.optimizer = optimizer
@@ -115,9 +107,7 @@ class LossScaleSeries:
         opt = self.optimizer
         settings = {
             "mode": self.mode,
-            "initial_scale": float(opt.initial_scale),
-            "dynamic_growth_steps": int(opt.dynamic_growth_steps),
-            "inner_optimizer": type(opt.inner_optimizer).__name__,
+            **keras_3_settings(opt),
             "buffer_capacity": self.capacity,
             "dropped_events": self.dropped_events,
         }

@@ -16,51 +16,26 @@ from typing import Any
 
 import tensorflow as tf
 
-from mpprof.backends import step_origin
-from mpprof.backends.collector import Collector
-from mpprof.backends.loss_scale_records import series_context, write_series
+from mpprof.backends.loss_scale_records import LossScalesBase, series_context, write_series
 from mpprof.backends.optimizer_usage import OptimizerUsage, applied_steps
 from mpprof.backends.patching import Patches
 from mpprof.backends.step_origin import EarlierRecords
 from mpprof.backends.tensorflow.loss_scale_series import MODE_HOST
 
 
-class LossScales(Collector):
+class LossScales(LossScalesBase):
     """One loss-scale collector per LossScaleOptimizer the step may use.
 
-    Args:
-        keras_api: the fit's `Backend` (`mpprof.backends.base`).
-        usage: the model's `OptimizerUsage`.
-        strategy: the model's distribution strategy.
-        capacity: events each ring buffer holds between two reads.
-        reuse: collectors of an earlier fit, by optimizer id: they keep
-            counting skipped steps across fits.
-        earlier: reads the run's records of earlier fits
-            (`step_origin.read_earlier`), called at most once, and only when
-            a new series' optimizer has run before.
+    Args: `LossScalesBase`'s.
     """
-
-    name = "loss_scale"
 
     def __init__(self, keras_api, usage: OptimizerUsage, strategy, capacity: int,
                  reuse: dict[int, Any], earlier: Callable[[], EarlierRecords | str]):
-        self._usage = usage
-        self._replicas = int(strategy.num_replicas_in_sync)
-        self._overflows_seen: int | None = None
-        self._start: dict[str, Any] = {}
+        super().__init__(keras_api, usage, strategy, capacity, reuse, earlier)
         self._active: dict[str, object] | None = None
-        self.by_name: dict[str, Any] = {}
-        for use in usage.uses:
-            if not use.loss_scale:
-                continue
-            collector = reuse.get(id(use.optimizer))
-            if collector is None:
-                collector = keras_api.loss_scale_series(use.optimizer, strategy, capacity)
-                step_origin.start_new_series(collector, use.name, earlier)
-            self.by_name[use.name] = collector
 
-    def __bool__(self) -> bool:
-        return bool(self.active())
+    def _new_series(self, keras_api, use, strategy, capacity: int):
+        return keras_api.loss_scale_series(use.optimizer, strategy, capacity)
 
     def install(self, fit, patches: Patches) -> None:
         for collector in self.by_name.values():
@@ -80,16 +55,6 @@ class LossScales(Collector):
         """Polls the series in host mode."""
         for collector in self.active().values():
             collector.poll_if_host_mode()
-
-    def note_overflows(self, fit) -> None:
-        """After a call whose alarm rang: arms a forensic sample when a step
-        overflowed since the last look (a host read, while one can be armed)."""
-        if not fit.schedule.watching_overflows:
-            return
-        skipped = self.skipped_steps()
-        if skipped > self._overflows_seen:
-            fit.schedule.overflowed()
-        self._overflows_seen = skipped
 
     def flush(self, fit) -> None:
         """Reads every used series and writes its new events and progress."""
@@ -123,10 +88,6 @@ class LossScales(Collector):
         if not counters:
             return None
         return counters[0] if len(counters) == 1 else tf.add_n(counters)
-
-    def skipped_steps(self) -> int:
-        """Skipped steps of every used series so far (a host read)."""
-        return sum(c.skipped_steps() for c in self.active().values())
 
     def scale_tensor(self) -> tf.Tensor:
         """The primary optimizer's loss scale inside the graph (1 without one,
@@ -168,14 +129,5 @@ class LossScales(Collector):
         """The run context's "loss_scale" collector state."""
         active = self.active()
         if not active:
-            used = self._usage.used()
-            names = ", ".join(f"{u.name} ({type(u.optimizer).__name__})" for u in used)
-            return {
-                "state": "absent",
-                "reason": (
-                    f"no LossScaleOptimizer among the optimizers the step uses ({names}): "
-                    "no dynamic loss scale to record" if used
-                    else "the train step applied no optimizer: no loss scale to record"
-                ),
-            }
+            return self._absent()
         return series_context(active, self.primary(), self._replicas)

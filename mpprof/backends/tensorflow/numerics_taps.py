@@ -33,15 +33,14 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from mpprof.backends.layer_records import child_layers, variable_path, walk_layers
-from mpprof.backends.numerics_rows import ESTIMATED_COLUMNS, SAMPLE_VALUES
+from mpprof.backends.numerics_layers import LayerRows
 from mpprof.backends.patching import Patches
 from mpprof.backends.tensorflow.layer_calls import control_flow_inside_caller
 from mpprof.backends.tensorflow.tensor_statistics import StatisticsTable
 from mpprof.records import schema
 
 
-class NumericsTaps:
+class NumericsTaps(LayerRows):
     """Per-layer forward/backward and per-variable gradient statistics.
 
     Every leaf layer is measured; a layer with sublayers only when it is the
@@ -54,50 +53,22 @@ class NumericsTaps:
         strategy: the model's distribution strategy (tables live in its scope).
     """
 
+    aggregation = ("per layer, summed over its call sites in the step and over the "
+                   "steps of one execution (abs_max: maximum)")
+
     def __init__(self, model, strategy):
+        super().__init__(model, recurrent_loop="its time loop or fused kernel")
         self.instrumenting = False
         self._model = model
-        entries = walk_layers(model)
-        self.layer_names = [name for name, _, _ in entries]
-        self._rows = {id(layer): row for row, (_, layer, _) in enumerate(entries)}
-        row_of_name = {name: row for row, (name, _, _) in enumerate(entries)}
-        self._parent_rows = {
-            row: row_of_name[parent] for row, (_, _, parent) in enumerate(entries)
-            if parent is not None
-        }
-        self._call_order: list[int] = []
-        # Rows whose call could not be measured: row -> reason.
-        self._skipped: dict[int, str] = {}
-        # Skipped row -> the row measured at its boundary instead.
-        self._measured_at: dict[int, int] = {}
-        # Rows measured whenever called: leaves, and recurrent layers in
-        # place of everything inside them.
-        self._measured_rows: set[int] = set()
-        for row, (_, layer, _) in enumerate(entries):
-            recurrent = self._recurrent_ancestor(row, entries)
-            if recurrent is not None:
-                self._skipped[row] = (
-                    f"runs inside the recurrent layer {entries[recurrent][0]!r} (its time "
-                    "loop or fused kernel)"
-                )
-                self._measured_at[row] = recurrent
-            elif _is_recurrent(layer) or not child_layers(layer):
-                self._measured_rows.add(row)
         # Skipped rows of the trace under way that no enclosing layer
         # measures yet: the next enclosing layer called outside control flow
         # is measured at their boundary.
         self._uncovered: set[int] = set()
-        # A float8 layer's scales and amax histories are trainable, but what
-        # the step "differentiates" into them is their next value (Keras
-        # overwrites them with it): not a gradient, so not measured as one.
-        self._variables = [v for v in model.trainable_variables
-                           if not getattr(v, "overwrite_with_gradient", False)]
-        self.variable_names = [variable_path(v) for v in self._variables]
         self._variable_rows = {id(v): row for row, v in enumerate(self._variables)}
         self._optimizers: list = []
         with strategy.scope():
-            self.forward = StatisticsTable(len(entries), "forward")
-            self.backward = StatisticsTable(len(entries), "backward")
+            self.forward = StatisticsTable(len(self.layer_names), "forward")
+            self.backward = StatisticsTable(len(self.layer_names), "backward")
             self.gradients = StatisticsTable(
                 len(self._variables), "gradients", with_histogram=False
             )
@@ -107,19 +78,6 @@ class NumericsTaps:
             # Filled by collectors whose optimizer has no `scale_loss` for
             # LossWatch to watch (tf-keras).
             self._loss = tf.Variable(0.0, trainable=False, name="mpprof_sampled_loss")
-
-    @property
-    def call_order(self) -> list[int]:
-        """Rows of the measured layers: in the order the instrumented step
-        called them, then leaves it never called (zeros).
-
-        A layer skipped at one call site is left out even where another call
-        was measured: an RNN calls its cell once before the loop to learn the
-        output's shape, and that call alone is not the cell's numerics.
-        """
-        seen = [row for row in dict.fromkeys(self._call_order) if row not in self._skipped]
-        unseen = sorted(self._measured_rows - set(self._call_order) - set(self._skipped))
-        return seen + unseen
 
     def on_call(self, layer, args, kwargs, outputs):
         row = self._rows.get(id(layer))
@@ -149,14 +107,6 @@ class NumericsTaps:
         self._boundary_found(row)
         flat[position] = tapped
         return tf.nest.pack_sequence_as(outputs, flat)
-
-    def _recurrent_ancestor(self, row: int, entries) -> int | None:
-        parent = self._parent_rows.get(row)
-        while parent is not None:
-            if _is_recurrent(entries[parent][1]):
-                return parent
-            parent = self._parent_rows.get(parent)
-        return None
 
     def _skip(self, row: int, reason: str) -> None:
         """Leaves `row` unmeasured; its nearest enclosing layer measured
@@ -272,49 +222,3 @@ class NumericsTaps:
             "loss": float(values[-1]),
         }
         return sample
-
-    def layout(self, policy_max: float) -> dict:
-        """The JSON record naming the rows of every sample.
-
-        "estimated" says which statistics of a large tensor come from a sample
-        of its values (see `tensor_statistics`).
-
-        "skipped" lists the layers left unmeasured: {"layer", "reason",
-        "measured_at"} (the enclosing layer measured instead, or None).
-        """
-        return {
-            "layers": [self.layer_names[row] for row in self.call_order],
-            "variables": self.variable_names,
-            "hist_edges": schema.NUMERICS_HIST_EDGES,
-            "policy_max": policy_max,
-            "aggregation": (
-                "per layer, summed over its call sites in the step and over the "
-                "steps of one execution (abs_max: maximum)"
-            ),
-            "estimated": {
-                "columns": list(ESTIMATED_COLUMNS),
-                "histograms": True,
-                "sample_values": SAMPLE_VALUES,
-                "how": (
-                    "a tensor of more than sample_values values is cut into that many "
-                    "equal strata and one value at a fixed jitter in each stands for "
-                    "its stratum; count, nonfinite and abs_max are exact"
-                ),
-            },
-            "skipped": [
-                {
-                    "layer": self.layer_names[row],
-                    "reason": reason,
-                    "measured_at": (
-                        self.layer_names[self._measured_at[row]]
-                        if row in self._measured_at else None
-                    ),
-                }
-                for row, reason in self._skipped.items()
-            ],
-        }
-
-
-def _is_recurrent(layer) -> bool:
-    """Whether `layer` is a Keras 3 or tf-keras `RNN` (GRU, LSTM, ConvLSTM...)."""
-    return any(cls.__name__ == "RNN" for cls in type(layer).__mro__)

@@ -30,24 +30,6 @@ class PrecisionTracer(InventoryBuilder):
         model: the Keras model being trained.
     """
 
-    def __init__(self, model):
-        self._model = model
-        self._call_order: dict[int, int] = {}
-        self._output_dtypes: dict[int, set[str]] = {}
-        self._output_shapes: dict[int, list[int] | None] = {}
-        self._producers: dict = {}
-        self._casts: dict[tuple, None] = {}  # an ordered set
-        self._model_output_dtypes: set[str] = set()
-        self._inputs_from: dict[int, dict] = {}  # consumer -> ordered producers
-        # Layers with an input computed by ops of no layer (their parent's
-        # own code), rather than by a layer or given to the model.
-        self._inputs_made_outside_layers: set[int] = set()
-        self._outputs: list[dict] = []  # per model output: producer, op, units
-
-    @property
-    def traced(self) -> bool:
-        return bool(self._call_order)
-
     def on_call(self, layer, args, kwargs, outputs):
         key = id(layer)
         flat_outputs = _tensors(outputs)
@@ -57,10 +39,7 @@ class PrecisionTracer(InventoryBuilder):
             if not tf.executing_eagerly() and not self._outputs:
                 self._outputs = [self._describe_output(t) for t in _graph_tensors(flat_outputs)]
         else:
-            self._call_order.setdefault(key, len(self._call_order))
-            self._output_dtypes.setdefault(key, set()).update(dtypes)
-            if flat_outputs and key not in self._output_shapes:
-                self._output_shapes[key] = _example_shape(flat_outputs[0].shape)
+            self._layer_output(key, dtypes, flat_outputs)
         if not tf.executing_eagerly():
             inputs = _graph_tensors(_tensors((args, kwargs)))
             self._record_casts(layer, inputs)
@@ -79,6 +58,14 @@ class PrecisionTracer(InventoryBuilder):
             for tensor in _graph_tensors(flat_outputs):
                 self._producers[tensor.ref()] = key
         return outputs
+
+    @staticmethod
+    def _example_shape(shape) -> list[int] | None:
+        """A layer output's shape without its batch axis (None: not all known)."""
+        if shape.rank is None or shape.rank < 1:
+            return None
+        dims = shape.as_list()[1:]
+        return dims if all(isinstance(d, int) for d in dims) else None
 
     def _describe_output(self, tensor) -> dict:
         """The layer and the graph op that produced a model output."""
@@ -123,14 +110,6 @@ def _computed_by_ops(tensor) -> bool:
 def _uncast(tensor):
     return tensor.op.inputs[0] if tensor.op.type == "Cast" and tensor.op.inputs else tensor
 
-
-
-def _example_shape(shape) -> list[int] | None:
-    """A layer output's shape without its batch axis (None: not all known)."""
-    if shape.rank is None or shape.rank < 1:
-        return None
-    dims = shape.as_list()[1:]
-    return dims if all(isinstance(d, int) for d in dims) else None
 
 
 def _tensors(structure) -> list:

@@ -38,47 +38,23 @@ import numpy as np
 import tensorflow as tf
 
 from mpprof.backends import keras_capture
-from mpprof.backends.collector import Collector
+from mpprof.backends.base import REPLAY_LOGS_KEY
 from mpprof.backends.flavor import KERAS_3
 from mpprof.backends.patching import Patches
 from mpprof.replay import files
 
-# The logs key the instrumented step returns the capture's tensors under
-# (taken out by the profiler's dispatcher).
-LOGS_KEY = "_mpprof_replay"
 
-
-class ReplayCapture(Collector):
-    """Saves up to `budget` steps per fit that overflowed or lost the loss.
-
-    Args:
-        budget: captures this fit may write (0: off).
-        keras_api: the fit's `Backend` (`mpprof.backends.base`).
-        loss_scales: the `LossScales` (the in-graph skip counter and step).
-        health: the `RunHealth` (the sampled step's loss).
-        instrumenting: tells, while a train function is traced, whether it is
-            the instrumented one.
-        advise_batches: how many of the fit's own sampled batches to keep for
-            the precision advisor (`keras_capture.AdviseBatches`; 0: none).
-        fit_params: the callback's `params` (how many steps the fit runs).
+class ReplayCapture(keras_capture.ReplayCaptureBase):
+    """Saves up to `budget` steps per fit that overflowed or lost the loss
+    (the arguments: `keras_capture.ReplayCaptureBase`'s; the sampled step's
+    loss comes from `health`, its skip counter and step from `loss_scales`).
     """
-
-    name = "replay_capture"
 
     def __init__(self, budget: int, keras_api, loss_scales, health, instrumenting,
                  advise_batches: int = 0, fit_params: dict | None = None):
-        self.budget = budget
-        self.advise_batches = advise_batches
-        self._fit_params = fit_params
-        self._advise: keras_capture.AdviseBatches | None = None
-        self._api = keras_api
-        self._loss_scales = loss_scales
-        self._health = health
-        self._instrumenting = instrumenting
-        self._unavailable: str | None = None
+        super().__init__(budget, keras_api, loss_scales, health, instrumenting,
+                         advise_batches, fit_params)
         self._structure = None
-        self.captured: list[dict] = []
-        self.initial_descent_skipped = 0
 
     def wrap_train_step(self, fit, patches: Patches) -> None:
         """Wraps `model.train_step` so that the instrumented step returns its
@@ -123,7 +99,7 @@ class ReplayCapture(Collector):
                     outputs["skipped_before"] = primary_skipped_before
             if step is not None:
                 outputs["step"] = step
-            return {**logs, LOGS_KEY: outputs}
+            return {**logs, REPLAY_LOGS_KEY: outputs}
 
         patches.set(model, "train_step", train_step_returning_batch)
 
@@ -206,18 +182,6 @@ class ReplayCapture(Collector):
         """The scale the step ran with (a skip has halved it since)."""
         scale = float(self._loss_scales.scale_tensor().numpy())
         return 2.0 * scale if skipped else scale
-
-    def context(self) -> dict:
-        if self._unavailable is not None:
-            off = self.budget == 0 or self._unavailable.startswith("numerics_every")
-            state = "off" if off else "unavailable"
-            return {"state": state, "reason": self._unavailable, "budget": self.budget}
-        entry = {"state": "ok", "budget": self.budget, "captures": self.captured}
-        if self._advise is not None:
-            entry["advise_batches"] = self._advise.context()
-        if self.initial_descent_skipped:
-            entry["initial_descent_not_captured"] = self.initial_descent_skipped
-        return entry
 
 
 def _in_initial_descent(outputs: dict, step: int) -> bool:

@@ -19,43 +19,14 @@ per layer, and the smallest per-layer float32 fix, verified.
 
 from __future__ import annotations
 
-import os
-
-import keras
 import tensorflow as tf
 
 from mpprof.backends import keras_capture, replay_candidates
 from mpprof.backends.tensorflow.replay_passes import run_pass
-from mpprof.replay import files, search, verification
-from mpprof.replay.files import ReplayError
+from mpprof.replay import files
 
-
-def replay(logdir_or_model, run: str | None = None, step: int | None = None, *,
-           logdir: str | os.PathLike | None = None, save: bool = True) -> dict:
-    """Replays a captured step; see the module docstring.
-
-    Args:
-        logdir_or_model: the LOG_DIR the profiler wrote (the model is rebuilt
-            from the capture's config), or the model object itself (needed
-            for subclassed models without a config; its weights are set to
-            the capture's for the replay and put back after), with `logdir`.
-        run: the run (default "train").
-        step: the captured step (default: the first captured).
-        logdir: the LOG_DIR, when `logdir_or_model` is a model.
-        save: write the result beside the capture (`replay.json`).
-
-    Returns:
-        The result, strict JSON (infinities as "inf"): `run, step,
-        first_op{layer, op, input_abs_max, output},
-        divergence[{layer, forward_rel_error, backward_rel_error}],
-        policy_map, dtype_lines, verified, verified_detail`, and more.
-
-    Raises:
-        mpprof.replay.files.NoCaptureError: no such capture.
-        ReplayError: the capture cannot be replayed.
-    """
-    return keras_capture.replay_entry(logdir_or_model, run, step, logdir, save,
-                                      _replay_with_weights)
+# What `replay` raises, named where the engine is (as every engine names it).
+from mpprof.replay.files import ReplayError  # noqa: F401 - re-exported
 
 
 def _replay_with_weights(model, capture: files.Capture) -> dict:
@@ -66,50 +37,28 @@ def _replay_with_weights(model, capture: files.Capture) -> dict:
         model, "their custom gradients do not run eagerly, so the step cannot be "
         "replayed op by op")
     keras_capture.load_weights(model, capture)
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(capture.batch())
-    batch = (x, y, sample_weight)
-    scale = float(capture.manifest.get("loss_scale") or 1.0)
-    try:
-        run_policy = run_pass(model, batch, scale, None)
-    except Exception as e:
-        raise ReplayError(
-            f"the step could not be run eagerly as model(x, training=True) and "
-            f"model.compute_loss ({type(e).__name__}: {str(e)[:300]}); a model whose "
-            "train_step computes its loss otherwise cannot be replayed yet"
-        ) from e
-    return keras_capture.replay_result(
-        model, capture, scale=scale, run_policy=run_policy,
-        reference=run_pass(model, batch, scale, None, all_float32=True),
-        engine=Engine(model, [batch], scale),
-        run_unscaled=lambda float32_layers: run_pass(model, batch, 1.0, float32_layers),
-        inputs=keras.tree.flatten(x), backend="tensorflow")
+    return Engine.replay_result(
+        model, capture, backend="tensorflow",
+        unrunnable="; a model whose train_step computes its loss otherwise cannot be "
+                   "replayed yet")
 
 
-def engine_for(model, batches: list, loss_scale: float = 1.0) -> Engine:
-    """A verification engine (`mpprof.replay.verification.Engine`) of `model`
-    as it is now (its weights are the ones every pass and trial start from)
-    on `batches` (each as `train_step` receives it: (x, y) or (x, y,
-    sample_weight))."""
-    return Engine(model, [keras.utils.unpack_x_y_sample_weight(b) for b in batches],
-                  loss_scale)
+replay = keras_capture.replay_function(_replay_with_weights)
 
 
-class Engine(replay_candidates.CandidateEngine):
+class Engine(replay_candidates.EagerEngine):
     """`mpprof.replay.verification.Engine` on TensorFlow: passes watched op by
     op (`replay_passes.run_pass`) and trials of the model's own `train_step`
-    in a `tf.function`.
-
-    Args:
-        model: the model, its captured weights loaded.
-        batches: the captured batches, each (x, y, sample_weight).
-        loss_scale: the run's loss scale at the capture (1.0: none).
+    in a `tf.function`. (the arguments
+    are `replay_candidates.CandidateEngine`'s).
     """
 
-    def run_pass(self, candidate: verification.Candidate, batch: int,
-                 loss_scale: float) -> search.PassResult:
-        return self.eager_pass(run_pass, candidate, batch, loss_scale)
+    pass_function = staticmethod(run_pass)
 
     def trial_step(self, optimizer):
         # A new function: traced with the trial's policies and optimizer.
         return replay_candidates.counted_trial_step(self.model, optimizer,
                                                     tf.function(self.model.train_step))
+
+
+engine_for = Engine.for_batches

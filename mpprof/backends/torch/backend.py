@@ -27,7 +27,7 @@ What differs from TensorFlow (`mpprof.backends.tensorflow.backend`) and JAX
 
 from __future__ import annotations
 
-from mpprof.backends.keras3 import Keras3Backend
+from mpprof.backends.keras3 import StepStateBackend
 from mpprof.backends.torch import (
     call_alarm,
     context,
@@ -45,14 +45,16 @@ from mpprof.backends.torch.precision_tracer import PrecisionTracer
 from mpprof.backends.torch.run_health import LossWatch, RunHealth
 from mpprof.backends.torch.step_state import StepState
 from mpprof.backends.torch.train_functions import TrainFunctions
-from mpprof.backends.worker_role import SingleProcess
 
 
-class TorchBackend(Keras3Backend):
+class TorchBackend(StepStateBackend):
     """What mpprof needs from Keras 3 on PyTorch. One instance per fit: it
     holds the fit's `StepState`, layer patch and numerics collector."""
 
     name = "torch"
+    step_state: StepState | None
+    numerics: NumericsTaps | None
+    replay: replay_capture.ReplayCapture | None
     loss_scale_series = LossScaleSeries
     loss_watch = LossWatch
     LossScales = TorchLossScales
@@ -62,24 +64,20 @@ class TorchBackend(Keras3Backend):
     ReplayCapture = replay_capture.ReplayCapture
     TrainFunctions = TrainFunctions
     PrecisionTracer = PrecisionTracer
-    alarm_logs_key = call_alarm.LOGS_KEY
-    replay_logs_key = "_mpprof_replay"
-    # Keras' PyTorch step applies through `apply`; the loss goes through
-    # `scale_loss` (`OptimizerUsage` watches both).
+    StepState = StepState
+    run_context = staticmethod(context.run_context)
+    hardware_facts = staticmethod(hardware.hardware_facts)
+    profile_window = staticmethod(kernels.ProfileWindow)
+    # Keras' PyTorch step applies through `apply` (`OptimizerUsage` watches it).
     apply_method = "apply"
-    loss_methods: tuple[str, ...] = ("scale_loss",)
     alarm_in_logs = False
     fits_across_workers = False
 
     def __init__(self, model):
-        self.step_state: StepState | None = None
-        self._model = model
-        # The layer wrappers (their hooks run while `active`) and the
-        # numerics collector, once made (each registers itself here).
+        super().__init__(model)
+        # The layer wrappers (their hooks run while `active`), once made (it
+        # registers itself here).
         self.layer_patch: LayerCallPatch | None = None
-        self.numerics: NumericsTaps | None = None
-        # The replay capture, while one is on (it registers itself).
-        self.replay: replay_capture.ReplayCapture | None = None
 
     @property
     def numerics_taps(self):
@@ -106,31 +104,8 @@ class TorchBackend(Keras3Backend):
             return sum(state.start_skipped.values())
         return state.all_skipped()
 
-    def make_step_state(self, capacity: int, usage) -> StepState:
-        """The fit's step state (made once, by the loss-scale collectors)."""
-        if self.step_state is None:
-            self.step_state = StepState(usage, capacity, self.is_loss_scale_optimizer)
-        return self.step_state
-
-    def distribute_strategy(self, model):
-        return SingleProcess()
-
-    def is_loss_scale_optimizer(self, optimizer) -> bool:
-        import keras
-
-        return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-
     def steps_per_execution(self, model) -> int:
         return 1
 
     def fixed_steps_per_execution(self, model) -> int | None:
         return 1
-
-    def run_context(self, model, **facts) -> dict:
-        return context.run_context(model, **facts)
-
-    def hardware_facts(self, sampler) -> dict:
-        return hardware.hardware_facts(sampler)
-
-    def profile_window(self, start: int, stop: int, run_dir: str):
-        return kernels.ProfileWindow(start, stop, run_dir)

@@ -14,9 +14,6 @@ from collections.abc import Callable
 
 from mpprof.backends.patching import Patches
 
-# (No key in the logs: nothing to take out of them.)
-LOGS_KEY = "_mpprof_alarm"
-
 
 class CallAlarm:
     """The step state's count of skipped steps, compared after each call.

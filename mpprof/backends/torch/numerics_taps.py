@@ -21,25 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from mpprof.backends.layer_records import variable_path, walk_layers
-from mpprof.backends.numerics_rows import (
-    ESTIMATED_COLUMNS,
-    RAW_COLUMNS,
-    SAMPLE_VALUES,
-    statistics_of_rows,
-)
+from mpprof.backends.numerics_layers import LayerRows
+from mpprof.backends.numerics_rows import RAW_COLUMNS, statistics_of_rows
 from mpprof.backends.torch.tensor_statistics import merge_rows, raw_statistics
 from mpprof.records import schema
-
-MAX_CALLS = 4
-
-
-def _sublayers(layer) -> list:
-    return list(layer._flatten_layers(include_self=False, recursive=False))
-
-
-def _is_recurrent(layer) -> bool:
-    return any(cls.__name__ == "RNN" for cls in type(layer).__mro__)
 
 
 def _float_output(outputs) -> torch.Tensor | None:
@@ -57,7 +42,7 @@ def _float_output(outputs) -> torch.Tensor | None:
     return None
 
 
-class NumericsTaps:
+class NumericsTaps(LayerRows):
     """Per-layer forward/backward and per-variable gradient statistics.
 
     Args:
@@ -66,32 +51,12 @@ class NumericsTaps:
             sample's beginning and end here).
     """
 
+    aggregation = "per layer, summed over its call sites in the sampled step (abs_max: maximum)"
+
     def __init__(self, model, backend):
+        super().__init__(model, recurrent_loop="its time loop")
         self.instrumenting = False
         self._model = model
-        entries = walk_layers(model)
-        self.layer_names = [name for name, _, _ in entries]
-        self._rows = {id(layer): row for row, (_, layer, _) in enumerate(entries)}
-        parents = {name: row for row, (name, _, _) in enumerate(entries)}
-        self._measured_rows: set[int] = set()
-        self._skipped: dict[int, str] = {}
-        self._measured_at: dict[int, int] = {}
-        for row, (_, layer, parent) in enumerate(entries):
-            recurrent = None
-            while parent is not None:
-                if _is_recurrent(entries[parents[parent]][1]):
-                    recurrent = parents[parent]
-                parent = entries[parents[parent]][2]
-            if recurrent is not None:
-                self._skipped[row] = (f"runs inside the recurrent layer "
-                                      f"{entries[recurrent][0]!r} (its time loop)")
-                self._measured_at[row] = recurrent
-            elif _is_recurrent(layer) or not _sublayers(layer):
-                self._measured_rows.add(row)
-        self._variables = [v for v in model.trainable_variables
-                           if not getattr(v, "overwrite_with_gradient", False)]
-        self.variable_names = [variable_path(v) for v in self._variables]
-        self._call_order: list[int] = []
         self._forward: dict[int, list] = {}
         self._backward: dict[int, list] = {}
         self._calls: dict[int, int] = {}
@@ -115,11 +80,7 @@ class NumericsTaps:
         output = _float_output(outputs)
         if output is None:
             return outputs
-        call = self._calls.get(row, 0)
-        self._calls[row] = call + 1
-        if call >= MAX_CALLS:
-            self._skipped.setdefault(row, f"called more than {MAX_CALLS} times in a step: "
-                                          f"its first {MAX_CALLS} calls are measured")
+        if self._count_call(self._calls, row) is None:
             return outputs
         self._forward.setdefault(row, []).append(raw_statistics(output))
         if row not in self._call_order:
@@ -191,13 +152,6 @@ class NumericsTaps:
 
     # The core's interface (`mpprof.recording.collectors.numerics_samples`).
 
-    @property
-    def call_order(self) -> list[int]:
-        seen = [row for row in self._call_order if row not in self._skipped
-                or self._skipped[row].startswith("called more than")]
-        unseen = sorted(self._measured_rows - set(self._call_order) - set(self._skipped))
-        return seen + unseen
-
     def read(self) -> dict:
         sample, self._sample = self._sample, None
         order = self.call_order
@@ -217,28 +171,4 @@ class NumericsTaps:
             schema.NUMERICS_BACKWARD_HIST: backward_hist[order],
             schema.NUMERICS_GRADIENTS: variables(sample["gradients"]),
             schema.NUMERICS_UNSCALED_GRADIENTS: variables(sample["unscaled_gradients"]),
-        }
-
-    def layout(self, policy_max: float) -> dict:
-        return {
-            "layers": [self.layer_names[row] for row in self.call_order],
-            "variables": self.variable_names,
-            "hist_edges": schema.NUMERICS_HIST_EDGES,
-            "policy_max": policy_max,
-            "aggregation": ("per layer, summed over its call sites in the sampled step "
-                            "(abs_max: maximum)"),
-            "estimated": {
-                "columns": list(ESTIMATED_COLUMNS),
-                "histograms": True,
-                "sample_values": SAMPLE_VALUES,
-                "how": ("a tensor of more than sample_values values is cut into that many "
-                        "equal strata and one value at a fixed jitter in each stands for "
-                        "its stratum; count, nonfinite and abs_max are exact"),
-            },
-            "skipped": [
-                {"layer": self.layer_names[row], "reason": reason,
-                 "measured_at": (self.layer_names[self._measured_at[row]]
-                                 if row in self._measured_at else None)}
-                for row, reason in self._skipped.items()
-            ],
         }

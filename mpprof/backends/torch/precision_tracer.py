@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from mpprof.backends.layer_records import InventoryBuilder
-from mpprof.backends.torch.layer_calls import cast_source, clear_casts
+from mpprof.backends.layer_casts import CastTracer
+from mpprof.backends.torch.layer_calls import clear_casts
 
 
 def _tensors(structure) -> list:
@@ -42,20 +42,11 @@ def dtype_name(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-class PrecisionTracer(InventoryBuilder):
+class PrecisionTracer(CastTracer):
     """Builds the precision inventory of `model`; a `LayerCallPatch` hook."""
 
     def __init__(self, model):
-        self._model = model
-        self._call_order: dict[int, int] = {}
-        self._output_dtypes: dict[int, set[str]] = {}
-        self._output_shapes: dict[int, list[int] | None] = {}
-        self._producers: dict[int, tuple] = {}
-        self._casts: dict[tuple, None] = {}
-        self._model_output_dtypes: set[str] = set()
-        self._inputs_from: dict[int, dict] = {}
-        self._inputs_made_outside_layers: set[int] = set()
-        self._outputs: list[dict] = []
+        super().__init__(model)
         self._done = False
 
     def note_loss_input(self, y_pred) -> None:
@@ -68,42 +59,16 @@ class PrecisionTracer(InventoryBuilder):
     def traced(self) -> bool:
         return self._done or bool(self._call_order)
 
-    def _producer(self, value) -> int | None:
-        entry = self._producers.get(id(value))
-        return entry[0] if entry is not None and entry[1] is value else None
+    def _values(self, structure) -> list:
+        return _tensors(structure)
+
+    def _dtype_name(self, value) -> str:
+        return dtype_name(value)
 
     def on_call(self, layer, args, kwargs, outputs):
         if self._done:
             return outputs
-        key = id(layer)
-        flat_outputs = _tensors(outputs)
-        dtypes = {dtype_name(t) for t in flat_outputs}
-        if layer is self._model:
-            self._model_output_dtypes |= dtypes
-            if flat_outputs and not self._outputs:
-                self._outputs = [
-                    {"producer": self._producer(t), "final_op": None,
-                     "units": int(t.shape[-1]) if t.ndim else None}
-                    for t in flat_outputs
-                ]
-        else:
-            self._call_order.setdefault(key, len(self._call_order))
-            self._output_dtypes.setdefault(key, set()).update(dtypes)
-            if flat_outputs and key not in self._output_shapes:
-                # Without the batch axis.
-                shape = flat_outputs[0].shape
-                self._output_shapes[key] = [int(d) for d in shape[1:]] if len(shape) else None
-        producers = self._inputs_from.setdefault(key, {})
-        for value in _tensors((args, kwargs)):
-            source = cast_source(value)
-            producer = self._producer(source if source is not None else value)
-            if source is not None:
-                self._casts.setdefault((key, producer, dtype_name(source), dtype_name(value)),
-                                       None)
-            if producer is not None and producer != key:
-                producers.setdefault(producer, None)
-        for value in flat_outputs:
-            self._producers[id(value)] = (key, value)
+        outputs = super().on_call(layer, args, kwargs, outputs)
         if layer is self._model:
             # The forward pass is over: let go of its tensors.
             self._done = True

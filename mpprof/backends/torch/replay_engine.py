@@ -23,75 +23,41 @@ pass and `compute_loss`); the result's notes say so.
 
 from __future__ import annotations
 
-import os
-
-import keras
+from typing import Any
 
 from mpprof.backends import keras_capture, replay_candidates
 from mpprof.backends.torch.custom_step import overrides_train_step
 from mpprof.backends.torch.replay_passes import as_tensors, run_pass, seeded_global_rng
-from mpprof.replay import files, search, verification
-from mpprof.replay.files import ReplayError
+from mpprof.replay import files, verification
 
-
-def replay(logdir_or_model, run: str | None = None, step: int | None = None, *,
-           logdir: str | os.PathLike | None = None, save: bool = True) -> dict:
-    """Replays a captured step; the arguments and result are those of
-    `mpprof.backends.tensorflow.replay_engine.replay`."""
-    return keras_capture.replay_entry(logdir_or_model, run, step, logdir, save,
-                                      _replay_with_weights)
+# What `replay` raises, named where the engine is (as every engine names it).
+from mpprof.replay.files import ReplayError  # noqa: F401 - re-exported
 
 
 def _replay_with_weights(model, capture: files.Capture) -> dict:
-    keras_capture.refuse_quantized(model)
-    keras_capture.load_weights(model, capture)
-    keras_capture.captured_policies(model, capture)
-    batch = keras.utils.unpack_x_y_sample_weight(capture.batch())
-    scale = float(capture.manifest.get("loss_scale") or 1.0)
-    try:
-        run_policy = run_pass(model, batch, scale, None)
-    except Exception as e:
-        raise ReplayError(
-            f"the step could not be run eagerly as model(x, training=True) and "
-            f"model.compute_loss ({type(e).__name__}: {str(e)[:300]})") from e
-    notes = ([
-        "the model has its own train_step: the replay runs Keras' step (its forward "
-        "pass and model.compute_loss), not the model's own loss; the trials run the "
-        "model's train_step"] if overrides_train_step(model) else [])
-    return keras_capture.replay_result(
-        model, capture, scale=scale, run_policy=run_policy,
-        reference=run_pass(model, batch, scale, None, all_float32=True),
-        engine=Engine(model, [batch], scale),
-        run_unscaled=lambda float32_layers: run_pass(model, batch, 1.0, float32_layers),
-        inputs=keras.tree.flatten(batch[0]), backend="torch",
-        replayed_as=("model(x, training=True) and model.compute_loss, eagerly, every "
-                     "aten op seen by a TorchDispatchMode"),
-        **({"notes": notes} if notes else {}))
+    keras_capture.captured_model(model, capture)
+    extra: dict[str, Any] = {
+        "replayed_as": ("model(x, training=True) and model.compute_loss, eagerly, every "
+                        "aten op seen by a TorchDispatchMode")}
+    if overrides_train_step(model):
+        extra["notes"] = [
+            "the model has its own train_step: the replay runs Keras' step (its forward "
+            "pass and model.compute_loss), not the model's own loss; the trials run the "
+            "model's train_step"]
+    return Engine.replay_result(model, capture, backend="torch", **extra)
 
 
-def engine_for(model, batches: list, loss_scale: float = 1.0) -> Engine:
-    """A verification engine (`mpprof.replay.verification.Engine`) of `model`
-    as it is now (its weights are the ones every pass and trial start from)
-    on `batches` (each as `train_step` receives it: (x, y) or (x, y,
-    sample_weight))."""
-    return Engine(model, [keras.utils.unpack_x_y_sample_weight(b) for b in batches],
-                  loss_scale)
+replay = keras_capture.replay_function(_replay_with_weights)
 
 
-class Engine(replay_candidates.CandidateEngine):
+class Engine(replay_candidates.EagerEngine):
     """`mpprof.replay.verification.Engine` on PyTorch: passes watched op by
     op (`replay_passes.run_pass`) and trials of the model's own
-    `train_step`, run eagerly as Keras' PyTorch `fit` runs it.
-
-    Args:
-        model: the model, its captured weights loaded.
-        batches: the captured batches, each (x, y, sample_weight).
-        loss_scale: the run's loss scale at the capture (1.0: none).
+    `train_step`, run eagerly as Keras' PyTorch `fit` runs it. (the arguments
+    are `replay_candidates.CandidateEngine`'s).
     """
 
-    def run_pass(self, candidate: verification.Candidate, batch: int,
-                 loss_scale: float) -> search.PassResult:
-        return self.eager_pass(run_pass, candidate, batch, loss_scale)
+    pass_function = staticmethod(run_pass)
 
     def trial_step(self, optimizer):
         """The trial's update: the model's own `train_step`, eager, as Keras'
@@ -108,3 +74,6 @@ class Engine(replay_candidates.CandidateEngine):
         # masks, and the caller's generator is put back.
         with seeded_global_rng():
             return super().train(candidate, steps, loss_scale)
+
+
+engine_for = Engine.for_batches

@@ -38,6 +38,7 @@ import torch
 
 from mpprof.backends.optimizer_usage import OptimizerUsage, applied_steps
 from mpprof.backends.patching import Patches
+from mpprof.backends.step_state_base import NOT_BUILT, StepStateBase
 from mpprof.records import schema
 
 
@@ -83,33 +84,24 @@ class _Block:
         return self.applied + self.skipped
 
 
-class StepState:
-    """The counters of one fit's steps, kept on the host.
-
-    Args:
-        usage: the fit's `OptimizerUsage` (every built candidate is followed;
-            the primary one dates the loss check).
-        capacity: events each ring holds between two reads.
-        is_loss_scale: tells a LossScaleOptimizer.
+class StepState(StepStateBase):
+    """The counters of one fit's steps, kept on the host (the arguments:
+    `StepStateBase`'s, and `is_loss_scale`, which tells a LossScaleOptimizer).
     """
+
+    _blocks: dict[int, _Block]
 
     def __init__(self, usage: OptimizerUsage, capacity: int,
                  is_loss_scale: Callable[[object], bool]):
-        self.capacity = int(capacity)
-        self._usage = usage
-        self._blocks: dict[int, _Block] = {}
-        self.unfollowed: dict[int, str] = {}
+        super().__init__(usage, capacity)
         for use in usage.uses:
             optimizer = use.optimizer
             if not getattr(optimizer, "built", True):
-                self.unfollowed[id(optimizer)] = "not built before the fit"
+                self.unfollowed[id(optimizer)] = NOT_BUILT
                 continue
             growth = int(optimizer.dynamic_growth_steps) if is_loss_scale(optimizer) else 0
             self._blocks[id(optimizer)] = _Block(
                 optimizer, growth, np.zeros((self.capacity, 4)) if growth else None)
-        self.start_skipped: dict[int, int] = {}
-        self.start_nonfinite = 0
-        self.start_first_nonfinite = -1
         # Set by `start` (None before): the JAX step state's marker of "the
         # fit's counts exist", which its series and loss watch ask.
         self.arrays: bool | None = None
@@ -118,12 +110,8 @@ class StepState:
         self._last_loss = math.nan
         # (step, loss) of the steps since the last read, losses on the device.
         self._pending_losses: list[tuple[int, torch.Tensor]] = []
-        self.loss_watched: bool | None = None
         # The losses handed over in the step under way (several: a GAN's).
         self._step_losses: list = []
-
-    def follows(self, optimizer) -> bool:
-        return id(optimizer) in self._blocks
 
     def install(self, patches: Patches) -> None:
         """Wraps each followed optimizer's update methods (undone by `patches`)."""
@@ -241,9 +229,6 @@ class StepState:
         self._last_loss = float(values[-1])
 
     # Host reads: the interface of `mpprof.backends.jax.step_state.StepState`.
-
-    def _block(self, optimizer) -> _Block:
-        return self._blocks[id(optimizer)]
 
     def skipped(self, optimizer) -> int:
         return self._block(optimizer).skipped
