@@ -57,9 +57,9 @@ REGISTRY: dict[str, Registration] = {r.name: r for r in (
                  "mpprof.backends.tensorflow.op_names", "tensorflow"),
     Registration("jax", "JAX", "mpprof.backends.jax.backend:JaxBackend",
                  "mpprof.backends.jax.replay_engine", "mpprof.backends.jax.op_names", "jax"),
-    # No XProf window yet (`backends/torch/kernels.py` says so in the run context).
     Registration("torch", "PyTorch", "mpprof.backends.torch.backend:TorchBackend",
-                 "mpprof.backends.torch.replay_engine", None, "torch"),
+                 "mpprof.backends.torch.replay_engine", "mpprof.backends.torch.op_names",
+                 "torch"),
 )}
 
 # tf-keras (Keras 2) is a flavour, not a backend: its models train on

@@ -225,8 +225,9 @@ def _varint(value: int) -> bytes:
 def layer_of(op_name: str) -> str:
     """The layer of an op, from its name: each registered backend's
     `op_names.layer_of` reads its own framework's naming (TensorFlow's name
-    scopes, JAX's name stacks), the first that knows the name says. An op
-    in no scope is its own layer.
+    scopes, JAX's name stacks, PyTorch's operators named after their layer)
+    and gives None for the others', so the first that knows the name says.
+    An op in no scope is its own layer.
 
     Args:
         op_name: the op's name, as XProf's kernel_stats gives it.
