@@ -171,7 +171,8 @@ def op_layers(trace_events: Iterable[dict]) -> dict[int, str]:
     """
     events = list(trace_events)
     # Each flow's ends, as (pid, tid, ts): its start is the forward op's.
-    starts, ends = {}, {}
+    starts: dict[object, tuple] = {}
+    ends: dict[object, tuple] = {}
     for event in events:
         if event.get("cat") == "fwdbwd" and event.get("ph") in ("s", "f"):
             point = (event.get("pid"), event.get("tid"), event.get("ts"))
