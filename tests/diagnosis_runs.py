@@ -726,10 +726,14 @@ def write_gpu_run(
     samples=None,
     kernels=None,
     name="train",
+    backend=None,
 ) -> reader.Run:
-    """A real run's records, rewritten as if it had run on `gpus`."""
+    """A real run's records, rewritten as if it had run on `gpus` (and, where
+    `backend` is given, trained on that Keras backend)."""
     run = read(source)
     context = copy.deepcopy(run.context.record)
+    if backend is not None:
+        context["keras_backend"] = backend
     context["hardware"] = {"cpu_only": False, "gpus": gpus, "source": "test"}
     context["gpus_visible"] = len(gpus)
     context["collectors"]["gpu"] = {

@@ -37,7 +37,10 @@ class Registration:
             **kwargs)` re-runs its captures (None: it has none).
         op_names: the framework-free module whose `layer_of(op_name)` gives
             the layer of an XProf op name in its naming, or None when the
-            name is not in it (None: no XProf window).
+            name is not in it (None: no XProf window); and, for a framework
+            whose ops XProf cannot judge, whose
+            `tensor_core_eligible(op_name)` says which could run on Tensor
+            Cores.
         extra: the pip extra of mpprof that installs the framework
             (`pip install "mpprof[<extra>]"`).
     """

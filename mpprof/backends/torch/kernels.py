@@ -21,10 +21,19 @@ The Tensor Core share is XProf's over the trace's CUDA kernels
 decides, as on TensorFlow and JAX), each kernel attributed to the aten op
 that launched it, named after its layer as XProf names a TensorFlow op
 after its scopes ("sequential/dense/aten::mm": `op_names` reads the layer
-back). XProf knows no aten op's Tensor Core eligibility, so the
-eligible time is None and the eligible-but-not-using ops (`top_ops`) stay
-empty on PyTorch (the record's "eligibility" says so). A trace
+back). XProf knows no aten op's Tensor Core eligibility: PyTorch's table
+decides it (`op_names.TENSOR_CORE_OPS`: the GEMM and convolution ops,
+`xprof_kernels.tensor_core_eligible`), beside XProf's own rule that an op
+whose kernel used Tensor Cores was eligible, so the record holds the
+eligible time and the eligible ops that missed Tensor Cores (`top_ops`,
+with their layers) as on TensorFlow and JAX. A trace
 without CUDA kernels (a CPU-only run) records "no GPU kernels", never 0%.
+
+Under `jit_compile=True` (torch.compile) the layer calls are no ranges: a
+range switched on inside the step would make dynamo recompile it in the
+window and could change inductor's fusion, so the traced kernels would not
+be those of the steps outside it. The window traces as without layers; its
+ops carry none (the run context's reason says so).
 """
 
 from __future__ import annotations
@@ -57,11 +66,21 @@ class ProfileWindow(profile_window.ProfileWindow):
         self._events: list[dict] = []
         self._session = ""
         # This fit's layer wrappers (`layer_calls.LayerCallPatch`), whose
-        # `ranges` mark each layer call while the window traces.
+        # `ranges` mark each layer call while the window traces (None when
+        # they may not: `_layers_off` says why).
         self._layer_patch = None
+        self._layers_off: str | None = None
 
     def _bind(self, backend) -> None:
-        self._layer_patch = getattr(backend, "layer_patch", None)
+        patch = getattr(backend, "layer_patch", None)
+        self._layers_off = patch.ranges_off if patch is not None else None
+        self._layer_patch = None if self._layers_off else patch
+
+    def context(self) -> dict:
+        entry = super().context()
+        if self._layers_off and self.result is not None:
+            entry["reason"] += f"; {self._layers_off}"
+        return entry
 
     def after_steps(self, step: int) -> dict | None:
         self._close_step_range()
@@ -231,14 +250,6 @@ def tensor_core_share(trace_events: Iterable[dict], *, source: str) -> dict:
     """
     launches = kernel_launches(trace_events)
     rows = xprof_kernels.kernel_stats_of_launches(launches) if launches else []
-    share = xprof_kernels.summarize_kernel_stats(rows, source=source)
-    if not share["no_gpu_kernels"]:
-        # XProf judges an op eligible by its TensorFlow or XLA op type, and
-        # names no aten op's: unknown, not 0 us.
-        share.update(eligible_us=None, eligible_not_using_us=None, top_ops=[],
-                     eligibility=ELIGIBILITY_UNKNOWN)
-    return share
-
-
-ELIGIBILITY_UNKNOWN = ("XProf knows no aten op's Tensor Core eligibility: the time in "
-                       "eligible ops that did not use Tensor Cores is not known on PyTorch")
+    # The aten ops' eligibility: PyTorch's op table (`op_names`, registered
+    # in `REGISTRY`), which `summarize_kernel_stats` asks.
+    return xprof_kernels.summarize_kernel_stats(rows, source=source)

@@ -10,7 +10,9 @@ Inside the `profile_steps` window (`kernels.ProfileWindow` switches
 `ranges` on and off) each layer call is also a `torch.profiler`
 range named `LAYER_RANGE` + the layer's path, which ties the trace's ops to
 their layer (`kernels.op_layers`); outside it the same one attribute test
-is all a call pays.
+is all a call pays. A model compiled with `jit_compile=True` gets no
+ranges (`ranges_off`): switching them on would change what torch.compile
+traced.
 """
 
 from __future__ import annotations
@@ -23,10 +25,15 @@ import torch
 from mpprof.backends import layer_call_patch, layer_casts
 from mpprof.backends.layer_casts import cast_source, clear_casts
 
-__all__ = ["LAYER_RANGE", "LayerCallPatch", "cast_source", "clear_casts"]
+__all__ = ["COMPILED", "LAYER_RANGE", "LayerCallPatch", "cast_source", "clear_casts"]
 
 # The prefix of a layer call's profiler range: no user's range or op starts so.
 LAYER_RANGE = "mpprof.layer:"
+
+# Why a compiled model's layer calls are no ranges (`LayerCallPatch.ranges_off`).
+COMPILED = ("jit_compile=True: the ops carry no layer (layer ranges switched on in the "
+            "window would make torch.compile recompile the step and could change its "
+            "fusion, so the traced kernels would not be those of the other steps)")
 
 
 class LayerCallPatch(layer_casts.LayerCallPatch):
@@ -71,6 +78,12 @@ class LayerCallPatch(layer_casts.LayerCallPatch):
     def ranges(self, on: bool) -> None:
         self._ranges = on
         self._plain = not (self._active or on)
+
+    @property
+    def ranges_off(self) -> str | None:
+        """Why the layer calls may not be ranges (`COMPILED`: the model's step
+        runs under torch.compile, whose guards see the switch), or None."""
+        return COMPILED if getattr(self._model, "jit_compile", False) else None
 
     def _watch_casts(self, policy) -> None:
         convert = getattr(policy, "convert_input", None)
