@@ -476,7 +476,7 @@ def _on_h100(tmp_path, logdir, traced_steps=None, kernels=False, eligibility_kno
     if kernels:
         write_gpu_xspace(tmp_path / "trace" / "2026_01_01_00_00_00")
         table = tensor_core_share(tmp_path / "trace")
-        if not eligibility_known:  # as PyTorch's window records it (aten ops)
+        if not eligibility_known:  # as PyTorch's window recorded it before its op table
             table.update(eligible_us=None, eligible_not_using_us=None, top_ops=[])
         writer.write_json(schema.KERNEL_STATS, table, 4)
     writer.close()
@@ -518,7 +518,8 @@ def test_amdahl_over_the_measured_step_from_xprof_kernel_times(advice, tmp_path)
     assert plain["gemm_share_of_step"] == pytest.approx(plain["gemm_seconds_now"] / STEP_S)
     other = advise_run(run, gpu=gpus.gpu("A100"))["projection"]
     assert other["step_speedup"] is None and other["amdahl_source"] is None
-    # A trace whose ops' eligibility XProf does not know (PyTorch's): the roofline's.
+    # A trace whose eligible time is unknown (a PyTorch run recorded before
+    # PyTorch's op table judged its aten ops): the roofline's.
     unknown = advise_run(_on_h100(tmp_path / "torch", logdir, [2, 3], kernels=True,
                                   eligibility_known=False))["projection"]
     assert unknown["amdahl_source"] == projection.AMDAHL_ROOFLINE

@@ -284,6 +284,43 @@ def test_mp010_low_tensor_core_share_from_kernel_stats(tmp_path):
     assert finding.evidence["tensor_core_share"] == pytest.approx(0.05)
 
 
+# A GEMM of layer "model/dense" in each backend's op naming, as XProf's
+# kernel_stats names it: XProf judges TensorFlow's and XLA's ops, PyTorch's
+# op table its aten ops.
+MP010_GEMMS = {
+    "tensorflow": "model/dense/MatMul",
+    "jax": "jit(train_step)/jvp(model)/dense/dot_general",
+    "torch": "model/dense/aten::mm",
+}
+
+
+@pytest.mark.parametrize("backend", sorted(MP010_GEMMS))
+def test_mp010_names_the_layers_whose_eligible_ops_missed_tensor_cores(tmp_path, backend):
+    from mpprof.backends import xprof_kernels
+
+    gemm = MP010_GEMMS[backend]
+    elementwise = gemm.rpartition("/")[0] + ("/aten::relu" if backend == "torch" else "/Relu")
+    launches = [("volta_sgemm_128x64_nn", gemm, 700.0),  # no Tensor Cores
+                ("sm80_xmma_gemm_f16f16_f16f32_f32_nn_n_tilesize128x128x32", gemm, 50.0),
+                ("void elementwise_kernel<relu>", elementwise, 250.0)]
+    kernels = xprof_kernels.summarize_kernel_stats(
+        xprof_kernels.kernel_stats_of_launches(launches), source="session")
+    assert (kernels["eligible_us"], kernels["eligible_not_using_us"]) == (750.0, 700.0)
+    run = write_gpu_run(tmp_path, "healthy_mixed", [A100], kernels=kernels, backend=backend)
+    finding = only(run, "MP010")
+    assert finding.title == ("Only 5% of GPU kernel time ran on Tensor Cores; eligible ops "
+                             "missed them in model/dense")
+    [missed] = finding.evidence["top_ops"]
+    assert (missed["op_name"], missed["layer"], missed["total_us"]) == (gemm, "model/dense",
+                                                                          700.0)
+    # A run recorded before PyTorch's op table (its eligible time unknown):
+    # the share alone, no layer.
+    old = dict(kernels, eligible_us=None, eligible_not_using_us=None, top_ops=[])
+    finding = only(write_gpu_run(tmp_path, "healthy_mixed", [A100], kernels=old,
+                                 backend=backend, name="old"), "MP010")
+    assert finding.title == "Only 5% of GPU kernel time ran on Tensor Cores"
+
+
 def test_mp010_busy_tensor_cores_and_idle_gaps_are_no_finding(tmp_path):
     samples = gpu_samples(tensor_util=40.0, gpu_util=95.0)
     # Idle samples (input pipeline) must not dilute the busy ones.

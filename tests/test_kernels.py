@@ -108,3 +108,23 @@ def test_tensorboard_profiling_in_the_same_fit_is_reused(tmp_path):
 def test_profile_steps_is_validated(tmp_path, bad):
     with pytest.raises(ValueError, match="profile_steps"):
         mpprof.MixedPrecisionProfiler(str(tmp_path), profile_steps=bad)
+
+
+# One op name in each registered backend's naming, and its layer.
+OP_NAMES = {
+    "tensorflow": ("model/dense_1/MatMul", "model/dense_1"),
+    "jax": ("jit(step)/transpose(jvp(mha))/query/abc,cde->abde/dot_general", "mha/query"),
+    "torch": ("sequential/dense/aten::mm", "sequential/dense"),
+}
+
+
+def test_each_backend_reads_its_own_op_names_and_no_other():
+    from mpprof.backends import REGISTRY, load
+
+    assert set(OP_NAMES) == {name for name, r in REGISTRY.items() if r.op_names}
+    for backend, (op_name, layer) in OP_NAMES.items():
+        claims = {name: load(REGISTRY[name].op_names).layer_of(op_name) for name in OP_NAMES}
+        assert claims == {name: layer if name == backend else None for name in OP_NAMES}
+        assert kernels.layer_of(op_name) == layer
+    # A PyTorch layer whose name holds "(" is still no JAX name stack.
+    assert kernels.layer_of("sequential/conv(3x3)/aten::convolution") == "sequential/conv(3x3)"

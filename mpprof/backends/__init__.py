@@ -37,7 +37,10 @@ class Registration:
             **kwargs)` re-runs its captures (None: it has none).
         op_names: the framework-free module whose `layer_of(op_name)` gives
             the layer of an XProf op name in its naming, or None when the
-            name is not in it (None: no XProf window).
+            name is not in it (None: no XProf window); and, for a framework
+            whose ops XProf cannot judge, whose
+            `tensor_core_eligible(op_name)` says which could run on Tensor
+            Cores.
         extra: the pip extra of mpprof that installs the framework
             (`pip install "mpprof[<extra>]"`).
     """
@@ -57,9 +60,9 @@ REGISTRY: dict[str, Registration] = {r.name: r for r in (
                  "mpprof.backends.tensorflow.op_names", "tensorflow"),
     Registration("jax", "JAX", "mpprof.backends.jax.backend:JaxBackend",
                  "mpprof.backends.jax.replay_engine", "mpprof.backends.jax.op_names", "jax"),
-    # No XProf window yet (`backends/torch/kernels.py` says so in the run context).
     Registration("torch", "PyTorch", "mpprof.backends.torch.backend:TorchBackend",
-                 "mpprof.backends.torch.replay_engine", None, "torch"),
+                 "mpprof.backends.torch.replay_engine", "mpprof.backends.torch.op_names",
+                 "torch"),
 )}
 
 # tf-keras (Keras 2) is a flavour, not a backend: its models train on

@@ -3,7 +3,9 @@ window of `profile_steps`, for every backend (no framework imported here).
 
 XProf's kernel_stats tool lists, per (kernel, op), the kernel's total time,
 whether the op could use Tensor Cores (MatMul, Conv, Einsum, dot_general, ...
-in fp16 or bf16) and whether the kernel did. "Did" is a kernel-NAME heuristic
+in fp16 or bf16; PyTorch's aten ops, which XProf does not know, by PyTorch's
+own table: `tensor_core_eligible`) and whether the kernel did. "Did" is a
+kernel-NAME heuristic
 inside XProf (h884, hmma, s1688, xmma_gemm, ...): it misses some kernels, e.g.
 `cutlass3x_sm90_tensorop_*`, so a low share is a hint to check, not proof.
 
@@ -127,7 +129,8 @@ def summarize_kernel_stats(
     using = sum(
         float(r["total_duration_us"]) for r in rows if r["is_kernel_using_tensor_core"]
     )
-    eligible = [r for r in rows if r["is_op_tensor_core_eligible"]]
+    eligible = [r for r in rows if r["is_op_tensor_core_eligible"]
+                or tensor_core_eligible(r.get("op_name") or "")]
     missed = [r for r in eligible if not r["is_kernel_using_tensor_core"]]
     return {
         "source": source,
@@ -225,8 +228,9 @@ def _varint(value: int) -> bytes:
 def layer_of(op_name: str) -> str:
     """The layer of an op, from its name: each registered backend's
     `op_names.layer_of` reads its own framework's naming (TensorFlow's name
-    scopes, JAX's name stacks), the first that knows the name says. An op
-    in no scope is its own layer.
+    scopes, JAX's name stacks, PyTorch's operators named after their layer)
+    and gives None for the others', so the first that knows the name says.
+    An op in no scope is its own layer.
 
     Args:
         op_name: the op's name, as XProf's kernel_stats gives it.
@@ -239,6 +243,24 @@ def layer_of(op_name: str) -> str:
             if found is not None:
                 return found
     return op_name
+
+
+def tensor_core_eligible(op_name: str) -> bool:
+    """Whether a registered backend's own op table calls the op of
+    `op_name` Tensor-Core eligible (its `op_names.tensor_core_eligible`,
+    where XProf knows none of its ops: PyTorch's aten ops). XProf judges
+    TensorFlow's and XLA's ops itself (the row's
+    `is_op_tensor_core_eligible`), and an op whose kernel used Tensor Cores.
+
+    Args:
+        op_name: the op's name, as XProf's kernel_stats gives it.
+    """
+    for registered in REGISTRY.values():
+        if registered.op_names is not None:
+            judge = getattr(load(registered.op_names), "tensor_core_eligible", None)
+            if judge is not None and judge(op_name):
+                return True
+    return False
 
 
 def _top_missed_ops(missed: list[dict], top_ops: int) -> list[dict]:

@@ -58,6 +58,12 @@ def tensor_core_use(view: RunView) -> list:
             "top_ops": kernels.get("top_ops", [])[:5],
         }
         title = f"Only {share:.0%} of GPU kernel time ran on Tensor Cores"
+        # The layers of the eligible ops that missed them, the worst first
+        # (a trace whose ops' eligibility is unknown lists none).
+        missed = list(dict.fromkeys(op.get("layer") or op.get("op_name")
+                                    for op in evidence["top_ops"]))
+        if missed:
+            title += f"; eligible ops missed them in {', '.join(map(str, missed[:3]))}"
         return [finding("MP010", title, evidence=evidence, fix=_tensor_core_fix(view))]
     util = _busy_tensor_util(gpu)
     if util is None:

@@ -26,9 +26,10 @@ _INSIDE = {"while": re.compile(r"^(body|cond)$"), "cond": re.compile(r"^branch_\
 def layer_of(op_name: str) -> str | None:
     """The layer of `op_name` (its layer scopes, the name stack's other frames
     left out), or None when the name is not a JAX name stack (no scope has a
-    transformation's "(")."""
-    scopes = op_name.split("/")[:-1]
-    if not any("(" in scope for scope in scopes):
+    transformation's "(", or the op is a PyTorch operator, "aten::mm", in a
+    layer whose name holds a "(")."""
+    *scopes, op = op_name.split("/")
+    if "::" in op or not any("(" in scope for scope in scopes):
         return None
     layers: list[str] = []
     previous = ""

@@ -11,8 +11,9 @@ from __future__ import annotations
 def layer_of(op_name: str) -> str | None:
     """The layer of `op_name` ("seq/dense/MatMul" -> "seq/dense"), or None
     when the name is not TensorFlow's (a scope with "(" is a JAX name stack's
-    transformation)."""
+    transformation; a ":" is in no TensorFlow op name, whose ":type" XProf
+    strips, and in every PyTorch operator's, "aten::mm")."""
     scopes = op_name.split("/")[:-1]
-    if any("(" in scope for scope in scopes):
+    if ":" in op_name or any("(" in scope for scope in scopes):
         return None
     return "/".join(scopes)

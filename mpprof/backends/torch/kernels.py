@@ -9,13 +9,31 @@ Chrome trace, written as
 other backends' XProf sessions: Perfetto, chrome://tracing and PyTorch's
 TensorBoard profiler open it.
 
+Each layer call of the window's steps is a range of the trace
+(`layer_calls.LAYER_RANGE` + the layer's path; the window switches the layer
+wrappers' `ranges` on for its steps only). An op belongs to the innermost
+layer range around it on its thread; an op of the backward pass to the
+layer of the forward op its autograd node derives from (the trace's
+"fwdbwd" flow links the two, `op_layers`).
+
 The Tensor Core share is XProf's over the trace's CUDA kernels
 (`xprof_kernels.kernel_stats_of_launches`: XProf's kernel-name heuristic
 decides, as on TensorFlow and JAX), each kernel attributed to the aten op
-that launched it. XProf knows no aten op's Tensor Core eligibility, so the
-eligible time is None and the eligible-but-not-using ops (`top_ops`) stay
-empty on PyTorch (the record's "eligibility" says so). A trace
+that launched it, named after its layer as XProf names a TensorFlow op
+after its scopes ("sequential/dense/aten::mm": `op_names` reads the layer
+back). XProf knows no aten op's Tensor Core eligibility: PyTorch's table
+decides it (`op_names.TENSOR_CORE_OPS`: the GEMM and convolution ops,
+`xprof_kernels.tensor_core_eligible`), beside XProf's own rule that an op
+whose kernel used Tensor Cores was eligible, so the record holds the
+eligible time and the eligible ops that missed Tensor Cores (`top_ops`,
+with their layers) as on TensorFlow and JAX. A trace
 without CUDA kernels (a CPU-only run) records "no GPU kernels", never 0%.
+
+Under `jit_compile=True` (torch.compile) the layer calls are no ranges: a
+range switched on inside the step would make dynamo recompile it in the
+window and could change inductor's fusion, so the traced kernels would not
+be those of the steps outside it. The window traces as without layers; its
+ops carry none (the run context's reason says so).
 """
 
 from __future__ import annotations
@@ -25,11 +43,13 @@ import os
 import socket
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
 
 from mpprof.backends import profile_window, xprof_kernels
+from mpprof.backends.torch.layer_calls import LAYER_RANGE
 from mpprof.records import filesystem
 
 
@@ -45,6 +65,22 @@ class ProfileWindow(profile_window.ProfileWindow):
         self._step_range: torch.profiler.record_function | None = None
         self._events: list[dict] = []
         self._session = ""
+        # This fit's layer wrappers (`layer_calls.LayerCallPatch`), whose
+        # `ranges` mark each layer call while the window traces (None when
+        # they may not: `_layers_off` says why).
+        self._layer_patch = None
+        self._layers_off: str | None = None
+
+    def _bind(self, backend) -> None:
+        patch = getattr(backend, "layer_patch", None)
+        self._layers_off = patch.ranges_off if patch is not None else None
+        self._layer_patch = None if self._layers_off else patch
+
+    def context(self) -> dict:
+        entry = super().context()
+        if self._layers_off and self.result is not None:
+            entry["reason"] += f"; {self._layers_off}"
+        return entry
 
     def after_steps(self, step: int) -> dict | None:
         self._close_step_range()
@@ -52,6 +88,7 @@ class ProfileWindow(profile_window.ProfileWindow):
         if self.state == "tracing":
             self._step_range = torch.profiler.record_function(f"ProfilerStep#{step}")
             self._step_range.__enter__()
+            self._mark_layers(True)
         return result
 
     def _wait_for_device(self) -> None:
@@ -74,6 +111,7 @@ class ProfileWindow(profile_window.ProfileWindow):
         # (`after_steps` closes the ranges of the steps that ran): it holds
         # the fit's end, no step, and leaves the trace.
         unrun = self._step_range.name if self._step_range is not None else None
+        self._mark_layers(False)
         self._close_step_range()
         profile, self._profile = self._profile, None
         if profile is None:
@@ -98,6 +136,10 @@ class ProfileWindow(profile_window.ProfileWindow):
     def _share(self, trace_dir: str) -> dict:
         return tensor_core_share(self._events, source=self._session)
 
+    def _mark_layers(self, on: bool) -> None:
+        if self._layer_patch is not None:
+            self._layer_patch.ranges = on
+
     def _close_step_range(self) -> None:
         if self._step_range is not None:
             step_range, self._step_range = self._step_range, None
@@ -111,15 +153,88 @@ def kernel_launches(trace_events: Iterable[dict]) -> list[tuple[str, str, float]
         trace_events: the trace's `traceEvents`.
 
     Returns:
-        `(kernel name, aten op that launched it, duration in us)` per kernel;
-        a kernel is tied to its op by their shared "External id".
+        `(kernel name, op that launched it, duration in us)` per kernel; a
+        kernel is tied to its op by their shared "External id", and the op
+        is named after its layer ("sequential/dense/aten::mm", `op_layers`;
+        "aten::mm" when it ran in no layer).
     """
     events = list(trace_events)
-    ops = {event["args"]["External id"]: event["name"] for event in events
-           if event.get("cat") == "cpu_op" and "External id" in event.get("args", {})}
+    layers = op_layers(events)
+    ops = {}
+    for event in events:
+        external_id = event.get("args", {}).get("External id")
+        if event.get("cat") == "cpu_op" and external_id is not None:
+            layer = layers.get(external_id)
+            ops[external_id] = f"{layer}/{event['name']}" if layer else event["name"]
     return [(event["name"], ops.get(event.get("args", {}).get("External id"), "(unknown op)"),
              float(event.get("dur", 0.0)))
             for event in events if event.get("cat") == "kernel"]
+
+
+def op_layers(trace_events: Iterable[dict]) -> dict[int, str]:
+    """The layer of each op of a `torch.profiler` Chrome trace.
+
+    An op runs in the innermost layer range (`layer_calls.LAYER_RANGE`)
+    around it on its thread. A backward op runs in no layer's range (the
+    autograd engine runs it, after the forward pass, on its own thread on a
+    GPU): its autograd node (MmBackward0, ...) is linked to the forward op
+    it derives from by a "fwdbwd" flow (from the forward op's start to the
+    node's start, paired by "id"), and the node's ops get that forward op's
+    layer.
+
+    Args:
+        trace_events: the trace's `traceEvents`.
+
+    Returns:
+        {op's "External id": layer path}, for the ops that ran in a layer.
+    """
+    events = list(trace_events)
+    # Each flow's ends, as (pid, tid, ts): its start is the forward op's.
+    starts: dict[object, tuple] = {}
+    ends: dict[object, tuple] = {}
+    for event in events:
+        if event.get("cat") == "fwdbwd" and event.get("ph") in ("s", "f"):
+            point = (event.get("pid"), event.get("tid"), event.get("ts"))
+            (starts if event["ph"] == "s" else ends)[event.get("id")] = point
+    forward_of = {ends[flow]: starts[flow] for flow in ends.keys() & starts.keys()}
+    # An owner is ("layer", path) or ("forward", the forward op's point).
+    owners: dict[int, tuple[str, object] | None] = {}  # by op, its External id
+    at_point: dict[tuple, tuple[str, object] | None] = {}  # by op start
+    threads: dict[tuple, list[dict]] = defaultdict(list)
+    for event in events:
+        if event.get("ph") == "X" and (event.get("cat") == "cpu_op" or (
+                event.get("cat") == "user_annotation"
+                and event.get("name", "").startswith(LAYER_RANGE))):
+            threads[event.get("pid"), event.get("tid")].append(event)
+    for (pid, tid), thread in threads.items():
+        # Parents before their children: by start, the longer first.
+        thread.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
+        open_ranges: list[tuple[float, tuple[str, object] | None]] = []
+        for event in thread:
+            ts = float(event["ts"])
+            while open_ranges and open_ranges[-1][0] <= ts:
+                open_ranges.pop()
+            point = (pid, tid, event["ts"])
+            if event["cat"] == "user_annotation":
+                owner: tuple[str, object] | None = ("layer", event["name"][len(LAYER_RANGE):])
+            elif point in forward_of:
+                owner = ("forward", forward_of[point])
+            else:
+                owner = open_ranges[-1][1] if open_ranges else None
+            open_ranges.append((ts + float(event.get("dur", 0.0)), owner))
+            if event["cat"] == "cpu_op":
+                at_point.setdefault(point, owner)
+                if "External id" in event.get("args", {}):
+                    owners[event["args"]["External id"]] = owner
+
+    def layer(owner, hops: int = 0) -> str | None:
+        # (A forward op may itself be of a backward pass: double backward.)
+        while owner is not None and owner[0] == "forward" and hops < 8:
+            owner, hops = at_point.get(owner[1]), hops + 1
+        return owner[1] if owner is not None and owner[0] == "layer" else None
+
+    found = {op: layer(owner) for op, owner in owners.items()}
+    return {op: path for op, path in found.items() if path is not None}
 
 
 def tensor_core_share(trace_events: Iterable[dict], *, source: str) -> dict:
@@ -135,14 +250,6 @@ def tensor_core_share(trace_events: Iterable[dict], *, source: str) -> dict:
     """
     launches = kernel_launches(trace_events)
     rows = xprof_kernels.kernel_stats_of_launches(launches) if launches else []
-    share = xprof_kernels.summarize_kernel_stats(rows, source=source)
-    if not share["no_gpu_kernels"]:
-        # XProf judges an op eligible by its TensorFlow or XLA op type, and
-        # names no aten op's: unknown, not 0 us.
-        share.update(eligible_us=None, eligible_not_using_us=None, top_ops=[],
-                     eligibility=ELIGIBILITY_UNKNOWN)
-    return share
-
-
-ELIGIBILITY_UNKNOWN = ("XProf knows no aten op's Tensor Core eligibility: the time in "
-                       "eligible ops that did not use Tensor Cores is not known on PyTorch")
+    # The aten ops' eligibility: PyTorch's op table (`op_names`, registered
+    # in `REGISTRY`), which `summarize_kernel_stats` asks.
+    return xprof_kernels.summarize_kernel_stats(rows, source=source)
