@@ -114,10 +114,10 @@ def _dtype_fix(view: RunView, message: str, op: str | None,
     syntax = view.syntax
     metric = any(name in message for name in _METRIC_OPS)
     if _NO_HALF_KERNEL.search(message) or (metric and "half" in message):
-        name = op or "named in the message"
         if not metric:
+            which = f"the op {op}" if op else "an op of the step (the message says which)"
             fix = (
-                f"{syntax.framework} has no {mixed} kernel for the op {name} here, and the "
+                f"{syntax.framework} has no {mixed} kernel for {which} here, and the "
                 f"mixed policy gave it {mixed} values. Run that op in float32: cast its "
                 "input in the layer's call,\n"
                 f"    x = {syntax.cast('x', FLOAT32)}\n"
@@ -128,8 +128,9 @@ def _dtype_fix(view: RunView, message: str, op: str | None,
         head = view.last_half_layer()
         where = f" ({head})" if head else ""
         fix = (
-            f"The op {name} has no {mixed} kernel and the mixed policy gave it {mixed} "
-            "values: a top-k accuracy metric runs it on the model's output. "
+            f"The op {op or 'named in the message'} has no {mixed} kernel and the mixed "
+            f"policy gave it {mixed} values: a top-k accuracy metric runs it on the model's "
+            "output. "
             f"Give the layer that feeds it float32, here the output layer{where}:\n"
             f"    {syntax.layer(view.layer_class(head))}\n"
             "(a metric's own dtype does not cast y_pred), or cast in a custom metric:\n"

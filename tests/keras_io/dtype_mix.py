@@ -88,8 +88,24 @@ def fit(log_dir, layer_class, *args, policy="mixed_float16", **kwargs):
             warnings.simplefilter("always")
             model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
                       callbacks=[mpprof.MixedPrecisionProfiler(log_dir=str(log_dir))])
-    except Exception as error:  # what the test asserts on
+    except (TypeError, RuntimeError, NotImplementedError) as error:  # the dtype errors
         raised = error
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
     return read_logdir(str(log_dir))["train"], raised, caught
+
+
+def check_no_half_kernel(tmp_path):
+    """The Whitening layer's fit (on a backend whose CPU has no float16
+    `linalg.inv`) is MP020's "no_half_kernel" with a cast to float32 as the
+    fix, and its float32 inversion trains with no MP020. Returns (the
+    finding, what fit raised) for the backend's own words."""
+    from keras_io_checks import codes, only
+
+    run, raised, _ = fit(tmp_path / "published", Whitening)
+    finding = only(run, "MP020")
+    assert finding.evidence["kind"] == "no_half_kernel"
+    assert 'keras.ops.cast(x, "float32")' in finding.fix and "top-k" not in finding.fix
+    healthy, healthy_raised, _ = fit(tmp_path / "healthy", Whitening, cast=True)
+    assert healthy_raised is None and codes(healthy) == {"MP011"}
+    return finding, raised
