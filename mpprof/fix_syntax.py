@@ -32,6 +32,9 @@ class _Spelling:
     scale_inputs: str
     # Why a float8 GEMM wants multiples of 16 on this backend.
     float8_gemm: str
+    # MP020's: which ops raise on float32 and float16 operands rather than
+    # promote (seen in real fits: tests/keras_io/, tests/jax/, tests/torch/).
+    float_promotion: str
 
 
 _NUMPY_SCALE_INPUTS = ('x = x.astype("float32") * ({scale})  # or in the input '
@@ -60,6 +63,8 @@ _TENSORFLOW = _Spelling(
     scale_inputs=("dataset = dataset.map(lambda x, y: (tf.cast(x, tf.float32) * "
                   "({scale}), y))  # or in the input pipeline"),
     float8_gemm=_XLA_FLOAT8,
+    float_promotion=("TensorFlow's ops and the +, * and @ of its tensors do not promote "
+                     "dtypes; keras.ops do, to float32"),
 )
 
 _SPELLINGS = {
@@ -112,6 +117,8 @@ _SPELLINGS = {
                         "pipeline with prefetch)."),
         scale_inputs=_NUMPY_SCALE_INPUTS,
         float8_gemm=_XLA_FLOAT8,
+        float_promotion=("jax.lax ops do not promote dtypes; jax.numpy, keras.ops and the "
+                         "+, * and @ of JAX arrays do, to float32"),
     ),
     # Keras' PyTorch step (TorchTrainer.train_step) calls `scale_loss`, then
     # `.backward()` on the scaled loss; LossScaleOptimizer.apply divides the
@@ -143,6 +150,9 @@ _SPELLINGS = {
         # XLA fuses that into an FP8 GEMM, PyTorch runs the compute dtype's.
         float8_gemm=("float8: cuBLASLt's FP8 GEMM needs multiples of 16 (Keras on "
                      "PyTorch runs float8 layers' GEMMs in the compute dtype)"),
+        float_promotion=("PyTorch promotes + and *, but its matrix products and "
+                         "convolutions (@, torch.matmul, F.linear, F.conv2d) do not; "
+                         "keras.ops promote, to float32"),
     ),
 }
 
@@ -218,6 +228,19 @@ class FixSyntax:
             f"{rescaling}  # as the model's first layer, right after its Input",
             self._spelling.scale_inputs.format(scale=scale),
         ]
+
+    def cast(self, value: str, dtype: str) -> str:
+        """`value` cast to `dtype` (code: `"float32"`, `self.compute_dtype`):
+        keras.ops runs on every Keras 3 backend; tf-keras has no ops module."""
+        if self.module == "tf_keras":
+            return f"tf.cast({value}, {dtype})"
+        return f"keras.ops.cast({value}, {dtype})"
+
+    @property
+    def float_promotion(self) -> str:
+        """Which of this backend's ops raise on float32 and float16 operands
+        where others promote (MP020's "mixed_floats")."""
+        return self._spelling.float_promotion
 
     @property
     def float8_gemm(self) -> str:

@@ -27,7 +27,7 @@ ROWS = [  # (keras_flavor, keras_backend) -> the framework its code speaks
 @pytest.mark.parametrize(("run", "framework"), ROWS)
 def test_the_code_of_a_train_step_and_of_bounded_inputs_is_the_backend_s(run, framework):
     syntax = FixSyntax(*run)
-    code = "\n".join([syntax.custom_step(), syntax.scaled_step,
+    code = "\n".join([syntax.custom_step(), syntax.scaled_step, syntax.float_promotion,
                       *syntax.scale_inputs("1 / 65535")])
     assert all(word in syntax.custom_step() for word in OWN[framework][:2])
     foreign = [word for other, words in OWN.items() if other != framework

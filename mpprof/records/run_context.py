@@ -26,11 +26,17 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _KERAS_WRAPPER = "Exception encountered when calling"
 
 
+def without_ansi(message) -> str:
+    """A `fit_error` message without its terminal colour codes (Keras wraps
+    the user's error in bold)."""
+    return _ANSI.sub("", str(message or ""))
+
+
 def error_headline(message) -> str:
     """A `fit_error` message's first line, ANSI codes dropped; for Keras'
     "Exception encountered when calling X.call()." wrapper, with the user's
     own first line after it."""
-    lines = [line.strip() for line in _ANSI.sub("", str(message or "")).splitlines()
+    lines = [line.strip() for line in without_ansi(message).splitlines()
              if line.strip()]
     if not lines:
         return ""
