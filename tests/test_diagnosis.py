@@ -313,6 +313,17 @@ def test_mp010_names_the_layers_whose_eligible_ops_missed_tensor_cores(tmp_path,
     [missed] = finding.evidence["top_ops"]
     assert (missed["op_name"], missed["layer"], missed["total_us"]) == (gemm, "model/dense",
                                                                           700.0)
+    # The same misses in the float32 head ("logits", float32 on purpose):
+    # set apart, never named as a layer that missed the Tensor Cores.
+    head = gemm.replace("/dense/", "/logits/")
+    head_kernels = xprof_kernels.summarize_kernel_stats(
+        xprof_kernels.kernel_stats_of_launches(
+            [(kernel, head if op == gemm else op, us) for kernel, op, us in launches]),
+        source="session")
+    finding = only(write_gpu_run(tmp_path, "healthy_mixed", [A100], kernels=head_kernels,
+                                 backend=backend, name="head"), "MP010")
+    assert finding.title == "Only 5% of GPU kernel time ran on Tensor Cores"
+    assert finding.evidence["float32_layers"] == ["model/logits"]
     # A run recorded before PyTorch's op table (its eligible time unknown):
     # the share alone, no layer.
     old = dict(kernels, eligible_us=None, eligible_not_using_us=None, top_ops=[])

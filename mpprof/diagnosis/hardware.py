@@ -7,7 +7,7 @@ import numpy as np
 
 from mpprof.diagnosis.core import NotApplicable, NotMeasured, finding, rule
 from mpprof.diagnosis.numerics import quiet
-from mpprof.diagnosis.view import RunView
+from mpprof.diagnosis.view import RunView, layer_dtype
 from mpprof.dtypes import (
     BF16_CAPABILITY,
     DTYPE_MAX,
@@ -59,9 +59,16 @@ def tensor_core_use(view: RunView) -> list:
         }
         title = f"Only {share:.0%} of GPU kernel time ran on Tensor Cores"
         # The layers of the eligible ops that missed them, the worst first
-        # (a trace whose ops' eligibility is unknown lists none).
+        # (a trace whose ops' eligibility is unknown lists none). An op's
+        # eligibility is judged by its name alone, so a layer that computes in
+        # float32 (a float32 head, kept so on purpose) is no miss: it is set
+        # apart, never named as one.
         missed = list(dict.fromkeys(op.get("layer") or op.get("op_name")
                                     for op in evidence["top_ops"]))
+        float32 = [name for name in missed if _computes_float32(view, name)]
+        missed = [name for name in missed if name not in float32]
+        if float32:
+            evidence["float32_layers"] = float32
         if missed:
             title += f"; eligible ops missed them in {', '.join(map(str, missed[:3]))}"
         return [finding("MP010", title, evidence=evidence, fix=_tensor_core_fix(view))]
@@ -82,6 +89,12 @@ def tensor_core_use(view: RunView) -> list:
     }
     title = f"Tensor Cores {median:.1f}% active while the GPU was busy"
     return [finding("MP010", title, evidence=evidence, fix=_tensor_core_fix(view))]
+
+
+def _computes_float32(view: RunView, path: str) -> bool:
+    """Whether the inventory says the layer at `path` computed in float32."""
+    layer = view.layer_at(path)
+    return layer is not None and layer_dtype(layer) == "float32"
 
 
 def _busy_tensor_util(gpu) -> tuple[float, int] | None:

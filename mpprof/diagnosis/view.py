@@ -227,6 +227,16 @@ class RunView:
             return {"cpu_only": True, "gpus": [], "source": "gpus_visible"}
         return None
 
+    def layer_at(self, path: str) -> dict | None:
+        """The inventory layer a profiler's layer path names: the path itself,
+        or the longest inventory name that ends it (traces prefix the model's
+        own name: "model/dense" is layer "dense"); None where none does."""
+        found = self.layers_by_name.get(path)
+        if found is not None:
+            return found
+        ending = [name for name in self.layers_by_name if path.endswith("/" + name)]
+        return self.layers_by_name[max(ending, key=len)] if ending else None
+
     def layer_class(self, name: str | None) -> str:
         layer = self.layers_by_name.get(name) if name else None
         return layer["class"] if layer else "Dense"
