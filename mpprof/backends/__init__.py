@@ -2,15 +2,16 @@
 
 Every backend mpprof can profile is registered here, once, by the name Keras
 gives it (`KERAS_BACKEND`), with where its code is: its `Backend` (what the
-recording core asks, `mpprof.backends.protocol`), its replay engine and the
-framework-free reader of its XProf op names. Nothing else names a backend:
-`backend_for(model)` gives a model's `Backend` (tf-keras models get
-`tf_keras`, Keras 3 models the backend Keras runs on),
+recording core asks, `mpprof.backends.protocol`), its replay engine, and the
+framework-free reader of its XProf op names and spelling of its fixes' code.
+Nothing else names a backend: `backend_for(model)` gives a model's `Backend`
+(tf-keras models get `tf_keras`, Keras 3 models the backend Keras runs on),
 `registration(name)` the rest (`mpprof.backends.replay_engines` picks a
-capture's engine with it). Callers never branch on the backend or flavour.
+capture's engine with it, `mpprof.fix_syntax` a run's spelling). Callers
+never branch on the backend or flavour.
 
-A new backend is its folder `mpprof/backends/<name>/` and one line in
-`REGISTRY`.
+A new backend is its folder `mpprof/backends/<name>/` (its `fix_spelling.py`
+among its modules) and one line in `REGISTRY`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class Registration:
             replay capture's manifest says which backend wrote it.
         framework: the framework, as people write it ("TensorFlow").
         backend: its `Backend` class, made with the model of each fit.
+        fix_spelling: the framework-free `mpprof.fix_syntax.Spelling` of
+            its fixes' code (custom train step, compile and input advice,
+            promotion rule, ...), which `FixSyntax` reads.
         replay_engine: the module whose `replay(logdir_or_model, run, step,
             **kwargs)` re-runs its captures (None: it has none).
         op_names: the framework-free module whose `layer_of(op_name)` gives
@@ -48,6 +52,7 @@ class Registration:
     name: str
     framework: str
     backend: str
+    fix_spelling: str
     replay_engine: str | None = None
     op_names: str | None = None
     extra: str = ""
@@ -56,11 +61,14 @@ class Registration:
 REGISTRY: dict[str, Registration] = {r.name: r for r in (
     Registration("tensorflow", "TensorFlow",
                  "mpprof.backends.tensorflow.backend:TensorFlowBackend",
+                 "mpprof.backends.tensorflow.fix_spelling:SPELLING",
                  "mpprof.backends.tensorflow.replay_engine",
                  "mpprof.backends.tensorflow.op_names", "tensorflow"),
     Registration("jax", "JAX", "mpprof.backends.jax.backend:JaxBackend",
+                 "mpprof.backends.jax.fix_spelling:SPELLING",
                  "mpprof.backends.jax.replay_engine", "mpprof.backends.jax.op_names", "jax"),
     Registration("torch", "PyTorch", "mpprof.backends.torch.backend:TorchBackend",
+                 "mpprof.backends.torch.fix_spelling:SPELLING",
                  "mpprof.backends.torch.replay_engine", "mpprof.backends.torch.op_names",
                  "torch"),
 )}
@@ -69,12 +77,14 @@ REGISTRY: dict[str, Registration] = {r.name: r for r in (
 # TensorFlow whatever `KERAS_BACKEND` says, chosen by the model's class.
 TF_KERAS = Registration("tensorflow", "TensorFlow",
                         "mpprof.backends.tf_keras.backend:TfKerasBackend",
+                        "mpprof.backends.tf_keras.fix_spelling:SPELLING",
                         REGISTRY["tensorflow"].replay_engine, REGISTRY["tensorflow"].op_names,
                         "tf-keras")
 
-# The backend of replay captures whose manifest does not name one (written
-# before the manifest did, when TensorFlow was the only backend).
-LEGACY_CAPTURE_BACKEND = "tensorflow"
+# The backend of records that do not name one, written before they did, when
+# TensorFlow was the only backend: replay captures whose manifest has no
+# "backend", runs whose context has no "keras_backend" (their fixes' code).
+LEGACY_BACKEND = "tensorflow"
 
 # The Keras 3 backends mpprof can profile.
 SUPPORTED = tuple(REGISTRY)

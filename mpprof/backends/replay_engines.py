@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from mpprof.backends import LEGACY_CAPTURE_BACKEND, TF_KERAS, load, registration
+from mpprof.backends import LEGACY_BACKEND, TF_KERAS, load, registration
 from mpprof.backends.flavor import is_tf_keras
 from mpprof.records import schema
 from mpprof.replay import files
@@ -24,8 +24,8 @@ _FRAMEWORK_MODULES = {"keras", "tensorflow", "jax", "jaxlib", "ml_dtypes", "torc
 
 def capture_backend(manifest: dict) -> str:
     """The backend that trained a capture (captures that do not say:
-    `LEGACY_CAPTURE_BACKEND`)."""
-    return str(manifest.get("backend") or LEGACY_CAPTURE_BACKEND)
+    `LEGACY_BACKEND`)."""
+    return str(manifest.get("backend") or LEGACY_BACKEND)
 
 
 def framework(manifest: dict) -> str:
