@@ -5,6 +5,7 @@ import pathlib
 import re
 
 from mpprof import diagnosis
+from mpprof.backends import REGISTRY
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -50,7 +51,9 @@ def test_every_rule_is_declared_once_with_a_view_and_a_doc():
 def test_the_diagnosis_imports_no_tensorflow():
     """The judge reads records only: a CLI or plugin that diagnoses a logdir
     need not pay TensorFlow's import. (mpprof/__init__ imports the callback,
-    which does; it is stubbed here to look at the diagnosis alone.)"""
+    which does; it is stubbed here to look at the diagnosis alone.) Nor does
+    spelling a fix for any backend: the registry and every backend's row
+    (`fix_spelling.py`), which `FixSyntax` loads, import no framework."""
     import subprocess
     import sys
 
@@ -60,7 +63,16 @@ def test_the_diagnosis_imports_no_tensorflow():
         "sys.modules['mpprof.recording.callback'] = stub\n"
         "import mpprof.diagnosis\n"
         "print(sorted({'tensorflow', 'keras', 'tf_keras'} & set(sys.modules)))\n"
+        "from mpprof.backends import REGISTRY\n"
+        "from mpprof.fix_syntax import FixSyntax\n"
+        "texts = [FixSyntax(flavor, name).custom_step()\n"
+        "         for flavor in ('keras', 'tf_keras') for name in REGISTRY]\n"
+        "frameworks = ('tensorflow', 'keras', 'tf_keras', 'jax', 'torch')\n"
+        "print(len(set(texts)), sorted(m for m in sys.modules if m.split('.')[0] in frameworks))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True, timeout=120)
-    assert result.stdout.strip() == "[]"
+    diagnosis_loaded, spelling = result.stdout.strip().splitlines()
+    assert diagnosis_loaded == "[]"
+    # Every Keras 3 backend's step and tf-keras' (one row), none loading a framework.
+    assert spelling == f"{len(REGISTRY) + 1} []"

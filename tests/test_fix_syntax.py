@@ -5,9 +5,12 @@ MP018 tests of tests/test_diagnosis.py, tests/jax/test_keras_io_jax.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from mpprof.fix_syntax import FixSyntax
+from mpprof.backends import REGISTRY, TF_KERAS, load
+from mpprof.fix_syntax import FixSyntax, Spelling
 
 # What only one framework's code says.
 OWN = {
@@ -48,3 +51,17 @@ def test_tf_keras_spells_its_own_module_and_steps():
 def test_an_unknown_backend_is_spelled_as_tensorflow():
     assert FixSyntax("keras", "mlx").custom_step() == FixSyntax("keras", None).custom_step()
     assert FixSyntax("keras", "mlx").backend == "tensorflow"
+
+
+@pytest.mark.parametrize("registered", [*REGISTRY.values(), TF_KERAS],
+                         ids=[*REGISTRY, "tf_keras"])
+def test_every_registered_backend_spells_every_field(registered):
+    """A backend's fixes are spelled by its own row: a registration names
+    one, and it fills every field (`compile_step` None only where the backend
+    always compiles its step, as JAX does)."""
+    spelling = load(registered.fix_spelling)
+    assert isinstance(spelling, Spelling)
+    values = {field.name: getattr(spelling, field.name) for field in dataclasses.fields(Spelling)}
+    assert [name for name, value in values.items() if value == ""] == []
+    assert [name for name, value in values.items() if value is None] in ([], ["compile_step"])
+    assert "{optimizer}" in spelling.custom_step and "{scale}" in spelling.scale_inputs
